@@ -1,0 +1,22 @@
+"""Benchmarks: `python experiments/bench.py {macro,sampler,step,device} [flags]`.
+
+Each benchmark lives in `experiments/bench_<name>.py` with a `main(argv)` function and prints
+the numbers it measures side by side in one run (ratios, not absolute times, are what matter on
+a noisy machine).
+"""
+import importlib
+import pathlib
+import sys
+
+BENCHMARKS = ("macro", "sampler", "step", "device")
+
+
+def main(argv):
+    if len(argv) < 2 or argv[1] not in BENCHMARKS:
+        raise SystemExit(f"usage: python experiments/bench.py {{{','.join(BENCHMARKS)}}} [flags]")
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    importlib.import_module(f"bench_{argv[1]}").main(argv[2:])
+
+
+if __name__ == "__main__":
+    main(sys.argv)
