@@ -1,0 +1,288 @@
+"""Losses for SFT, reward modelling and (MA-)PPO, plus the KL-shaped PPO reward.
+
+Every loss returns `(scalar_loss, metrics)` where metrics is a dict of float32 scalars. Means are
+masked; an all-zero mask gives 0, never NaN. Metric names follow TRL where TRL has one (approxkl
+is TRL's 0.5 * mean((logp - old_logp)^2), clipfrac the fraction of tokens where the clipped
+term is the active one).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from marl_jax.macro.checks import (
+    check_choice,
+    check_mask,
+    check_rank,
+    check_same_shape,
+    is_concrete,
+)
+
+POLICY_AGGREGATIONS = ("token_mean", "sequence_mean")
+KL_ESTIMATORS = ("k1", "k3")
+
+
+def ppo_policy_loss(logprobs, old_logprobs, advantages, mask, *, cliprange=0.2,
+                    aggregation="token_mean"):
+    """PPO clipped surrogate: each token's own ratio times its (macro) advantage.
+
+    loss_t = max(-A_t r_t, -A_t clip(r_t, 1 - c, 1 + c)), r_t = exp(logp_t - old_logp_t).
+
+    Args:
+      logprobs, old_logprobs, advantages: float `[B, T]`.
+      mask: `[B, T]` 0/1 mask of the tokens that are trained.
+      cliprange: c > 0.
+      aggregation: "token_mean" (mean over all valid tokens of the batch) or "sequence_mean"
+        (mean over the valid tokens of each sequence, then over the sequences that have any).
+
+    Returns:
+      `(loss, metrics)` with metrics clipfrac, approxkl, policy_kl (mean old_logp - logp),
+      ratio_mean, ratio_var (token means).
+    """
+    check_rank(logprobs, 2, "logprobs")
+    check_same_shape(logprobs, "logprobs", old_logprobs=old_logprobs, advantages=advantages,
+                     mask=mask)
+    check_mask(mask, "mask", left_aligned=False)
+    check_choice(aggregation, POLICY_AGGREGATIONS, "aggregation")
+    _check_positive(cliprange, "cliprange")
+    valid = jnp.asarray(mask) != 0
+    log_ratio = jnp.where(valid, jnp.asarray(logprobs, jnp.float32) - old_logprobs, 0)
+    ratio = jnp.exp(log_ratio)
+    advantages = jnp.where(valid, jnp.asarray(advantages, jnp.float32), 0)
+    unclipped = -advantages * ratio
+    clipped = -advantages * jnp.clip(ratio, 1 - cliprange, 1 + cliprange)
+    per_token = jnp.where(valid, jnp.maximum(unclipped, clipped), 0)
+    if aggregation == "token_mean":
+        loss = _masked_mean(per_token, valid)
+    else:
+        counts = jnp.sum(valid, axis=1)
+        per_sequence = jnp.sum(per_token, axis=1) / jnp.maximum(counts, 1)
+        loss = _masked_mean(per_sequence, counts > 0)
+    ratio_mean = _masked_mean(ratio, valid)
+    metrics = {
+        "clipfrac": _masked_mean((clipped > unclipped).astype(jnp.float32), valid),
+        "approxkl": 0.5 * _masked_mean(log_ratio * log_ratio, valid),
+        "policy_kl": _masked_mean(-log_ratio, valid),
+        "ratio_mean": ratio_mean,
+        "ratio_var": _masked_mean(jnp.square(ratio - ratio_mean), valid),
+    }
+    return loss, metrics
+
+
+def ppo_value_loss(values, old_values, returns, mask, *, cliprange_value=0.2):
+    """Clipped value loss 0.5 * max((v - G)^2, (clip(v, v_old - c, v_old + c) - G)^2), masked mean.
+
+    Args:
+      values, old_values, returns: float `[B, T]` (returns: each token's macro return G_tau).
+      mask: `[B, T]` 0/1 mask.
+      cliprange_value: c > 0.
+
+    Returns:
+      `(loss, metrics)` with metrics clipfrac, vpred (mean value), error (mean unclipped squared
+      error), returns_mean, returns_var.
+    """
+    check_rank(values, 2, "values")
+    check_same_shape(values, "values", old_values=old_values, returns=returns, mask=mask)
+    check_mask(mask, "mask", left_aligned=False)
+    _check_positive(cliprange_value, "cliprange_value")
+    valid = jnp.asarray(mask) != 0
+    values = jnp.where(valid, jnp.asarray(values, jnp.float32), 0)
+    old_values = jnp.where(valid, jnp.asarray(old_values, jnp.float32), 0)
+    returns = jnp.where(valid, jnp.asarray(returns, jnp.float32), 0)
+    clipped_values = old_values + jnp.clip(values - old_values, -cliprange_value, cliprange_value)
+    unclipped_error = jnp.square(values - returns)
+    clipped_error = jnp.square(clipped_values - returns)
+    loss = 0.5 * _masked_mean(jnp.maximum(unclipped_error, clipped_error), valid)
+    returns_mean = _masked_mean(returns, valid)
+    metrics = {
+        "clipfrac": _masked_mean((clipped_error > unclipped_error).astype(jnp.float32), valid),
+        "vpred": _masked_mean(values, valid),
+        "error": _masked_mean(unclipped_error, valid),
+        "returns_mean": returns_mean,
+        "returns_var": _masked_mean(jnp.square(returns - returns_mean), valid),
+    }
+    return loss, metrics
+
+
+def kl_per_token(logprobs, ref_logprobs, estimator="k1"):
+    """Per-token KL(policy || reference) estimate `[B, T]` from sampled-token log-probabilities.
+
+    k1 = logp - ref_logp (unbiased, can be negative); k3 = (r - 1) - log r with
+    r = exp(ref_logp - logp) (unbiased, never negative).
+    """
+    check_choice(estimator, KL_ESTIMATORS, "estimator")
+    check_same_shape(logprobs, "logprobs", ref_logprobs=ref_logprobs)
+    log_ratio = jnp.asarray(ref_logprobs, jnp.float32) - jnp.asarray(logprobs, jnp.float32)
+    if estimator == "k1":
+        return -log_ratio
+    # expm1 keeps (r - 1) - log r accurate (and >= 0) when r is close to 1.
+    return jnp.expm1(log_ratio) - log_ratio
+
+
+def assemble_rewards(logprobs, ref_logprobs, scores, response_mask, *, kl_coef,
+                     kl_estimator="k1", reward_clip=2.5, missing_eos_penalty=None,
+                     ended_with_eos=None):
+    """Per-token PPO rewards: r_t = -kl_coef * kl_t, plus the clipped score on the last token.
+
+    The reward-model score is clipped to [-reward_clip, reward_clip] (None: no clipping) and
+    added on each sequence's last valid response token. With `missing_eos_penalty` (a positive
+    number, as in TRL), sequences whose `ended_with_eos` is False get `score - penalty`; the
+    penalty is applied after clipping, so it always lowers the reward. Rows without any response
+    token get zero rewards.
+
+    Args:
+      logprobs, ref_logprobs: float `[B, T]` log-probabilities of the sampled response tokens
+        under the policy that generated them and under the reference model.
+      scores: float `[B]` reward-model scores.
+      response_mask: `[B, T]` left-aligned response mask.
+      kl_coef: beta >= 0; a Python float or a (traced) scalar.
+      kl_estimator: one of `KL_ESTIMATORS`.
+      reward_clip: positive float or None.
+      missing_eos_penalty: None or a float >= 0.
+      ended_with_eos: bool `[B]`, required with `missing_eos_penalty`.
+
+    Returns:
+      `(rewards [B, T], metrics)`; metrics are means over the rows that have a response:
+      kl (per-sequence summed KL), non_score_reward (per-sequence summed KL penalty), scores
+      (the score as added, after clipping and penalty), rlhf_reward (scores + non_score_reward).
+    """
+    check_rank(logprobs, 2, "logprobs")
+    check_same_shape(logprobs, "logprobs", ref_logprobs=ref_logprobs,
+                     response_mask=response_mask)
+    check_mask(response_mask, "response_mask", left_aligned=True)
+    if np.shape(scores) != np.shape(logprobs)[:1]:
+        raise ValueError(
+            f"scores must have shape {np.shape(logprobs)[:1]} (one per row), got "
+            f"{np.shape(scores)}")
+    if reward_clip is not None:
+        _check_positive(reward_clip, "reward_clip")
+    if is_concrete(kl_coef) and not float(np.asarray(kl_coef)) >= 0:
+        raise ValueError(f"kl_coef must be >= 0, got {kl_coef!r}")
+    valid = jnp.asarray(response_mask) != 0
+    kl = jnp.where(valid, kl_per_token(logprobs, ref_logprobs, kl_estimator), 0)
+    non_score = -jnp.asarray(kl_coef, jnp.float32) * kl
+
+    scores = jnp.asarray(scores, jnp.float32)
+    if reward_clip is not None:
+        scores = jnp.clip(scores, -reward_clip, reward_clip)
+    if missing_eos_penalty is not None:
+        if ended_with_eos is None:
+            raise ValueError("ended_with_eos is required when missing_eos_penalty is set")
+        if np.shape(ended_with_eos) != np.shape(scores):
+            raise ValueError(
+                f"ended_with_eos must have shape {np.shape(scores)}, got "
+                f"{np.shape(ended_with_eos)}")
+        if is_concrete(missing_eos_penalty) and not float(missing_eos_penalty) >= 0:
+            raise ValueError(
+                f"missing_eos_penalty must be >= 0 (it is subtracted), got {missing_eos_penalty!r}")
+        scores = jnp.where(jnp.asarray(ended_with_eos), scores, scores - missing_eos_penalty)
+
+    next_valid = jnp.concatenate([valid[:, 1:], jnp.zeros_like(valid[:, :1])], axis=1)
+    is_last = valid & ~next_valid
+    rewards = non_score + jnp.where(is_last, scores[:, None], 0)
+    has_response = jnp.any(valid, axis=1)
+    kl_sum = _masked_mean(jnp.sum(kl, axis=1), has_response)
+    non_score_sum = _masked_mean(jnp.sum(non_score, axis=1), has_response)
+    score_mean = _masked_mean(scores, has_response)
+    metrics = {
+        "kl": kl_sum,
+        "non_score_reward": non_score_sum,
+        "scores": score_mean,
+        "rlhf_reward": score_mean + non_score_sum,
+    }
+    return rewards, metrics
+
+
+def entropy_from_logits(logits, mask):
+    """Masked mean of the per-token entropy of softmax(logits).
+
+    Args:
+      logits: float `[B, T, V]`.
+      mask: `[B, T]` 0/1 mask.
+
+    Returns:
+      `(entropy, {"entropy": entropy})`.
+    """
+    check_rank(logits, 3, "logits")
+    check_rank(mask, 2, "mask")
+    if np.shape(mask) != np.shape(logits)[:2]:
+        raise ValueError(f"mask has shape {np.shape(mask)} but logits have {np.shape(logits)}")
+    check_mask(mask, "mask", left_aligned=False)
+    log_probs = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
+    probs = jnp.exp(log_probs)
+    # Tokens with probability 0 (logit -inf) contribute 0, not 0 * -inf (in value and gradient).
+    per_token = -jnp.sum(probs * jnp.where(probs > 0, log_probs, 0), axis=-1)
+    entropy = _masked_mean(per_token, jnp.asarray(mask) != 0)
+    return entropy, {"entropy": entropy}
+
+
+def bradley_terry_loss(chosen, rejected):
+    """Reward-model loss mean(-log sigmoid(chosen - rejected)).
+
+    Args:
+      chosen, rejected: float `[B]` scores of the preferred and the other response.
+
+    Returns:
+      `(loss, metrics)` with metrics accuracy (fraction with chosen > rejected), margin
+      (mean chosen - rejected), chosen_mean, rejected_mean.
+    """
+    check_rank(chosen, 1, "chosen")
+    check_same_shape(chosen, "chosen", rejected=rejected)
+    chosen = jnp.asarray(chosen, jnp.float32)
+    rejected = jnp.asarray(rejected, jnp.float32)
+    batch = max(np.shape(chosen)[0], 1)
+    margin = chosen - rejected
+    loss = jnp.sum(-jax.nn.log_sigmoid(margin)) / batch
+    metrics = {
+        "accuracy": jnp.sum((margin > 0).astype(jnp.float32)) / batch,
+        "margin": jnp.sum(margin) / batch,
+        "chosen_mean": jnp.sum(chosen) / batch,
+        "rejected_mean": jnp.sum(rejected) / batch,
+    }
+    return loss, metrics
+
+
+def sft_cross_entropy(logits, targets, mask):
+    """Masked next-token cross-entropy, the mean over target tokens.
+
+    `logits[b, t]` is the prediction for `targets[b, t]` (shift before calling).
+
+    Args:
+      logits: float `[B, T, V]`.
+      targets: int `[B, T]` token ids; only positions inside `mask` need be valid ids.
+      mask: `[B, T]` 0/1 mask of the target tokens (for SFT: the response tokens).
+
+    Returns:
+      `(loss, metrics)` with metrics accuracy (argmax == target) and perplexity (exp(loss)).
+    """
+    check_rank(logits, 3, "logits")
+    check_rank(targets, 2, "targets")
+    check_same_shape(targets, "targets", mask=mask)
+    if np.shape(targets) != np.shape(logits)[:2]:
+        raise ValueError(
+            f"targets have shape {np.shape(targets)} but logits have {np.shape(logits)}")
+    check_mask(mask, "mask", left_aligned=False)
+    vocab = np.shape(logits)[2]
+    if is_concrete(targets) and is_concrete(mask):
+        inside = np.asarray(targets)[np.asarray(mask) != 0]
+        if inside.size and (inside.min() < 0 or inside.max() >= vocab):
+            raise ValueError(f"targets inside the mask must lie in [0, {vocab}), got "
+                             f"[{inside.min()}, {inside.max()}]")
+    valid = jnp.asarray(mask) != 0
+    targets = jnp.where(valid, jnp.asarray(targets), 0)
+    log_probs = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
+    target_log_probs = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    loss = _masked_mean(-target_log_probs, valid)
+    correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+    metrics = {"accuracy": _masked_mean(correct, valid), "perplexity": jnp.exp(loss)}
+    return loss, metrics
+
+
+def _masked_mean(x, valid):
+    """Mean of x over valid entries; 0 when there are none."""
+    count = jnp.sum(valid)
+    return (jnp.sum(jnp.where(valid, x, 0)) / jnp.maximum(count, 1)).astype(jnp.float32)
+
+
+def _check_positive(value, name):
+    if is_concrete(value) and not float(np.asarray(value)) > 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")

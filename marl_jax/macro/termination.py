@@ -1,0 +1,209 @@
+"""Termination conditions: how a response is cut into macro actions.
+
+Every strategy produces the same representation: int32 segment ids `[B, T]`, one macro index per
+response token. Within a row the ids are contiguous and non-decreasing, start at 0 on the first
+token, and padded positions hold 0. Responses are left-aligned: `response_mask[b, :L_b] == 1`.
+
+With `isolate_last=True` (the default, as in the official code) the last valid token is always a
+macro of its own, so the reward-model score that lands there is never averaged away.
+
+All strategies are batched and jittable. Fixed n-grams have a closed form; the others mark where
+macros start (a boolean `[B, T]` mask) and turn that into ids with one cumulative sum, the path
+the host-side parsing strategy also takes through `segment_ids_from_starts`.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from marl_jax.macro.checks import (
+    check_choice,
+    check_mask,
+    check_rank,
+    check_same_shape,
+    is_concrete,
+)
+
+STRATEGIES = ("fixed", "randomized", "perplexity")
+
+
+def segment_ids_from_starts(starts, response_mask):
+    """Segment ids from a "a macro starts at this token" mask.
+
+    Args:
+      starts: bool `[B, T]`; token 0 of every row starts a macro whatever `starts` says, and
+        entries on padding are ignored.
+      response_mask: `[B, T]` left-aligned 0/1 (or bool) response mask.
+
+    Returns:
+      int32 `[B, T]` segment ids. A numpy array when both inputs are numpy arrays (host-side
+      callers such as the parsing strategy), a jax array otherwise.
+    """
+    check_rank(starts, 2, "starts")
+    check_mask(response_mask, "response_mask", left_aligned=True)
+    check_same_shape(response_mask, "response_mask", starts=starts)
+    if is_concrete(starts):
+        values = np.asarray(starts)
+        if not np.all((values == 0) | (values == 1)):
+            raise ValueError("starts must be a boolean (or 0/1) mask")
+    xp = np if isinstance(starts, np.ndarray) and isinstance(response_mask, np.ndarray) else jnp
+    return _ids_from_starts(xp.asarray(starts) != 0, xp.asarray(response_mask) != 0, xp)
+
+
+def fixed_ngram(response_mask, n, *, isolate_last=True):
+    """Fixed n-gram macros: tokens 0..L-2 grouped by `t // n`, the last token alone.
+
+    Without `isolate_last`, tokens 0..L-1 are grouped by `t // n`. No macro is ever empty.
+
+    Args:
+      response_mask: `[B, T]` left-aligned response mask.
+      n: macro length, a Python int or an int32 scalar (possibly traced, e.g. vmapped over
+        experiment arms); must be >= 1. A traced `n` below 1 is treated as 1.
+      isolate_last: make the last valid token its own macro.
+
+    Returns:
+      int32 `[B, T]` segment ids.
+    """
+    _check_positive_int(n, "n")
+    _check_response_mask(response_mask)
+    return _fixed_ngram(response_mask, n, isolate_last=isolate_last)
+
+
+def randomized_ngram(key, response_mask, *, lengths=(2, 3, 5, 10), repeats=3, isolate_last=True):
+    """Randomised n-gram macros: lengths taken in order from a per-row shuffled length list.
+
+    Each row gets an independent permutation of `lengths * repeats` (the list repeated); once it
+    is exhausted the rest of the response (before the isolated last token) is one macro.
+
+    Args:
+      key: a `jax.random` key.
+      response_mask: `[B, T]` left-aligned response mask.
+      lengths: macro lengths (Python ints >= 1).
+      repeats: how many times the length list is repeated before shuffling (>= 1).
+      isolate_last: make the last valid token its own macro.
+
+    Returns:
+      int32 `[B, T]` segment ids.
+    """
+    lengths = tuple(lengths)
+    if not lengths:
+        raise ValueError("lengths must not be empty")
+    for length in lengths:
+        _check_positive_int(length, "lengths")
+    _check_positive_int(repeats, "repeats")
+    lengths = tuple(int(length) for length in lengths)
+    if key is None:
+        raise ValueError("key is required for the randomized strategy")
+    _check_response_mask(response_mask)
+    return _randomized_ngram(key, response_mask, lengths=lengths, repeats=int(repeats),
+                             isolate_last=isolate_last)
+
+
+def perplexity(ref_logprobs, response_mask, *, isolate_last=True):
+    """Perplexity macros: a macro continues while per-token perplexity does not rise.
+
+    With ppl_t = exp(-ref_logprobs[t]), token t + 1 starts a new macro exactly when
+    ppl_{t+1} > ppl_t, i.e. ref_logprobs[t + 1] < ref_logprobs[t] (compared in log space, so
+    there is no overflow).
+
+    Args:
+      ref_logprobs: float `[B, T]` log-probabilities of the response tokens under the reference
+        model.
+      response_mask: `[B, T]` left-aligned response mask.
+      isolate_last: make the last valid token its own macro.
+
+    Returns:
+      int32 `[B, T]` segment ids.
+    """
+    check_rank(ref_logprobs, 2, "ref_logprobs")
+    _check_response_mask(response_mask)
+    check_same_shape(response_mask, "response_mask", ref_logprobs=ref_logprobs)
+    return _perplexity(ref_logprobs, response_mask, isolate_last=isolate_last)
+
+
+def segment(strategy, response_mask, *, key=None, ref_logprobs=None, n=5, lengths=(2, 3, 5, 10),
+            repeats=3, isolate_last=True):
+    """Segment ids `[B, T]` for one of `STRATEGIES` ("parsing" runs host-side, in parsing.py).
+
+    `key` is required by "randomized", `ref_logprobs` by "perplexity"; `n` is used by "fixed",
+    `lengths` and `repeats` by "randomized".
+    """
+    check_choice(strategy, STRATEGIES, "strategy")
+    if strategy == "fixed":
+        return fixed_ngram(response_mask, n, isolate_last=isolate_last)
+    if strategy == "randomized":
+        return randomized_ngram(key, response_mask, lengths=lengths, repeats=repeats,
+                                isolate_last=isolate_last)
+    if ref_logprobs is None:
+        raise ValueError("ref_logprobs is required for the perplexity strategy")
+    return perplexity(ref_logprobs, response_mask, isolate_last=isolate_last)
+
+
+def _check_positive_int(value, name):
+    if not is_concrete(value):
+        return
+    array = np.asarray(value)
+    if array.ndim != 0 or not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"{name} must be an integer scalar, got {value!r}")
+    if int(array) < 1:
+        raise ValueError(f"{name} must be >= 1, got {int(array)}")
+
+
+def _check_response_mask(response_mask):
+    check_mask(response_mask, "response_mask", left_aligned=True)
+
+
+@functools.partial(jax.jit, static_argnames="isolate_last")
+def _fixed_ngram(response_mask, n, *, isolate_last):
+    valid = response_mask != 0
+    n = jnp.maximum(jnp.asarray(n, jnp.int32), 1)
+    # Closed form rather than starts + cumsum: this strategy sits on the hot path of every step.
+    positions = jnp.arange(valid.shape[1], dtype=jnp.int32)
+    lengths = jnp.sum(valid, axis=1, dtype=jnp.int32)[:, None]
+    ids = positions // n
+    if isolate_last:
+        last_id = jnp.where(lengths >= 2, (lengths - 2) // n + 1, 0)
+        ids = jnp.where(positions == lengths - 1, last_id, ids)
+    return jnp.where(valid, ids, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("lengths", "repeats", "isolate_last"))
+def _randomized_ngram(key, response_mask, *, lengths, repeats, isolate_last):
+    valid = response_mask != 0
+    batch, width = valid.shape
+    pool = jnp.broadcast_to(jnp.asarray(lengths * repeats, jnp.int32),
+                            (batch, len(lengths) * repeats))
+    order = jax.random.permutation(key, pool, axis=1, independent=True)
+    # Macro k + 1 starts where macro k ends; the last end is where the remainder macro starts.
+    boundaries = jnp.cumsum(order, axis=1)
+    rows = jnp.arange(batch)[:, None]
+    starts = jnp.zeros((batch, width), bool).at[rows, boundaries].set(True, mode="drop")
+    return _finish(starts, valid, isolate_last)
+
+
+@functools.partial(jax.jit, static_argnames="isolate_last")
+def _perplexity(ref_logprobs, response_mask, *, isolate_last):
+    valid = response_mask != 0
+    rises = ref_logprobs[:, 1:] < ref_logprobs[:, :-1]
+    starts = jnp.concatenate([jnp.ones_like(rises[:, :1]), rises], axis=1)
+    return _finish(starts, valid, isolate_last)
+
+
+def _finish(starts, valid, isolate_last):
+    if isolate_last:
+        starts = starts | _last_token(valid)
+    return _ids_from_starts(starts, valid, jnp)
+
+
+def _last_token(valid):
+    """bool `[B, T]`: the last valid token of each row."""
+    next_valid = jnp.concatenate([valid[:, 1:], jnp.zeros_like(valid[:, :1])], axis=1)
+    return valid & ~next_valid
+
+
+def _ids_from_starts(starts, valid, xp):
+    first = xp.arange(valid.shape[1]) == 0
+    begins = (starts | first) & valid
+    ids = xp.cumsum(begins, axis=1, dtype=xp.int32) - 1
+    return xp.where(valid, ids, 0).astype(xp.int32)
