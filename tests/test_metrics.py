@@ -1,0 +1,197 @@
+"""MetricsWriter (metrics.jsonl + TensorBoard), truncate_after on resume, ProgressBar, summary_table."""
+import glob
+import io
+import json
+import math
+import os
+import struct
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tensorboardX.proto import event_pb2
+
+from marl_jax.train import metrics
+
+
+def _strict_json(line):
+    def reject(token):
+        raise AssertionError(f"non-standard JSON token {token}")
+    return json.loads(line, parse_constant=reject)
+
+
+def _lines(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+        return f.read().splitlines()
+
+
+def _read_events(path):
+    """Events of one TensorBoard event file (TFRecord framing: length, crc, payload, crc)."""
+    events = []
+    with open(path, "rb") as f:
+        data = f.read()
+    offset = 0
+    while offset < len(data):
+        (length,) = struct.unpack("<Q", data[offset:offset + 8])
+        payload = data[offset + 12:offset + 12 + length]
+        offset += 12 + length + 4
+        event = event_pb2.Event()
+        event.ParseFromString(payload)
+        events.append(event)
+    return events
+
+
+def _scalars(run_dir):
+    """{tag: [(step, value), ...]} over all event files of a run, in file order."""
+    out = {}
+    for path in sorted(glob.glob(os.path.join(run_dir, "events.out.tfevents.*"))):
+        for event in _read_events(path):
+            for value in event.summary.value:
+                out.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return out
+
+
+def test_rows_are_strict_json_with_python_scalars(tmp_path):
+    writer = metrics.MetricsWriter(tmp_path, process_index=0)
+    writer.write({"stage": "ppo", "step": np.int64(1), "objective/kl": np.float32(0.1),
+                  "objective/scores": jnp.asarray(2.5), "loss/value_avg": float("nan"),
+                  "val/ratio": float("inf"), "lr": -math.inf, "arm": "ma_ppo", "seed": 3,
+                  "ended_with_eos": True, "note": None, "tokens": np.asarray([7]),
+                  "gold_per_prompt": [0.5, np.float32(-1.0), float("nan")],
+                  "grid": jnp.asarray([[1, 2], [3, 4]])})
+    # Visible on disk before close: a killed run keeps what it logged.
+    (line,) = _lines(tmp_path)
+    row = _strict_json(line)
+    assert row == {"stage": "ppo", "step": 1, "objective/kl": float(np.float32(0.1)),
+                   "objective/scores": 2.5, "loss/value_avg": "NaN", "val/ratio": "Infinity",
+                   "lr": "-Infinity", "arm": "ma_ppo", "seed": 3, "ended_with_eos": True,
+                   "note": None, "tokens": [7], "gold_per_prompt": [0.5, -1.0, "NaN"],
+                   "grid": [[1, 2], [3, 4]]}
+    assert type(row["step"]) is int
+    writer.close()
+    (read,) = metrics.read_metrics(tmp_path)
+    assert math.isnan(read["loss/value_avg"]) and read["val/ratio"] == math.inf
+    assert read["lr"] == -math.inf and read["objective/kl"] == float(np.float32(0.1))
+    assert read["gold_per_prompt"][:2] == [0.5, -1.0] and math.isnan(read["gold_per_prompt"][2])
+
+
+def test_bad_rows(tmp_path):
+    with metrics.MetricsWriter(tmp_path, process_index=0) as writer:
+        with pytest.raises(ValueError, match="missing 'step'"):
+            writer.write({"stage": "sft", "loss": 1.0})
+        with pytest.raises(ValueError, match=r"row\['step'\]=1.5 must be an int"):
+            writer.write({"stage": "sft", "step": 1.5})
+        with pytest.raises(ValueError, match="metric 'cfg' has unsupported type dict"):
+            writer.write({"stage": "sft", "step": 1, "cfg": {}})
+    assert metrics.read_metrics(tmp_path) == []
+
+
+def _write_ppo_rows(writer, arm, steps):
+    for step in steps:
+        writer.write({"stage": "ppo", "step": step, "arm": arm, "seed": 0,
+                      "objective/kl": 0.1 * step, "objective/scores": float(step)})
+
+
+def test_truncate_after_drops_only_matching_later_rows(tmp_path):
+    with metrics.MetricsWriter(tmp_path, process_index=0) as writer:
+        writer.write({"stage": "sft", "step": 9, "loss": 1.0})
+        _write_ppo_rows(writer, "ppo", range(1, 6))
+        _write_ppo_rows(writer, "ma_ppo", range(1, 6))
+    # A resumed run of arm ma_ppo restores its step-3 checkpoint.
+    with metrics.MetricsWriter(tmp_path, process_index=0) as writer:
+        assert writer.truncate_after("ppo", 3, arm="ma_ppo", seed=0) == 2
+        assert writer.truncate_after("ppo", 3, arm="ma_ppo", seed=0) == 0
+        _write_ppo_rows(writer, "ma_ppo", range(4, 6))
+    rows = metrics.read_metrics(tmp_path)
+    assert [(r["stage"], r.get("arm"), r["step"]) for r in rows] == (
+        [("sft", None, 9)] + [("ppo", "ppo", s) for s in range(1, 6)]
+        + [("ppo", "ma_ppo", s) for s in range(1, 6)])
+    assert [r["step"] for r in metrics.read_metrics(tmp_path, stage="sft")] == [9]
+    assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl", "tb"]  # no temporary file left
+    for line in _lines(tmp_path):
+        _strict_json(line)
+
+    with metrics.MetricsWriter(tmp_path, process_index=0, tensorboard=False) as writer:
+        assert writer.truncate_after("ppo", 1) == 8
+    assert [(r["stage"], r["step"]) for r in metrics.read_metrics(tmp_path)] == [
+        ("sft", 9), ("ppo", 1), ("ppo", 1)]
+
+
+def test_tensorboard_scalars_and_purge_on_resume(tmp_path):
+    with metrics.MetricsWriter(tmp_path, process_index=0) as writer:
+        _write_ppo_rows(writer, "ma_ppo", range(1, 4))
+        writer.write({"stage": "sft", "step": 2, "loss": np.float32(0.75), "ok": True, "tag": "x",
+                      "per_prompt": [1.0, 2.0]})
+    run_dir = os.path.join(tmp_path, "tb", "ppo", "arm=ma_ppo,seed=0")
+    scalars = _scalars(run_dir)
+    assert set(scalars) == {"objective/kl", "objective/scores"}
+    assert scalars["objective/scores"] == [(1, 1.0), (2, 2.0), (3, 3.0)]
+    np.testing.assert_allclose([v for _, v in scalars["objective/kl"]], [0.1, 0.2, 0.3], rtol=1e-6)
+    assert _scalars(os.path.join(tmp_path, "tb", "sft")) == {"loss": [(2, 0.75)]}
+
+    with metrics.MetricsWriter(tmp_path, process_index=0) as writer:
+        writer.truncate_after("ppo", 1, arm="ma_ppo", seed=0)
+        _write_ppo_rows(writer, "ma_ppo", [2])
+    files = glob.glob(os.path.join(run_dir, "events.out.tfevents.*"))
+    assert len(files) == 2
+    # TensorBoard hides older events at steps >= 2 after this marker, which only the new file has.
+    (new_events,) = [events for events in map(_read_events, files)
+                     if any(e.session_log.status == event_pb2.SessionLog.START for e in events)]
+    assert [e.step for e in new_events if e.session_log.status == event_pb2.SessionLog.START] == [2]
+    assert [(e.step, e.summary.value[0].simple_value) for e in new_events
+            if e.summary.value and e.summary.value[0].tag == "objective/scores"] == [(2, 2.0)]
+
+
+def test_non_zero_process_writes_nothing(tmp_path):
+    workdir = tmp_path / "run"
+    with metrics.MetricsWriter(workdir, process_index=1) as writer:
+        writer.write({"stage": "ppo", "step": 1, "objective/kl": 0.5})
+        assert writer.truncate_after("ppo", 0) == 0
+    assert not workdir.exists()
+    assert metrics.read_metrics(workdir) == []
+
+
+def test_partial_last_line_from_a_killed_writer(tmp_path):
+    with metrics.MetricsWriter(tmp_path, process_index=0, tensorboard=False) as writer:
+        writer.write({"stage": "sft", "step": 1, "loss": 2.0})
+    with open(os.path.join(tmp_path, "metrics.jsonl"), "a", encoding="utf-8") as f:
+        f.write('{"stage": "sft", "st')
+    assert [r["step"] for r in metrics.read_metrics(tmp_path)] == [1]
+    with metrics.MetricsWriter(tmp_path, process_index=0, tensorboard=False) as writer:
+        writer.write({"stage": "sft", "step": 2, "loss": 1.0})
+    assert [_strict_json(line)["step"] for line in _lines(tmp_path)] == [1, 2]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_bar_shows_metrics_only_on_a_terminal_of_process_zero():
+    terminal = _Terminal()
+    with metrics.ProgressBar(10, initial=2, desc="ppo", process_index=0, file=terminal) as bar:
+        assert bar.enabled
+        bar.update(3, {"objective/scores": np.float32(1.25), "objective/kl": jnp.asarray(0.5),
+                       "loss/value_avg": 9.0})
+    text = terminal.getvalue()
+    assert "ppo" in text and "scores=1.25 kl=0.5" in text and "3/10" in text
+    assert "value_avg" not in text
+
+    for file, process in ((io.StringIO(), 0), (_Terminal(), 1)):
+        with metrics.ProgressBar(10, process_index=process, file=file) as bar:
+            assert not bar.enabled
+            bar.update(5, {"objective/kl": 0.5})
+        assert file.getvalue() == ""
+
+
+def test_summary_table():
+    rows = [{"arm": "ppo", "step": 100, "objective/scores": 1.23456, "win": None},
+            {"arm": "ma_ppo", "step": 100, "objective/scores": np.float32(2.5)}]
+    assert metrics.summary_table(rows, ["arm", "step", "objective/scores", "win"]) == "\n".join([
+        "arm     step  objective/scores  win",
+        "------  ----  ----------------  ---",
+        "ppo      100             1.235    -",
+        "ma_ppo   100               2.5    -",
+    ])
+    with pytest.raises(ValueError, match="columns"):
+        metrics.summary_table(rows, [])
