@@ -1,0 +1,414 @@
+"""`ModelConfig`: every architectural choice of the decoder as a field, read from and written to
+Hugging Face `config.json` dictionaries.
+
+The supported families (GPT-2, Llama, Gemma, Gemma-2, Qwen2) are one decoder with different field
+values: norm type, gated or plain MLP, activation, learned or rotary positions, biases, tied
+embeddings, embedding scaling and, for Gemma-2, sandwich norms, logit soft-capping and
+sliding-window layers. SmolLM2 is a Llama.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax.numpy as jnp
+
+FAMILIES = ("gpt2", "llama", "gemma", "qwen2", "gemma2")
+NORM_TYPES = ("rmsnorm", "layernorm")
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+POSITION_EMBEDDINGS = ("rope", "learned")
+ROPE_TYPES = ("default", "linear", "llama3")
+DTYPES = ("float32", "bfloat16", "float16")
+
+# transformers activation names -> ours ("gelu_new" and "gelu_pytorch_tanh" are the same tanh
+# approximation).
+_HF_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "relu": "relu",
+}
+_TO_HF_ACTIVATION = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
+
+CAUSAL_LM_ARCHITECTURES = {
+    "gpt2": "GPT2LMHeadModel",
+    "llama": "LlamaForCausalLM",
+    "gemma": "GemmaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+}
+SEQUENCE_CLASSIFICATION_ARCHITECTURES = {
+    "gpt2": "GPT2ForSequenceClassification",
+    "llama": "LlamaForSequenceClassification",
+    "gemma": "GemmaForSequenceClassification",
+    "qwen2": "Qwen2ForSequenceClassification",
+    "gemma2": "Gemma2ForSequenceClassification",
+}
+
+
+def _dtype_name(value: Any, field: str) -> str:
+    try:
+        name = jnp.dtype(value).name
+    except TypeError as error:
+        raise ValueError(f"ModelConfig.{field}: {value!r} is not a dtype; use one of {DTYPES}") from error
+    if name not in DTYPES:
+        raise ValueError(f"ModelConfig.{field}: {name!r} is not supported; use one of {DTYPES}")
+    return name
+
+
+def _freeze(mapping: dict | None) -> tuple[tuple[str, Any], ...] | None:
+    if mapping is None:
+        return None
+    return tuple(sorted((str(k), v) for k, v in mapping.items()))
+
+
+def _as_tuple_of_ints(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    return (int(value),)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Architecture, numerics and token ids of a decoder-only transformer.
+
+    Sizes: `vocab_size` V, `hidden_size` D, `intermediate_size` F, `num_layers`, `num_heads` N,
+    `num_kv_heads` K (N % K == 0; K < N is grouped-query attention), `head_dim` H (explicit, as
+    Gemma's differs from D / N), `max_position_embeddings`.
+    `rope_scaling` is a sorted tuple of (key, value) pairs so the config stays hashable; read it
+    as a dict with `rope_scaling_dict`.
+    `dtype` is the compute dtype, `param_dtype` the storage dtype; logits are always float32.
+    Direct construction defaults to Llama-style fields; `for_family` fills in a family's defaults
+    and `from_hf` reads a transformers config.
+    """
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    norm_type: str = "rmsnorm"
+    norm_eps: float = 1e-6
+    # Gemma stores RMSNorm weights as offsets from one: scale = 1 + w.
+    norm_scale_offset: float = 0.0
+    activation: str = "silu"
+    gated_mlp: bool = True
+    position_embedding: str = "rope"
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    # Gemma multiplies the token embeddings by sqrt(D).
+    scale_embeddings: bool = False
+    # Gemma-2: norms after attention and after the MLP too (before the residual add), attention
+    # scale query_pre_attn_scalar ** -0.5 instead of H ** -0.5, tanh soft-capping of attention and
+    # final logits, and a sliding attention window on the layers listed in `sliding_layers`.
+    sandwich_norms: bool = False
+    query_pre_attn_scalar: int | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    initializer_range: float = 0.02
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    remat: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", _dtype_name(self.dtype, "dtype"))
+        object.__setattr__(self, "param_dtype", _dtype_name(self.param_dtype, "param_dtype"))
+        object.__setattr__(self, "eos_token_id", _as_tuple_of_ints(self.eos_token_id))
+        object.__setattr__(self, "sliding_layers", _as_tuple_of_ints(self.sliding_layers))
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", _freeze(self.rope_scaling))
+        if self.family not in FAMILIES:
+            raise ValueError(f"ModelConfig.family: {self.family!r} is not supported; supported families: {FAMILIES}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.norm_type not in NORM_TYPES:
+            raise ValueError(f"ModelConfig.norm_type: {self.norm_type!r} is not one of {NORM_TYPES}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"ModelConfig.activation: {self.activation!r} is not one of {ACTIVATIONS}")
+        if self.position_embedding not in POSITION_EMBEDDINGS:
+            raise ValueError(
+                f"ModelConfig.position_embedding: {self.position_embedding!r} is not one of {POSITION_EMBEDDINGS}")
+        if self.position_embedding == "rope" and self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim must be even for rotary embeddings, got {self.head_dim}")
+        rope_type = self.rope_scaling_dict.get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"ModelConfig.rope_scaling: rope_type {rope_type!r} is not one of {ROPE_TYPES}")
+        if rope_type in ("linear", "llama3") and "factor" not in self.rope_scaling_dict:
+            raise ValueError(f"ModelConfig.rope_scaling: rope_type {rope_type!r} needs a 'factor'")
+        if self.sliding_layers:
+            if not self.sliding_window or self.sliding_window < 1:
+                raise ValueError(f"ModelConfig.sliding_window must be a positive int when sliding_layers are set, "
+                                 f"got {self.sliding_window!r}")
+            bad = [i for i in self.sliding_layers if not 0 <= i < self.num_layers]
+            if bad:
+                raise ValueError(f"ModelConfig.sliding_layers {bad} are not layer indices [0, {self.num_layers})")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be positive or None, got {value!r}")
+        for token_id in (self.bos_token_id, self.pad_token_id, *self.eos_token_id):
+            if token_id is not None and not 0 <= token_id < self.vocab_size:
+                raise ValueError(f"ModelConfig: token id {token_id} is outside the vocabulary [0, {self.vocab_size})")
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any]:
+        return dict(self.rope_scaling or ())
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+    @property
+    def weight_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.param_dtype)
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    # Construction ------------------------------------------------------------------------------
+
+    @classmethod
+    def for_family(cls, family: str, **fields) -> ModelConfig:
+        """A config with the architectural defaults of `family` and the given sizes/fields.
+
+        Example (a tiny Llama for tests): `ModelConfig.for_family("llama", vocab_size=128,
+        hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=16, max_position_embeddings=256)`.
+        """
+        if family not in FAMILIES:
+            raise ValueError(f"family {family!r} is not supported; supported families: {FAMILIES}")
+        defaults = {
+            "gpt2": dict(norm_type="layernorm", norm_eps=1e-5, activation="gelu_tanh", gated_mlp=False,
+                         position_embedding="learned", qkv_bias=True, out_bias=True, mlp_bias=True,
+                         tie_word_embeddings=True),
+            "llama": dict(norm_type="rmsnorm", norm_eps=1e-6, activation="silu"),
+            "gemma": dict(norm_type="rmsnorm", norm_eps=1e-6, norm_scale_offset=1.0, activation="gelu_tanh",
+                          tie_word_embeddings=True, scale_embeddings=True),
+            "qwen2": dict(norm_type="rmsnorm", norm_eps=1e-6, activation="silu", qkv_bias=True),
+            "gemma2": dict(norm_type="rmsnorm", norm_eps=1e-6, norm_scale_offset=1.0, activation="gelu_tanh",
+                           tie_word_embeddings=True, scale_embeddings=True, sandwich_norms=True),
+        }[family]
+        return cls(family=family, **{**defaults, **fields})
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any], **overrides) -> ModelConfig:
+        """Reads a transformers `config.json` dictionary (legacy `rope_theta`/`rope_scaling` keys or
+        transformers-5 `rope_parameters`). `overrides` replace fields (e.g. dtype, remat)."""
+        model_type = config.get("model_type")
+        if model_type not in FAMILIES:
+            raise ValueError(
+                f"config.json model_type {model_type!r} is not supported; supported families: {FAMILIES}")
+        reader = _gpt2_from_hf if model_type == "gpt2" else _llama_like_from_hf
+        fields = reader(config)
+        fields.update(
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_id=_as_tuple_of_ints(config.get("eos_token_id")),
+            pad_token_id=config.get("pad_token_id"),
+            initializer_range=float(config.get("initializer_range", 0.02)),
+        )
+        fields.update(overrides)
+        return cls.for_family(model_type, **fields)
+
+    def to_hf(self) -> dict[str, Any]:
+        """A transformers `config.json` dictionary for the causal-LM architecture of this family."""
+        eos = list(self.eos_token_id)
+        common = {
+            "model_type": self.family,
+            "architectures": [CAUSAL_LM_ARCHITECTURES[self.family]],
+            "vocab_size": self.vocab_size,
+            "initializer_range": self.initializer_range,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+            "pad_token_id": self.pad_token_id,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "dtype": self.param_dtype,
+            "torch_dtype": self.param_dtype,  # the key older transformers and serving tools read
+        }
+        if self.family == "gpt2":
+            return {
+                **common,
+                "n_embd": self.hidden_size,
+                "n_inner": self.intermediate_size,
+                "n_layer": self.num_layers,
+                "n_head": self.num_heads,
+                "n_positions": self.max_position_embeddings,
+                "layer_norm_epsilon": self.norm_eps,
+                "activation_function": "gelu_new" if self.activation == "gelu_tanh" else self.activation,
+            }
+        rope = {"rope_type": "default", **self.rope_scaling_dict}
+        config = {
+            **common,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.norm_eps,
+            "hidden_act": _TO_HF_ACTIVATION[self.activation],
+            "rope_theta": self.rope_theta,
+            "rope_scaling": rope if rope["rope_type"] != "default" else None,
+            "rope_parameters": {**rope, "rope_theta": self.rope_theta},
+        }
+        if self.family == "llama":
+            config.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
+        if self.family in ("gemma", "gemma2"):
+            config["hidden_activation"] = config["hidden_act"]
+        if self.family == "gemma2":
+            config.update(
+                query_pre_attn_scalar=self.query_pre_attn_scalar or self.head_dim,
+                attn_logit_softcapping=self.attn_logit_softcap,
+                final_logit_softcapping=self.final_logit_softcap,
+                sliding_window=self.sliding_window,
+                layer_types=["sliding_attention" if i in self.sliding_layers else "full_attention"
+                             for i in range(self.num_layers)],
+            )
+        return config
+
+
+def _reject(config: dict, key: str, bad: Any, why: str) -> None:
+    if config.get(key, None) == bad:
+        raise ValueError(f"config.json {key}={bad!r} is not supported: {why}")
+
+
+def _gpt2_from_hf(config: dict) -> dict:
+    _reject(config, "scale_attn_by_inverse_layer_idx", True, "layer-indexed attention scaling")
+    _reject(config, "scale_attn_weights", False, "unscaled attention logits")
+    _reject(config, "add_cross_attention", True, "cross-attention (decoder-only models only)")
+    hidden = int(config["n_embd"])
+    activation = config.get("activation_function", "gelu_new")
+    if activation not in _HF_ACTIVATIONS:
+        raise ValueError(f"config.json activation_function {activation!r} is not one of {sorted(_HF_ACTIVATIONS)}")
+    return dict(
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(config.get("n_inner") or 4 * hidden),
+        num_layers=int(config["n_layer"]),
+        num_heads=int(config["n_head"]),
+        num_kv_heads=int(config["n_head"]),
+        head_dim=hidden // int(config["n_head"]),
+        max_position_embeddings=int(config.get("n_positions", 1024)),
+        norm_eps=float(config.get("layer_norm_epsilon", 1e-5)),
+        activation=_HF_ACTIVATIONS[activation],
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
+    )
+
+
+def _rope_from_hf(config: dict) -> tuple[float, dict | None]:
+    parameters = dict(config.get("rope_parameters") or {})
+    legacy = dict(config.get("rope_scaling") or {})
+    if "type" in legacy and "rope_type" not in legacy:
+        legacy["rope_type"] = legacy.pop("type")
+    merged = {**legacy, **parameters}
+    theta = float(merged.pop("rope_theta", config.get("rope_theta", 10000.0)))
+    merged.pop("type", None)
+    rope_type = merged.get("rope_type", "default")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"config.json rope type {rope_type!r} is not supported; supported: {ROPE_TYPES}")
+    if rope_type == "default":
+        return theta, None
+    keep = {"linear": ("rope_type", "factor"),
+            "llama3": ("rope_type", "factor", "low_freq_factor", "high_freq_factor",
+                       "original_max_position_embeddings")}[rope_type]
+    missing = [k for k in keep if k not in merged]
+    if missing:
+        raise ValueError(f"config.json rope scaling {rope_type!r} misses {missing}")
+    return theta, {k: merged[k] for k in keep}
+
+
+def _llama_like_from_hf(config: dict) -> dict:
+    family = config["model_type"]
+    if family == "qwen2":
+        _reject(config, "use_sliding_window", True, "sliding-window attention")
+    hidden = int(config["hidden_size"])
+    heads = int(config["num_attention_heads"])
+    activation = config.get("hidden_activation") or config.get("hidden_act") or "silu"
+    if family in ("gemma", "gemma2") and config.get("hidden_activation") is None:
+        # Gemma checkpoints saying hidden_act="gelu" were trained with the tanh approximation.
+        activation = "gelu_pytorch_tanh"
+    if activation not in _HF_ACTIVATIONS:
+        raise ValueError(f"config.json hidden_act {activation!r} is not one of {sorted(_HF_ACTIVATIONS)}")
+    theta, scaling = _rope_from_hf(config)
+    fields = dict(
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(config["intermediate_size"]),
+        num_layers=int(config["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_dim") or hidden // heads),
+        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        activation=_HF_ACTIVATIONS[activation],
+        rope_theta=theta,
+        rope_scaling=_freeze(scaling),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", family in ("gemma", "gemma2"))),
+    )
+    if family == "llama":
+        bias = bool(config.get("attention_bias", False))
+        fields.update(qkv_bias=bias, out_bias=bias, mlp_bias=bool(config.get("mlp_bias", False)))
+    if family == "gemma2":
+        layers = fields["num_layers"]
+        layer_types = config.get("layer_types") or [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        window = config.get("sliding_window")
+        fields.update(
+            query_pre_attn_scalar=int(config.get("query_pre_attn_scalar") or fields["head_dim"]),
+            attn_logit_softcap=config.get("attn_logit_softcapping"),
+            final_logit_softcap=config.get("final_logit_softcapping"),
+            sliding_window=int(window) if window else None,
+            sliding_layers=tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
+            if window else (),
+        )
+    return fields
+
+
+def rope_inverse_frequencies(config: ModelConfig):
+    """Inverse frequencies `[H / 2]` (float32) with the config's rope scaling, as transformers
+    computes them (so logits match to float32 rounding)."""
+    import numpy as np
+
+    dim = config.head_dim
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    inv_freq = (1.0 / (np.float32(config.rope_theta) ** exponents)).astype(np.float32)
+    scaling = config.rope_scaling_dict
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "linear":
+        inv_freq = inv_freq / np.float32(scaling["factor"])
+    elif rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_context = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_context / high) & ~(wavelen > old_context / low)
+        inv_freq = np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv_freq

@@ -1,0 +1,296 @@
+"""One config-driven decoder-only transformer (Flax linen) for the GPT-2, Llama, Gemma, Gemma-2 and
+Qwen2 families.
+
+Two call paths share every layer:
+- training / scoring: `Decoder(input_ids [B, T], attention_mask [B, T], positions [B, T])`, causal
+  plus padding mask, no cache;
+- incremental decoding: the same call with `cache` (per layer `{"k", "v"}: [B, K, S, H]`) and a
+  scalar `cache_index`; the new keys/values are written at slots `[cache_index, cache_index + T)`
+  and the queries attend to the whole cache under `kv_mask [B, S]` and causality.
+
+Every parameter carries logical axis names ("vocab", "embed", "heads", "kv_heads", "head_dim",
+"mlp", "norm") and the major activations carry logical constraints, so a trainer shards by rules.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from marl_jax.models.config import ModelConfig, rope_inverse_frequencies
+
+Cache = list  # per layer: {"k": [B, K, S, H], "v": [B, K, S, H]}
+
+# A large finite negative instead of -inf: a fully masked (padded) query row then gets a uniform
+# distribution rather than NaN.
+_MASKED = float(np.finfo(np.float32).min)
+
+
+def partitioned_param(module: nn.Module, name: str, init, shape: Sequence[int], axes: Sequence[str | None],
+                      dtype):
+    """`module.param` boxed with logical axis names (one per dimension) for rule-based sharding."""
+    return module.param(name, nn.with_logical_partitioning(init, tuple(axes)), tuple(shape), dtype)
+
+
+def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
+    """Position ids `[B, T]` int32: `cumsum(mask) - 1`, clamped at 0 on left padding."""
+    return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def _activation(name: str, x: jax.Array) -> jax.Array:
+    if name == "silu":
+        return jax.nn.silu(x)
+    if name == "gelu":
+        return jax.nn.gelu(x, approximate=False)
+    if name == "gelu_tanh":
+        return jax.nn.gelu(x, approximate=True)
+    return jax.nn.relu(x)
+
+
+class Dense(nn.Module):
+    """`y = x . W (+ b)` contracting the last `contract_dims` axes of x; W has shape
+    `in_shape + features` and logical names `kernel_axes`."""
+
+    features: tuple[int, ...]
+    kernel_axes: tuple[str | None, ...]
+    contract_dims: int = 1
+    use_bias: bool = False
+    init_std: float = 0.02
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        in_shape = x.shape[-self.contract_dims:]
+        kernel = partitioned_param(self, "kernel", nn.initializers.normal(self.init_std),
+                                   (*in_shape, *self.features), self.kernel_axes, self.param_dtype)
+        y = jnp.tensordot(x.astype(self.dtype), kernel.astype(self.dtype), axes=self.contract_dims)
+        if self.use_bias:
+            bias = partitioned_param(self, "bias", nn.initializers.zeros, self.features,
+                                     self.kernel_axes[self.contract_dims:], self.param_dtype)
+            y = y + bias.astype(self.dtype)
+        return y
+
+
+class Norm(nn.Module):
+    """RMSNorm (Llama: normalise in float32, cast, times w; Gemma: times (1 + w) in float32) or
+    LayerNorm (GPT-2), over the last axis."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.config
+        dim = x.shape[-1]
+        dtype = cfg.compute_dtype
+        scale_init = nn.initializers.zeros if cfg.norm_scale_offset else nn.initializers.ones
+        scale = partitioned_param(self, "scale", scale_init, (dim,), ("norm",), cfg.weight_dtype)
+        xf = x.astype(jnp.float32)
+        if cfg.norm_type == "layernorm":
+            bias = partitioned_param(self, "bias", nn.initializers.zeros, (dim,), ("norm",), cfg.weight_dtype)
+            mean = jnp.mean(xf, axis=-1, keepdims=True)
+            var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+            y = (xf - mean) * jax.lax.rsqrt(var + cfg.norm_eps)
+            return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(dtype)
+        y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + cfg.norm_eps)
+        if cfg.norm_scale_offset:
+            return (y * (cfg.norm_scale_offset + scale.astype(jnp.float32))).astype(dtype)
+        return y.astype(dtype) * scale.astype(dtype)
+
+
+def rotary_tables(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin `[B, T, H / 2]` float32 for integer `positions [B, T]`."""
+    inv_freq = jnp.asarray(rope_inverse_frequencies(config))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate `x [B, T, heads, H]` in the half-split layout of Hugging Face checkpoints."""
+    half = x.shape[-1] // 2
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., :half], xf[..., half:]
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, softcap: float | None = None) -> jax.Array:
+    """Grouped-query attention. q `[B, T, N, H]` (already scaled), k, v `[B, K, S, H]`,
+    mask bool `[B, T, S]` -> `[B, T, N, H]`. Softmax in float32; `softcap` (Gemma-2) squashes
+    the scores to (-softcap, softcap) with tanh before masking.
+
+    Everything runs head-major (`[B, K, G, T, .]`, G = N / K) so both dots see their batch dims
+    (B, K) leading: the decode step then reads the cache as stored, without per-step transposes
+    of the cache or of the scores (which cost more than the attention itself on CPU)."""
+    batch, length, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    q = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim).transpose(0, 2, 3, 1, 4)
+    scores = jnp.einsum("bkgth,bksh->bkgts", q, k, preferred_element_type=jnp.float32)
+    if softcap is not None:
+        scores = jnp.tanh(scores / softcap) * softcap
+    scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bksh->bkgth", probs, v)
+    return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, heads, head_dim)
+
+
+class Attention(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, rotary, mask, cache=None, cache_index=None):
+        """x `[B, T, D]`; rotary (cos, sin) or None; mask bool `[B, T, S]`. Returns
+        (`[B, T, D]`, updated layer cache or None)."""
+        cfg = self.config
+        dense = dict(dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype, init_std=cfg.initializer_range)
+        q = Dense((cfg.num_heads, cfg.head_dim), ("embed", "heads", "head_dim"), use_bias=cfg.qkv_bias,
+                  name="q", **dense)(x)
+        k = Dense((cfg.num_kv_heads, cfg.head_dim), ("embed", "kv_heads", "head_dim"), use_bias=cfg.qkv_bias,
+                  name="k", **dense)(x)
+        v = Dense((cfg.num_kv_heads, cfg.head_dim), ("embed", "kv_heads", "head_dim"), use_bias=cfg.qkv_bias,
+                  name="v", **dense)(x)
+        q = nn.with_logical_constraint(q, ("activation_batch", "activation_length", "activation_heads", None))
+        k = nn.with_logical_constraint(k, ("activation_batch", "activation_length", "activation_kv_heads", None))
+        v = nn.with_logical_constraint(v, ("activation_batch", "activation_length", "activation_kv_heads", None))
+        if rotary is not None:
+            q = apply_rotary(q, *rotary)
+            k = apply_rotary(k, *rotary)
+        q = q * jnp.asarray((cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5, q.dtype)
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        new_cache = None
+        if cache is not None:
+            start = (0, 0, cache_index, 0)
+            new_cache = {
+                name: nn.with_logical_constraint(
+                    jax.lax.dynamic_update_slice(cache[name], new.astype(cache[name].dtype), start),
+                    ("activation_batch", "activation_kv_heads", None, None))
+                for name, new in (("k", k), ("v", v))
+            }
+            k, v = new_cache["k"].astype(q.dtype), new_cache["v"].astype(q.dtype)
+        out = attend(q, k, v, mask, cfg.attn_logit_softcap)
+        out = nn.with_logical_constraint(out, ("activation_batch", "activation_length", "activation_heads", None))
+        out = Dense((cfg.hidden_size,), ("heads", "head_dim", "embed"), contract_dims=2, use_bias=cfg.out_bias,
+                    name="o", **dense)(out)
+        return out, new_cache
+
+
+class MLP(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.config
+        dense = dict(dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype, init_std=cfg.initializer_range,
+                     use_bias=cfg.mlp_bias)
+        hidden = _activation(cfg.activation, Dense((cfg.intermediate_size,), ("embed", "mlp"), name=(
+            "gate" if cfg.gated_mlp else "up"), **dense)(x))
+        if cfg.gated_mlp:
+            hidden = hidden * Dense((cfg.intermediate_size,), ("embed", "mlp"), name="up", **dense)(x)
+        hidden = nn.with_logical_constraint(hidden, ("activation_batch", "activation_length", "activation_mlp"))
+        return Dense((cfg.hidden_size,), ("mlp", "embed"), name="down", **dense)(hidden)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); with `sandwich_norms` (Gemma-2)
+    the attention and MLP outputs are normalised again before the residual add."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, rotary, mask, cache=None, cache_index=None):
+        cfg = self.config
+        attn_out, new_cache = Attention(cfg, name="attn")(Norm(cfg, name="attn_norm")(x), rotary, mask, cache,
+                                                          cache_index)
+        if cfg.sandwich_norms:
+            attn_out = Norm(cfg, name="post_attn_norm")(attn_out)
+        x = x + attn_out
+        mlp_out = MLP(cfg, name="mlp")(Norm(cfg, name="mlp_norm")(x))
+        if cfg.sandwich_norms:
+            mlp_out = Norm(cfg, name="post_mlp_norm")(mlp_out)
+        x = x + mlp_out
+        x = nn.with_logical_constraint(x, ("activation_batch", "activation_length", "activation_embed"))
+        return x, new_cache
+
+
+class Embedding(nn.Module):
+    config: ModelConfig
+
+    def setup(self):
+        cfg = self.config
+        self.embedding = partitioned_param(self, "embedding", nn.initializers.normal(cfg.initializer_range),
+                                           (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg.weight_dtype)
+
+    def __call__(self, input_ids: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding, input_ids, axis=0).astype(self.config.compute_dtype)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """Tied LM head: `[B, T, D] -> [B, T, V]` float32."""
+        return jnp.einsum("btd,vd->btv", x, self.embedding.astype(x.dtype), preferred_element_type=jnp.float32)
+
+
+class Decoder(nn.Module):
+    """Token embedding, layers, final norm. Returns hidden states `[B, T, D]` (and the updated
+    cache when called with one)."""
+
+    config: ModelConfig
+
+    def setup(self):
+        cfg = self.config
+        self.embed = Embedding(cfg)
+        if cfg.position_embedding == "learned":
+            self.position_embed = partitioned_param(
+                self, "position_embedding", nn.initializers.normal(cfg.initializer_range),
+                (cfg.max_position_embeddings, cfg.hidden_size), (None, "embed"), cfg.weight_dtype)
+        layer = nn.remat(DecoderLayer) if cfg.remat else DecoderLayer
+        self.layers = [layer(cfg, name=f"layers_{i}") for i in range(cfg.num_layers)]
+        self.final_norm = Norm(cfg)
+
+    def __call__(self, input_ids, attention_mask, positions=None, cache: Cache | None = None, cache_index=None):
+        """input_ids `[B, T]`; attention_mask `[B, T]` (no cache) or the key mask `[B, S]` over the
+        cache slots (with cache); positions `[B, T]` (default: from the mask, without cache)."""
+        cfg = self.config
+        batch, length = input_ids.shape
+        if positions is None:
+            if cache is not None:
+                raise ValueError("positions are required when decoding with a cache")
+            positions = positions_from_mask(attention_mask)
+        x = self.embed(input_ids)
+        if cfg.scale_embeddings:
+            x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
+        rotary = None
+        if cfg.position_embedding == "learned":
+            x = x + jnp.take(self.position_embed, positions, axis=0).astype(x.dtype)
+        else:
+            rotary = rotary_tables(cfg, positions)
+        x = nn.with_logical_constraint(x, ("activation_batch", "activation_length", "activation_embed"))
+        key_valid = attention_mask.astype(bool)
+        if cache is None:
+            query_slot = jnp.arange(length)
+            key_slot = jnp.arange(length)
+        else:
+            query_slot = cache_index + jnp.arange(length)
+            key_slot = jnp.arange(key_valid.shape[1])
+        distance = query_slot[:, None] - key_slot[None, :]
+        mask = (distance >= 0)[None] & key_valid[:, None, :]
+        # Valid tokens of a row occupy contiguous slots, so slot distance is position distance.
+        window_mask = mask & (distance < cfg.sliding_window)[None] if cfg.sliding_layers else None
+        new_cache = [] if cache is not None else None
+        for i, layer in enumerate(self.layers):
+            layer_mask = window_mask if i in cfg.sliding_layers else mask
+            x, layer_cache = layer(x, rotary, layer_mask, None if cache is None else cache[i], cache_index)
+            if cache is not None:
+                new_cache.append(layer_cache)
+        return self.final_norm(x), new_cache
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        return self.embed.attend(x)
+
+
+def init_cache(config: ModelConfig, batch: int, length: int, dtype=None) -> Cache:
+    """Zero KV cache: per layer `{"k", "v"}: [B, K, S, H]` in the compute dtype."""
+    dtype = config.compute_dtype if dtype is None else dtype
+    shape = (batch, config.num_kv_heads, length, config.head_dim)
+    return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(config.num_layers)]

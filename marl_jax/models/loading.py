@@ -1,0 +1,273 @@
+"""Loading pretrained weights without torch: Hugging Face directories (config.json + safetensors,
+sharded or not) and GGUF files (llama.cpp; dequantised to float with the `gguf` package).
+
+Both readers produce a transformers-style config dict and a state dict under HF tensor names; one
+key map (`keymap.py`) turns that into our parameter tree.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
+from marl_jax.models import keymap
+from marl_jax.models.config import FAMILIES, ModelConfig
+from marl_jax.models.heads import CausalLM, ScalarHeadModel, reward_head_init_std
+
+HEADS = ("lm", "scalar")
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "gemma": "gemma", "gpt2": "gpt2"}
+
+
+# Hugging Face directories -------------------------------------------------------------------------
+
+def read_hf_directory(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
+    """(config dict, state dict) of an HF model directory: `config.json` and `*.safetensors`
+    (through `model.safetensors.index.json` when present)."""
+    import safetensors.numpy
+
+    directory = pathlib.Path(path)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(
+            f"{directory}: no config.json (expected a Hugging Face model directory or a .gguf file)")
+    config = json.loads(config_path.read_text())
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [name for name in files if not (directory / name).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{directory}: shards listed in {index.name} are missing: {missing}")
+        paths = [directory / name for name in files]
+    else:
+        paths = sorted(directory.glob("*.safetensors"))
+    if not paths:
+        raise FileNotFoundError(
+            f"{directory}: no *.safetensors weights (pytorch_model.bin is not read: it needs torch)")
+    state: dict[str, np.ndarray] = {}
+    for file in paths:
+        state.update(safetensors.numpy.load_file(str(file)))
+    return config, state
+
+
+# GGUF ---------------------------------------------------------------------------------------------
+
+def _gguf_value(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _gguf_name_map(architecture: str) -> list[tuple[re.Pattern, str]]:
+    """llama.cpp tensor names -> HF names."""
+    if architecture == "gpt2":
+        table = {
+            r"token_embd\.weight": "transformer.wte.weight",
+            r"position_embd\.weight": "transformer.wpe.weight",
+            r"output_norm\.(weight|bias)": r"transformer.ln_f.\1",
+            r"output\.weight": keymap.LM_HEAD,
+            r"blk\.(\d+)\.attn_norm\.(weight|bias)": r"transformer.h.\1.ln_1.\2",
+            r"blk\.(\d+)\.ffn_norm\.(weight|bias)": r"transformer.h.\1.ln_2.\2",
+            r"blk\.(\d+)\.attn_qkv\.(weight|bias)": r"transformer.h.\1.attn.c_attn.\2",
+            r"blk\.(\d+)\.attn_output\.(weight|bias)": r"transformer.h.\1.attn.c_proj.\2",
+            r"blk\.(\d+)\.ffn_up\.(weight|bias)": r"transformer.h.\1.mlp.c_fc.\2",
+            r"blk\.(\d+)\.ffn_down\.(weight|bias)": r"transformer.h.\1.mlp.c_proj.\2",
+        }
+    else:
+        table = {
+            r"token_embd\.weight": "model.embed_tokens.weight",
+            r"output_norm\.weight": "model.norm.weight",
+            r"output\.weight": keymap.LM_HEAD,
+            r"blk\.(\d+)\.attn_norm\.weight": r"model.layers.\1.input_layernorm.weight",
+            r"blk\.(\d+)\.ffn_norm\.weight": r"model.layers.\1.post_attention_layernorm.weight",
+            r"blk\.(\d+)\.attn_q\.(weight|bias)": r"model.layers.\1.self_attn.q_proj.\2",
+            r"blk\.(\d+)\.attn_k\.(weight|bias)": r"model.layers.\1.self_attn.k_proj.\2",
+            r"blk\.(\d+)\.attn_v\.(weight|bias)": r"model.layers.\1.self_attn.v_proj.\2",
+            r"blk\.(\d+)\.attn_output\.(weight|bias)": r"model.layers.\1.self_attn.o_proj.\2",
+            r"blk\.(\d+)\.ffn_gate\.(weight|bias)": r"model.layers.\1.mlp.gate_proj.\2",
+            r"blk\.(\d+)\.ffn_up\.(weight|bias)": r"model.layers.\1.mlp.up_proj.\2",
+            r"blk\.(\d+)\.ffn_down\.(weight|bias)": r"model.layers.\1.mlp.down_proj.\2",
+        }
+    return [(re.compile(pattern + "$"), target) for pattern, target in table.items()]
+
+
+def _unpermute_rope_rows(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's conversion of Llama q/k rows from the half-split rotary layout to the
+    interleaved one (`convert_hf_to_gguf.py: LlamaModel.permute`)."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
+    """(transformers-style config dict, float32 state dict under HF names) of a GGUF file."""
+    import gguf
+    from gguf.quants import dequantize
+
+    reader = gguf.GGUFReader(str(path))
+    architecture = _gguf_value(reader, "general.architecture")
+    if architecture not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"{path}: GGUF architecture {architecture!r} is not supported; supported: {sorted(GGUF_ARCHITECTURES)}")
+
+    def meta(key, default=None):
+        return _gguf_value(reader, f"{architecture}.{key}", default)
+
+    tensor_names = {t.name for t in reader.tensors}
+    vocab_size = meta("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    heads = int(meta("attention.head_count"))
+    kv_heads = int(meta("attention.head_count_kv", heads))
+    hidden = int(meta("embedding_length"))
+    tokens = {
+        "bos_token_id": _gguf_value(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _gguf_value(reader, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": _gguf_value(reader, "tokenizer.ggml.padding_token_id"),
+    }
+    if architecture == "gpt2":
+        config = dict(
+            model_type="gpt2", vocab_size=int(vocab_size), n_embd=hidden, n_head=heads,
+            n_layer=int(meta("block_count")), n_inner=int(meta("feed_forward_length")),
+            n_positions=int(meta("context_length")),
+            layer_norm_epsilon=float(meta("attention.layer_norm_epsilon", 1e-5)),
+            tie_word_embeddings="output.weight" not in tensor_names, **tokens)
+    else:
+        config = dict(
+            model_type=GGUF_ARCHITECTURES[architecture], vocab_size=int(vocab_size), hidden_size=hidden,
+            intermediate_size=int(meta("feed_forward_length")), num_hidden_layers=int(meta("block_count")),
+            num_attention_heads=heads, num_key_value_heads=kv_heads,
+            head_dim=int(meta("attention.key_length", hidden // heads)),
+            max_position_embeddings=int(meta("context_length")),
+            rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(meta("rope.freq_base", 10000.0)),
+            tie_word_embeddings="output.weight" not in tensor_names, **tokens)
+        if architecture == "qwen2":
+            config["use_sliding_window"] = False
+        scaling = meta("rope.scaling.type")
+        if scaling not in (None, "none"):
+            if scaling != "linear":
+                raise ValueError(f"{path}: GGUF rope scaling {scaling!r} is not supported (only 'linear')")
+            config["rope_scaling"] = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
+
+    name_map = _gguf_name_map(architecture)
+    state: dict[str, np.ndarray] = {}
+    unknown = []
+    for tensor in reader.tensors:
+        hf_name = next((pattern.sub(target, tensor.name) for pattern, target in name_map
+                        if pattern.match(tensor.name)), None)
+        if hf_name is None:
+            unknown.append(tensor.name)
+            continue
+        weight = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        if architecture == "llama" and ".self_attn.q_proj." in hf_name:
+            weight = _unpermute_rope_rows(weight, heads)
+        elif architecture == "llama" and ".self_attn.k_proj." in hf_name:
+            weight = _unpermute_rope_rows(weight, kv_heads)
+        elif architecture == "gemma" and hf_name.endswith("norm.weight"):
+            weight = weight - 1.0  # llama.cpp stores Gemma's RMSNorm scale as 1 + w
+        elif architecture == "gpt2" and hf_name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
+            weight = weight.T  # llama.cpp stores GPT-2's Conv1D weights as [out, in]
+        state[hf_name] = weight
+    if unknown:
+        raise ValueError(f"{path}: unexpected GGUF tensors (no mapping): {unknown}")
+    return config, state
+
+
+# Param trees --------------------------------------------------------------------------------------
+
+def _abstract_params(model: nn.Module) -> dict:
+    ids = jnp.zeros((1, 1), jnp.int32)
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), ids, ids))
+    return nn.meta.unbox(shapes["params"])
+
+
+def _summarise(names: list[str], limit: int = 12) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def params_from_state(model: nn.Module, state: dict[str, np.ndarray], *, head: str,
+                      head_key: jax.Array | None = None) -> dict:
+    """Our param tree (float arrays of `config.param_dtype`) from an HF-named state dict.
+    Raises ValueError naming missing, unexpected or mis-shaped weights."""
+    cfg = model.config
+    state = keymap.canonical_names(cfg.family, state)
+    rules = keymap.backbone_rules(cfg)
+    ignored = set()
+    if head == "lm":
+        if cfg.tie_word_embeddings:
+            ignored.add(keymap.LM_HEAD)  # tied: transformers ignores a stored copy too
+        else:
+            rules.append(keymap.lm_head_rule())
+        ignored.add(keymap.SCORE)  # a reward model read as a policy keeps its backbone only
+    else:
+        ignored.add(keymap.LM_HEAD)  # a policy read as a reward model / critic keeps its backbone only
+        if keymap.SCORE in state:
+            rules.append(keymap.score_rule())
+    wanted = {rule.hf_name for rule in rules}
+    missing = [rule.hf_name for rule in rules if rule.hf_name not in state]
+    unexpected = [name for name in state
+                  if name not in wanted and name not in ignored and not keymap.is_ignored(cfg.family, name)]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing weights: {_summarise(missing)}")
+        if unexpected:
+            parts.append(f"unexpected weights: {_summarise(unexpected)}")
+        raise ValueError(f"checkpoint does not match the {cfg.family} config: " + "; ".join(parts))
+
+    flat = {}
+    for rule in rules:
+        for path, value in zip(rule.paths, rule.to_params(np.asarray(state[rule.hf_name]))):
+            flat[path] = value
+    expected = traverse_util.flatten_dict(_abstract_params(model))
+    if head == "scalar" and ("head", "kernel") not in flat:
+        key = jax.random.key(0) if head_key is None else head_key
+        flat[("head", "kernel")] = model.head_init_std * jax.random.normal(key, (cfg.hidden_size, 1), jnp.float32)
+    bad_shapes = [f"{'/'.join(path)}: checkpoint {tuple(flat[path].shape)} vs model {tuple(leaf.shape)}"
+                  for path, leaf in expected.items() if path in flat and tuple(flat[path].shape) != tuple(leaf.shape)]
+    if bad_shapes:
+        raise ValueError("checkpoint weights have the wrong shape: " + "; ".join(bad_shapes))
+    if set(flat) != set(expected):
+        raise ValueError(f"parameters not covered by the key map: {sorted(set(expected) - set(flat))}")
+    dtype = cfg.weight_dtype
+    return traverse_util.unflatten_dict({path: jnp.asarray(value, dtype) for path, value in flat.items()})
+
+
+def build_model(config: ModelConfig, head: str = "lm", head_init_std: float | None = None) -> nn.Module:
+    if head not in HEADS:
+        raise ValueError(f"head must be one of {HEADS}, got {head!r}")
+    if head == "lm":
+        return CausalLM(config)
+    return ScalarHeadModel(config, reward_head_init_std(config) if head_init_std is None else head_init_std)
+
+
+def load_pretrained(path: str | os.PathLike, dtype=jnp.float32, *, head: str = "lm", compute_dtype=None,
+                    head_init_std: float | None = None, head_key: jax.Array | None = None,
+                    remat: bool = False):
+    """(model, params) from an HF directory or a `.gguf` file.
+
+    `dtype`: parameter dtype, and the compute dtype unless `compute_dtype` is given.
+    `head="lm"`: `CausalLM`; `head="scalar"`: `ScalarHeadModel`, reading `score.weight` of a
+    `*ForSequenceClassification` checkpoint when present, else initialising the head with std
+    `head_init_std` (default 1/sqrt(D + 1), the reward-model init) from `head_key`.
+    """
+    if head not in HEADS:
+        raise ValueError(f"head must be one of {HEADS}, got {head!r}")
+    path = pathlib.Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        hf_config, state = read_gguf(path)
+    elif path.is_dir():
+        hf_config, state = read_hf_directory(path)
+    else:
+        raise FileNotFoundError(f"{path}: neither a Hugging Face model directory nor a .gguf file")
+    if hf_config.get("model_type") not in FAMILIES:
+        raise ValueError(f"{path}: model_type {hf_config.get('model_type')!r} is not supported; "
+                         f"supported families: {FAMILIES}")
+    config = ModelConfig.from_hf(hf_config, param_dtype=dtype,
+                                 dtype=dtype if compute_dtype is None else compute_dtype, remat=remat)
+    model = build_model(config, head, head_init_std)
+    return model, params_from_state(model, state, head=head, head_key=head_key)

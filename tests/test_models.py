@@ -1,0 +1,411 @@
+"""Model layer: logits parity with transformers for every family, GGUF loading (SmolLM2),
+save/load round trips through transformers, param-tree contracts, bad input."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors.numpy
+import torch
+
+import marl_jax.models as M
+from marl_jax.models.config import CAUSAL_LM_ARCHITECTURES
+import models_util
+from models_util import CASES, VOCAB, hf_logits, padded_batch, random_hf_model, write_checkpoint, write_gguf
+
+models_util.use_one_torch_thread()
+
+LOGICAL_PARAM_NAMES = {"vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm", None}
+
+
+def _valid(mask):
+    return np.asarray(mask).astype(bool)
+
+
+# Parity with transformers on tiny random checkpoints ---------------------------------------------
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, tmp_path_factory):
+    """(case name, torch model, checkpoint dir, our model, our params)."""
+    hf = random_hf_model(request.param, seed=1)
+    path = write_checkpoint(hf, tmp_path_factory.mktemp(request.param))
+    model, params = M.load_pretrained(path)
+    return request.param, hf, path, model, params
+
+
+def test_logits_match_transformers_with_mixed_padding(case):
+    name, hf, _, model, params = case
+    # Rows: left-padded prompt + right-padded response, left-only, right-only, unpadded.
+    ids, mask = padded_batch([5, 9, 3, 12], 12, seed=2, right_pad=[2, 0, 4, 0])
+    ours = np.asarray(M.forward_logits(model, params, jnp.asarray(ids), jnp.asarray(mask)))
+    reference = hf_logits(hf, ids, mask)
+    assert ours.dtype == np.float32 and ours.shape == (4, 12, VOCAB)
+    valid = _valid(mask)
+    np.testing.assert_allclose(ours[valid], reference[valid], atol=1e-4, rtol=0)
+    assert np.isfinite(ours).all(), f"{name}: padded query rows produced non-finite logits"
+
+
+def test_fully_padded_row_is_finite_and_does_not_touch_other_rows(case):
+    _, _, _, model, params = case
+    ids, mask = padded_batch([4, 6], 6, seed=3)
+    mask[0] = 0
+    logits = np.asarray(M.forward_logits(model, params, jnp.asarray(ids), jnp.asarray(mask)))
+    alone = np.asarray(M.forward_logits(model, params, jnp.asarray(ids[1:]), jnp.asarray(mask[1:])))
+    assert np.isfinite(logits).all()
+    np.testing.assert_allclose(logits[1], alone[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("name,feature", [
+    ("llama_gqa_llama3_untied", dict(rope_scaling=None)), ("llama_linear_tied", dict(rope_scaling=None)),
+    ("gemma2_softcap_window", dict(sliding_layers=())), ("gemma2_softcap_window", dict(attn_logit_softcap=None)),
+    ("gemma2_softcap_window", dict(final_logit_softcap=None)),
+    ("gemma2_softcap_window", dict(query_pre_attn_scalar=None))])
+def test_each_feature_changes_logits_so_parity_covers_it(name, feature, tmp_path):
+    model, params = M.load_pretrained(write_checkpoint(random_hf_model(name, seed=1), tmp_path))
+    assert all(getattr(model.config, field) != value for field, value in feature.items())
+    without = M.CausalLM(model.config.replace(**feature))
+    ids, mask = padded_batch([12], 12, seed=4)
+    a = np.asarray(M.forward_logits(model, params, jnp.asarray(ids), jnp.asarray(mask)))
+    b = np.asarray(M.forward_logits(without, params, jnp.asarray(ids), jnp.asarray(mask)))
+    assert np.abs(a - b).max() > 1e-3
+
+
+def test_bfloat16_compute_is_close_and_returns_float32(case):
+    name, hf, path, _, _ = case
+    model, params = M.load_pretrained(path, dtype=jnp.bfloat16)
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
+    ids, mask = padded_batch([7, 10], 10, seed=5)
+    ours = np.asarray(M.forward_logits(model, params, jnp.asarray(ids), jnp.asarray(mask)))
+    reference = hf_logits(hf, ids, mask)
+    assert ours.dtype == np.float32
+    valid = _valid(mask)
+    assert np.abs(ours[valid] - reference[valid]).mean() < 0.05, name
+
+
+def test_config_round_trips_through_hf_dict(case):
+    _, hf, _, model, _ = case
+    config = model.config
+    assert M.ModelConfig.from_hf(config.to_hf()) == config
+    from transformers import AutoConfig
+
+    rebuilt = AutoConfig.for_model(**config.to_hf())
+    assert M.ModelConfig.from_hf(rebuilt.to_dict()) == config
+    assert rebuilt.to_dict().get("rope_parameters") == hf.config.to_dict().get("rope_parameters")
+
+
+def test_save_pretrained_round_trip_through_transformers(case, tmp_path):
+    name, _, _, model, params = case
+    from transformers import AutoModelForCausalLM
+
+    perturbed = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(7), x.shape, x.dtype), params)
+    M.save_pretrained(model, perturbed, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == [CAUSAL_LM_ARCHITECTURES[model.config.family]]
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    ids, mask = padded_batch([6, 9], 9, seed=8, right_pad=[1, 0])
+    ours = np.asarray(M.forward_logits(model, perturbed, jnp.asarray(ids), jnp.asarray(mask)))
+    valid = _valid(mask)
+    np.testing.assert_allclose(ours[valid], hf_logits(hf, ids, mask)[valid], atol=1e-4, rtol=0)
+    _, reloaded = M.load_pretrained(tmp_path)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), perturbed, reloaded)
+
+
+# Scalar heads ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["gpt2", "qwen2_bias"])
+def test_scalar_head_reads_sequence_classification_checkpoint(name, tmp_path):
+    hf = random_hf_model(name, seed=3, head="scalar")
+    write_checkpoint(hf, tmp_path)
+    model, params = M.load_pretrained(tmp_path, head="scalar")
+    assert isinstance(model, M.ScalarHeadModel)
+    ids, mask = padded_batch([4, 8, 6], 10, seed=9, right_pad=[2, 0, 1])
+    ids[mask == 0] = hf.config.pad_token_id  # transformers finds the last token through pad ids
+    scores = model.apply({"params": params}, jnp.asarray(ids), jnp.asarray(mask))
+    ours = np.asarray(M.last_token_score(scores, jnp.asarray(mask)))
+    positions = np.maximum(np.cumsum(mask, -1) - 1, 0)
+    with torch.no_grad():
+        reference = hf(input_ids=torch.as_tensor(ids, dtype=torch.long), attention_mask=torch.as_tensor(mask),
+                       position_ids=torch.as_tensor(positions)).logits[:, 0].numpy()
+    np.testing.assert_allclose(ours, reference, atol=1e-4)
+
+
+def test_scalar_head_save_round_trip_through_transformers(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    config = M.ModelConfig.from_hf(json.loads(json.dumps(CASES["llama_gqa_llama3_untied"])))
+    model = M.ScalarHeadModel(config, M.reward_head_init_std(config))
+    params = M.init_params(model, jax.random.key(0))
+    M.save_pretrained(model, params, tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["architectures"] == ["LlamaForSequenceClassification"] and saved["num_labels"] == 1
+    hf = AutoModelForSequenceClassification.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    ids, mask = padded_batch([5, 7], 9, seed=10, right_pad=[2, 0])
+    ids[mask == 0] = config.pad_token_id
+    ours = np.asarray(M.last_token_score(model.apply({"params": params}, jnp.asarray(ids), jnp.asarray(mask)),
+                                         jnp.asarray(mask)))
+    positions = np.maximum(np.cumsum(mask, -1) - 1, 0)
+    with torch.no_grad():
+        reference = hf(input_ids=torch.as_tensor(ids, dtype=torch.long), attention_mask=torch.as_tensor(mask),
+                       position_ids=torch.as_tensor(positions)).logits[:, 0].numpy()
+    np.testing.assert_allclose(ours, reference, atol=1e-4)
+    assert np.abs(ours).max() > 1e-2  # the reward-head init is not degenerate
+
+
+def test_scalar_head_initialised_when_checkpoint_has_no_score(case):
+    _, _, path, lm_model, lm_params = case
+    model, params = M.load_pretrained(path, head="scalar", head_key=jax.random.key(3))
+    std = 1 / np.sqrt(model.config.hidden_size + 1)
+    assert model.head_init_std == pytest.approx(std)
+    assert 0.3 * std < float(np.std(np.asarray(params["head"]["kernel"]))) < 3 * std
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 params["backbone"], lm_params["backbone"])
+
+
+def test_last_token_score_by_hand():
+    scores = jnp.arange(12, dtype=jnp.float32).reshape(3, 4)
+    mask = jnp.asarray([[0, 1, 1, 0], [1, 1, 1, 1], [0, 0, 1, 0]])
+    np.testing.assert_array_equal(np.asarray(M.last_token_score(scores, mask)), [2.0, 7.0, 10.0])
+
+
+# Checkpoint formats ---------------------------------------------------------------------------------
+
+def test_sharded_checkpoint_with_index(tmp_path):
+    hf = random_hf_model("qwen2_bias", seed=4)
+    write_checkpoint(hf, tmp_path / "single")
+    write_checkpoint(hf, tmp_path / "sharded", max_shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
+    _, single = M.load_pretrained(tmp_path / "single")
+    _, sharded = M.load_pretrained(tmp_path / "sharded")
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), single, sharded)
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf):
+    return models_util.smollm2(smollm2_gguf)
+
+
+def test_smollm2_gguf_config(smollm2):
+    model, params, hf, _ = smollm2
+    cfg = model.config
+    assert (cfg.family, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == (
+        "llama", 30, 576, 9, 3, 49152)
+    assert cfg.tie_word_embeddings and "lm_head" not in params
+    assert cfg.rope_theta == hf.config.rope_parameters["rope_theta"]
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    assert n_params == sum(p.numel() for p in hf.parameters())
+
+
+def test_smollm2_gguf_logits_match_transformers(smollm2):
+    model, params, hf, tokenizer = smollm2
+    prompts = ["The capital of France is", "Once upon a time, in a land far, far away, there lived a",
+               "def fibonacci(n):"]
+    batch = tokenizer(prompts, padding=True, return_tensors="np")
+    ids, mask = batch["input_ids"].astype(np.int32), batch["attention_mask"].astype(np.int32)
+    assert mask[:, 0].min() == 0 and mask[:, -1].all()  # left padding
+    ours = np.asarray(M.forward_logits(model, params, jnp.asarray(ids), jnp.asarray(mask)))
+    reference = hf_logits(hf, ids, mask)
+    valid = _valid(mask)
+    assert np.abs(ours[valid] - reference[valid]).max() < 2e-3
+    assert (ours[valid].argmax(-1) == reference[valid].argmax(-1)).mean() > 0.99
+
+
+@pytest.mark.parametrize("name", ["qwen2_bias", "llama_gqa_llama3_untied"])
+def test_tiny_gguf_reads_like_transformers(name, tmp_path):
+    """A GGUF written in llama.cpp's layout (Llama q/k permuted) reads to the logits transformers
+    gets from the same file."""
+    from transformers import AutoModelForCausalLM
+
+    write_gguf(random_hf_model(name, seed=3), tmp_path / "tiny.gguf")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf",
+                                                     attn_implementation="eager").eval()
+    model, params = M.load_pretrained(tmp_path / "tiny.gguf")
+    ids, mask = padded_batch([5, 9], 10, seed=1, right_pad=[2, 0])
+    ours = np.asarray(M.forward_logits(model, params, jnp.asarray(ids), jnp.asarray(mask)))
+    valid = _valid(mask)
+    np.testing.assert_allclose(ours[valid], hf_logits(reference, ids, mask)[valid], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gemma_mqa_head_dim"])
+def test_gguf_reads_back_the_original_weights(name, tmp_path):
+    """transformers reads neither Gemma-1 GGUFs nor GPT-2 GGUFs of non-default context length, so
+    the reference here is the checkpoint the file was written from, in llama.cpp's layout (GPT-2's
+    Conv1D weights as [out, in], Gemma's RMSNorm weights as 1 + w)."""
+    original = random_hf_model(name, seed=3)
+    model, params = M.load_pretrained(write_gguf(original, tmp_path / "tiny.gguf"))
+    ids, mask = padded_batch([5, 9], 10, seed=1, right_pad=[2, 0])
+    ours = np.asarray(M.forward_logits(model, params, jnp.asarray(ids), jnp.asarray(mask)))
+    valid = _valid(mask)
+    np.testing.assert_allclose(ours[valid], hf_logits(original, ids, mask)[valid], atol=1e-4, rtol=0)
+
+
+def test_gguf_tokenizer_matches_transformers(smollm2, smollm2_gguf):
+    from transformers import AutoTokenizer
+
+    ours = smollm2[3]
+    reference = AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    texts = ["Hello world, how are you?", "  two spaces\n\nnewlines\ttabs 12345 ünïcödé 你好",
+             "<|im_start|>user\nhi<|im_end|>\n"]
+    for text in texts:
+        assert ours(text)["input_ids"] == reference(text)["input_ids"], text
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert (ours.eos_token_id, ours.pad_token_id, ours.bos_token_id) == (2, 2, 1)
+    assert ours.padding_side == "left"
+
+
+def test_marl_jax_needs_no_torch(tmp_path, smollm2_gguf):
+    """Loading (HF dir, GGUF and HF-dir tokenizers), forward, sampling and saving with torch
+    unimportable."""
+    hf = random_hf_model("llama_gqa_llama3_untied", seed=5)
+    write_checkpoint(hf, tmp_path / "ckpt")
+    script = f"""
+import sys
+sys.modules["torch"] = None
+import jax, jax.numpy as jnp
+import marl_jax.models as M
+from marl_jax import sampling
+model, params = M.load_pretrained({str(tmp_path / 'ckpt')!r})
+ids = jnp.ones((1, 4), jnp.int32)
+M.forward_logits(model, params, ids, ids)
+sampling.generate(model, params, ids, ids, key=jax.random.key(0), max_new_tokens=2, temperature=1.0,
+                  eos_id=1, pad_id=0)
+M.save_pretrained(model, params, {str(tmp_path / 'saved')!r})
+tokenizer = M.load_tokenizer({str(smollm2_gguf)!r})
+assert tokenizer("hello")["input_ids"] == [28120]
+tokenizer.save_pretrained({str(tmp_path / 'tokenizer')!r})
+assert M.load_tokenizer({str(tmp_path / 'tokenizer')!r})("hello")["input_ids"] == [28120]
+print("ok")
+"""
+    env = {**os.environ, "XLA_FLAGS": ""}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+# Param-tree contracts --------------------------------------------------------------------------------
+
+def _structure(tree):
+    return jax.tree_util.tree_structure(tree)
+
+
+def test_param_trees_and_logical_axes(case):
+    _, _, _, model, params = case
+    fresh = M.init_params(model, jax.random.key(0))
+    assert not any(isinstance(x, nn.meta.AxisMetadata) for x in
+                   jax.tree.leaves(fresh, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata)))
+    assert _structure(fresh) == _structure(params)
+    axes = M.logical_axes(model)
+    specs = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    assert jax.tree_util.tree_structure(axes, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)) == \
+        _structure(params)
+    for spec, leaf in zip(specs, jax.tree.leaves(params)):
+        assert len(spec) == leaf.ndim and set(spec) <= LOGICAL_PARAM_NAMES
+    assert ("lm_head" in params) == (not model.config.tie_word_embeddings)
+    scalar = M.ScalarHeadModel(model.config, 0.0)
+    scalar_params = M.init_params(scalar, jax.random.key(1))
+    assert set(scalar_params) == {"backbone", "head"}
+    assert _structure(scalar_params["backbone"]) == _structure(params["backbone"])
+    values = scalar.apply({"params": scalar_params}, jnp.ones((2, 3), jnp.int32), jnp.ones((2, 3), jnp.int32))
+    np.testing.assert_array_equal(np.asarray(values), 0.0)  # value head starts at exactly zero
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gemma2_softcap_window"])
+def test_remat_gives_same_loss_and_gradients(name):
+    model = M.CausalLM(M.ModelConfig.from_hf(CASES[name]))
+    params = M.init_params(model, jax.random.key(0))
+    ids, mask = padded_batch([6, 8], 8, seed=11)
+    remat_model = M.CausalLM(model.config.replace(remat=True))
+
+    def loss(m, p):
+        return jnp.mean(m.apply({"params": p}, jnp.asarray(ids), jnp.asarray(mask)) ** 2)
+
+    value, grads = jax.jit(jax.value_and_grad(lambda p: loss(model, p)))(params)
+    remat_value, remat_grads = jax.jit(jax.value_and_grad(lambda p: loss(remat_model, p)))(params)
+    np.testing.assert_allclose(value, remat_value, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), grads, remat_grads)
+
+
+# Bad input -------------------------------------------------------------------------------------------
+
+def _copy_checkpoint(source, target: pathlib.Path, *, edit_state=None, edit_config=None):
+    target.mkdir()
+    config = json.loads((pathlib.Path(source) / "config.json").read_text())
+    state = safetensors.numpy.load_file(str(pathlib.Path(source) / "model.safetensors"))
+    if edit_config:
+        edit_config(config)
+    if edit_state:
+        edit_state(state)
+    (target / "config.json").write_text(json.dumps(config))
+    safetensors.numpy.save_file(state, str(target / "model.safetensors"))
+    return target
+
+
+@pytest.fixture(scope="module")
+def llama_checkpoint(tmp_path_factory):
+    return write_checkpoint(random_hf_model("llama_gqa_llama3_untied", seed=6), tmp_path_factory.mktemp("llama"))
+
+
+def test_unsupported_architecture_lists_families(llama_checkpoint, tmp_path):
+    path = _copy_checkpoint(llama_checkpoint, tmp_path / "x", edit_config=lambda c: c.update(model_type="mistral"))
+    with pytest.raises(ValueError, match=r"'mistral'.*supported families.*gpt2.*llama.*gemma.*qwen2"):
+        M.load_pretrained(path)
+    with pytest.raises(ValueError, match="supported families"):
+        M.ModelConfig.for_family("mamba", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
+                                 num_heads=1, num_kv_heads=1, head_dim=8, max_position_embeddings=8)
+
+
+def test_missing_weight_is_named(llama_checkpoint, tmp_path):
+    path = _copy_checkpoint(llama_checkpoint, tmp_path / "x",
+                            edit_state=lambda s: s.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ValueError, match=r"missing weights: model\.layers\.1\.mlp\.up_proj\.weight"):
+        M.load_pretrained(path)
+    path = _copy_checkpoint(llama_checkpoint, tmp_path / "y", edit_state=lambda s: s.pop("lm_head.weight"))
+    with pytest.raises(ValueError, match=r"missing weights: lm_head\.weight"):
+        M.load_pretrained(path)
+
+
+def test_unexpected_weight_is_named(llama_checkpoint, tmp_path):
+    def add(state):
+        state["model.layers.0.self_attn.q_norm.weight"] = np.ones(8, np.float32)
+
+    path = _copy_checkpoint(llama_checkpoint, tmp_path / "x", edit_state=add)
+    with pytest.raises(ValueError, match=r"unexpected weights: model\.layers\.0\.self_attn\.q_norm\.weight"):
+        M.load_pretrained(path)
+
+
+def test_wrong_shape_is_named(llama_checkpoint, tmp_path):
+    path = _copy_checkpoint(llama_checkpoint, tmp_path / "x", edit_config=lambda c: c.update(intermediate_size=40))
+    with pytest.raises(ValueError, match=r"wrong shape: backbone/layers_0/mlp/\w+/kernel"):
+        M.load_pretrained(path)
+
+
+def test_bad_paths_and_arguments(llama_checkpoint, tmp_path):
+    with pytest.raises(FileNotFoundError, match="neither a Hugging Face model directory nor a .gguf"):
+        M.load_pretrained(tmp_path / "nothing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        M.load_pretrained(tmp_path / "empty")
+    with pytest.raises(ValueError, match="head must be one of"):
+        M.load_pretrained(llama_checkpoint, head="value")
+    with pytest.raises(ValueError, match=r"num_heads \(6\) must be a multiple of num_kv_heads \(4\)"):
+        M.ModelConfig.for_family("llama", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
+                                 num_heads=6, num_kv_heads=4, head_dim=8, max_position_embeddings=8)
+    with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
+        M.ModelConfig.from_hf({**CASES["llama_linear_tied"], "rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
+
+
+def test_token_ids_outside_vocabulary(case):
+    _, _, _, model, params = case
+    ids = np.full((1, 3), 1, np.int32)
+    ids[0, 1] = VOCAB
+    with pytest.raises(ValueError, match=rf"input_ids holds token id {VOCAB} outside the vocabulary \[0, {VOCAB}\)"):
+        M.forward_logits(model, params, jnp.asarray(ids), jnp.ones_like(jnp.asarray(ids)))
+    with pytest.raises(ValueError, match="attention_mask shape"):
+        M.forward_logits(model, params, jnp.ones((1, 3), jnp.int32), jnp.ones((1, 4), jnp.int32))
