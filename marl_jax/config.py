@@ -1,0 +1,176 @@
+"""The one config system: `ml_collections.ConfigDict`s built by files in configs/ on top of
+`base_config()`, overridden on the command line, validated by `validate_config` before anything
+compiles.
+
+Defaults of the PPO section are the released MA-RLHF TL;DR Gemma-2B run: batch 256 prompts,
+1 PPO epoch, clip 0.2 / 0.2, lam 0.95, gamma 1, kl_coef 0.05, reward clip 2.5, Adam (0.9, 0.95),
+weight decay 0.1, linear LR 1.5e-5 with 5% warmup, grad clip 1.0, prompt / response 512 / 512,
+temperature 0.8, top-k 50, top-p 1, fixed 5-gram macros with `equal` weighting and the official
+`weighted` reward aggregation.
+"""
+from __future__ import annotations
+
+import ml_collections
+
+from marl_jax.macro.advantage import REWARD_AGGREGATIONS, VALUE_WEIGHTINGS
+
+STAGES = ("sft", "rm", "ppo", "all", "experiment", "eval")
+TERMINATIONS = ("fixed", "randomized", "perplexity", "parsing")
+KL_ESTIMATORS = ("k1", "k3")
+SCHEDULES = ("constant", "linear", "cosine")
+CRITIC_INITS = ("rm", "sft", "random")
+
+
+def optimizer_config(lr: float, steps: int, batch_size: int) -> ml_collections.ConfigDict:
+    return ml_collections.ConfigDict(dict(
+        steps=steps,
+        batch_size=batch_size,
+        learning_rate=lr,
+        warmup_ratio=0.05,
+        schedule="linear",
+        b1=0.9,
+        b2=0.95,
+        weight_decay=0.1,
+        grad_clip=1.0,
+    ))
+
+
+def base_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.stage = "all"
+    c.seed = 0
+    c.seeds = (0, 1, 2)
+    c.checkpoint_every = 100
+    c.log_every = 1
+    c.max_to_keep = 2
+
+    # Mesh axes (data, fsdp, tensor); -1 takes all remaining devices (at most one -1).
+    c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+    # Multi-host: empty coordinator = single process, or automatic on Cloud TPU VMs.
+    c.distributed = ml_collections.ConfigDict(dict(coordinator="", num_processes=0,
+                                                   process_id=-1))
+
+    # The task: "synthetic", or a real dataset (tldr, hh_rlhf, webgpt, apps).
+    c.task = ml_collections.ConfigDict(dict(
+        name="synthetic",
+        path="",             # local dataset directory; empty = the hub name through `datasets`
+        max_prompt_length=512,
+        use_chat_template=False,
+        num_eval_prompts=256,
+    ))
+
+    # The policy / reference model: a pretrained checkpoint (HF directory or .gguf file) or,
+    # when `path` is empty, a fresh decoder built from `config` (ModelConfig fields).
+    c.model = ml_collections.ConfigDict(dict(
+        path="",
+        dtype="float32",
+        param_dtype="float32",
+        remat=False,
+        config=ml_collections.ConfigDict(),
+    ))
+
+    c.sft = optimizer_config(lr=1e-5, steps=1000, batch_size=32)
+    c.sft.num_examples = 0  # 0 = every example of the task's SFT split
+
+    c.rm = optimizer_config(lr=1e-5, steps=1000, batch_size=32)
+    c.rm.num_examples = 0
+    c.rm.init_from = "sft"  # the paper initialises the reward model from the SFT policy
+
+    p = c.ppo = optimizer_config(lr=1.5e-5, steps=1000, batch_size=256)
+    p.critic_learning_rate = 1.5e-5
+    p.ppo_epochs = 1
+    p.num_minibatches = 1
+    p.response_length = 512
+    p.temperature = 0.8
+    p.top_k = 50
+    p.top_p = 1.0
+    # Macro actions.
+    p.termination = "fixed"
+    p.ngram = 5
+    p.randomized_lengths = (2, 3, 5, 10)
+    p.randomized_repeats = 3
+    p.parsing_cutoff = 5
+    p.parsing_model = "en_core_web_sm"
+    p.isolate_last = True
+    p.value_weighting = "equal"
+    p.reward_aggregation = "weighted"
+    # Rewards, KL and advantages.
+    p.kl_coef = 0.05
+    p.kl_estimator = "k1"
+    p.adaptive_kl = False
+    p.kl_target = 6.0
+    p.kl_horizon = 10000
+    p.reward_clip = 2.5
+    p.normalize_reward = True
+    p.missing_eos_penalty = 0.0  # > 0: subtracted from the score of responses with no EOS
+    p.gamma = 1.0
+    p.lam = 0.95
+    p.whiten_advantages = False
+    # Losses.
+    p.cliprange = 0.2
+    p.cliprange_value = 0.2
+    p.vf_coef = 0.5
+    p.loss_aggregation = "token_mean"
+    p.critic_init = "rm"  # rm (the paper), sft, or random (a cold critic)
+    # rm (the paper); gold: the synthetic task's gold function as an oracle reward model;
+    # host: a reward computed on the host, e.g. the fraction of APPS unit tests passed.
+    p.reward_source = "rm"
+    p.eval_every = 10
+    return c
+
+
+def validate_config(c: ml_collections.ConfigDict) -> None:
+    """Raises ValueError naming the first bad field; call before anything compiles."""
+    def check(cond, field, msg):
+        if not cond:
+            raise ValueError(f"config.{field}={_get(c, field)!r}: {msg}")
+
+    check(c.stage in STAGES, "stage", f"must be one of {STAGES}")
+    p = c.ppo
+    check(p.termination in TERMINATIONS, "ppo.termination", f"must be one of {TERMINATIONS}")
+    check(isinstance(p.ngram, int) and p.ngram >= 1, "ppo.ngram", "must be an integer >= 1")
+    check(p.value_weighting in VALUE_WEIGHTINGS, "ppo.value_weighting",
+          f"must be one of {VALUE_WEIGHTINGS}")
+    check(p.reward_aggregation in REWARD_AGGREGATIONS, "ppo.reward_aggregation",
+          f"must be one of {REWARD_AGGREGATIONS}")
+    check(p.kl_estimator in KL_ESTIMATORS, "ppo.kl_estimator", f"must be one of {KL_ESTIMATORS}")
+    check(p.critic_init in CRITIC_INITS, "ppo.critic_init", f"must be one of {CRITIC_INITS}")
+    check(p.reward_source in ("rm", "gold", "host"), "ppo.reward_source",
+          "must be rm, gold or host")
+    check(p.loss_aggregation in ("token_mean", "sequence_mean"), "ppo.loss_aggregation",
+          "must be token_mean or sequence_mean")
+    check(len(p.randomized_lengths) > 0 and all(int(x) >= 1 for x in p.randomized_lengths),
+          "ppo.randomized_lengths", "must be a non-empty tuple of integers >= 1")
+    check(p.randomized_repeats >= 1, "ppo.randomized_repeats", "must be >= 1")
+    check(p.temperature >= 0, "ppo.temperature", "must be >= 0")
+    check(0 < p.top_p <= 1, "ppo.top_p", "must be in (0, 1]")
+    check(p.top_k >= 0, "ppo.top_k", "must be >= 0 (0 disables top-k)")
+    check(0 <= p.lam <= 1, "ppo.lam", "must be in [0, 1]")
+    check(0 <= p.gamma <= 1, "ppo.gamma", "must be in [0, 1]")
+    check(p.kl_coef >= 0, "ppo.kl_coef", "must be >= 0")
+    check(p.cliprange > 0, "ppo.cliprange", "must be > 0")
+    check(p.cliprange_value > 0, "ppo.cliprange_value", "must be > 0")
+    check(p.response_length >= 1, "ppo.response_length", "must be >= 1")
+    check(p.ppo_epochs >= 1, "ppo.ppo_epochs", "must be >= 1")
+    check(p.num_minibatches >= 1 and p.batch_size % p.num_minibatches == 0,
+          "ppo.num_minibatches", f"must divide ppo.batch_size={p.batch_size}")
+    for stage in ("sft", "rm", "ppo"):
+        s = c[stage]
+        check(s.steps >= 0, f"{stage}.steps", "must be >= 0")
+        check(s.batch_size >= 1, f"{stage}.batch_size", "must be >= 1")
+        check(s.learning_rate > 0, f"{stage}.learning_rate", "must be > 0")
+        check(s.schedule in SCHEDULES, f"{stage}.schedule", f"must be one of {SCHEDULES}")
+        check(0 <= s.warmup_ratio < 1, f"{stage}.warmup_ratio", "must be in [0, 1)")
+    check(c.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
+    for axis in ("data", "fsdp", "tensor"):
+        v = c.mesh[axis]
+        check(isinstance(v, int) and (v >= 1 or v == -1), f"mesh.{axis}",
+              "must be a positive integer or -1 (all remaining devices)")
+    check(sum(c.mesh[a] == -1 for a in ("data", "fsdp", "tensor")) <= 1, "mesh",
+          "at most one mesh axis may be -1")
+
+
+def _get(c, dotted):
+    for part in dotted.split("."):
+        c = c[part]
+    return c

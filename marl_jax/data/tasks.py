@@ -1,0 +1,95 @@
+"""The data of one RLHF pipeline, tokenised into the arrays every stage uses.
+
+`build_task(config, workdir)` returns a `TaskData` for the synthetic task or for a real dataset
+(tldr, hh_rlhf, webgpt, apps): SFT demonstrations, preference pairs, RL prompts and held-out
+evaluation prompts, plus, for the synthetic task, the gold reward.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from marl_jax.data import collate
+from marl_jax.data import synthetic as syn
+
+
+@dataclasses.dataclass
+class TaskData:
+    tokenizer: Any
+    prompt_length: int
+    response_length: int
+    # SFT: prompts [N, P] (left-padded) and demonstrations [N, R] (left-aligned, EOS included).
+    sft: dict
+    # RM: prompts [M, P], chosen [M, R], rejected [M, R] (+ masks).
+    rm: dict
+    # PPO prompts [K, P] and held-out evaluation prompts [E, P].
+    rl: dict
+    eval: dict
+    # Gold reward for the synthetic task: gold_fn(documents [B, D], ids [B, R], mask [B, R]) -> [B]
+    # (jittable); documents ride along in rl["documents"] / eval["documents"].
+    gold_fn: Optional[Callable] = None
+    # A host-side reward for `config.ppo.reward_source="host"`:
+    # host_reward(rl_rows [B], response_ids [B, R], response_mask [B, R]) -> [B] float.
+    host_reward: Optional[Callable] = None
+    info: dict = dataclasses.field(default_factory=dict)
+
+
+def synthetic_task_from_config(cfg) -> syn.SyntheticTask:
+    fields = {f.name for f in dataclasses.fields(syn.SyntheticTask)}
+    kwargs = {k: v for k, v in cfg.items() if k in fields}
+    return syn.SyntheticTask(**kwargs)
+
+
+def build_task(config, workdir: str) -> TaskData:
+    """The task named by `config.task.name`, tokenised; deterministic in `config.task`."""
+    name = config.task.name
+    if name == "synthetic":
+        return _synthetic(config, workdir)
+    from marl_jax.data import real_tasks
+    return real_tasks.build_real_task(config, workdir)
+
+
+def _synthetic(config, workdir: str) -> TaskData:
+    t = config.task
+    task = synthetic_task_from_config(t)
+    tokenizer = syn.build_tokenizer(task, os.path.join(workdir, "tokenizer"))
+    p = task.prompt_length
+    r = config.ppo.response_length
+    if r < task.max_response_length:
+        raise ValueError(
+            f"config.ppo.response_length={r} is shorter than the longest ideal synthetic "
+            f"response ({task.max_response_length} tokens); raise it or shorten the task")
+    seed = t.data_seed
+
+    sft_rows = syn.sft_examples(task, seed, t.num_sft)
+    pairs = syn.preference_pairs(task, seed + 1, t.num_pairs)
+    rl_rows = syn.rl_prompts(task, seed + 2, t.num_rl_prompts)
+    eval_rows = syn.rl_prompts(task, seed + 3, t.num_eval_prompts)
+
+    def prompts(rows):
+        ids, mask = collate.encode_prompts(tokenizer, [x["prompt"] for x in rows], p)
+        return dict(ids=ids, mask=mask, documents=np.stack([x["document"] for x in rows]))
+
+    def responses(texts):
+        return collate.encode_responses(tokenizer, texts, r)
+
+    sft_ids, sft_mask = responses([x["response"] for x in sft_rows])
+    chosen_ids, chosen_mask = responses([x["chosen"] for x in pairs])
+    rejected_ids, rejected_mask = responses([x["rejected"] for x in pairs])
+    sft_prompts = prompts(sft_rows)
+    rm_prompts = prompts(pairs)
+    return TaskData(
+        tokenizer=tokenizer, prompt_length=p, response_length=r,
+        sft=dict(prompt_ids=sft_prompts["ids"], prompt_mask=sft_prompts["mask"],
+                 response_ids=sft_ids, response_mask=sft_mask),
+        rm=dict(prompt_ids=rm_prompts["ids"], prompt_mask=rm_prompts["mask"],
+                chosen_ids=chosen_ids, chosen_mask=chosen_mask,
+                rejected_ids=rejected_ids, rejected_mask=rejected_mask),
+        rl=prompts(rl_rows), eval=prompts(eval_rows),
+        gold_fn=functools.partial(syn.gold_score_jax, task),
+        info=dict(task=dataclasses.asdict(task)),
+    )

@@ -1,0 +1,271 @@
+"""Arms x seeds of PPO / MA-PPO from one SFT policy and one reward model, vmapped.
+
+An arm is a named set of overrides of `config.ppo` (`ARMS`). Everything arms may vary (lam,
+gamma, kl_coef, ngram, termination, value weighting, reward aggregation, critic start) is traced,
+so every (arm, seed) run of an experiment is one row of a single vmapped, jitted step: the same
+prompts and sampling keys for every arm of a seed (paired comparisons), one compilation.
+
+Rows in `<workdir>/metrics.jsonl`: training rows `{"stage": "ppo", "arm", "seed", "step", ...}`,
+evaluation rows `{"stage": "eval", "arm", "seed", "step", "gold", "kl", "rm_score"}` every
+`ppo.eval_every` steps on held-out prompts (step 0 is the SFT policy), and one
+`{"stage": "final", "arm", "seed", "gold_per_prompt": [...], "rm_score_per_prompt": [...]}` per
+run. The report (`marl_jax/eval/report.py`) is computed from these rows alone.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from marl_jax import config as config_lib
+from marl_jax.data import batches
+from marl_jax.train import build, loop, sharding
+from marl_jax.train import ppo as ppo_lib
+from marl_jax.train import ppo_core as core
+
+
+def _ma(p):
+    return p.ngram
+
+
+# name -> function of config.ppo returning overrides of config.ppo.
+ARMS = {
+    "ppo": lambda p: dict(ngram=1),
+    "ma_ppo": lambda p: dict(ngram=_ma(p), value_weighting="equal",
+                             reward_aggregation="weighted"),
+    # Token PPO with the hyper-parameters MA-PPO implies: lam^(1/n), and beta/n for the
+    # official mean ("weighted") reward aggregation.
+    "ppo_matched": lambda p: dict(ngram=1, lam=p.lam ** (1.0 / _ma(p)),
+                                  kl_coef=p.kl_coef / _ma(p)),
+    "ma_ppo_smdp": lambda p: dict(ngram=_ma(p), value_weighting="first",
+                                  reward_aggregation="sum"),
+    # Ablations (configs/synthetic_sweep.py).
+    "n1": lambda p: dict(ngram=1),
+    "n3": lambda p: dict(ngram=3),
+    "n5": lambda p: dict(ngram=5),
+    "n10": lambda p: dict(ngram=10),
+    "n_inf": lambda p: dict(ngram=p.response_length),
+    "randomized": lambda p: dict(termination="randomized"),
+    "perplexity": lambda p: dict(termination="perplexity"),
+    "equal": lambda p: dict(value_weighting="equal"),
+    "unit": lambda p: dict(value_weighting="unit"),
+    "position": lambda p: dict(value_weighting="position"),
+    "first": lambda p: dict(value_weighting="first"),
+    "agg_weighted": lambda p: dict(reward_aggregation="weighted"),
+    "agg_sum": lambda p: dict(reward_aggregation="sum"),
+    "ppo_lam1": lambda p: dict(ngram=1, lam=1.0),
+    "ma_ppo_lam1": lambda p: dict(lam=1.0),
+    "ma_ppo_cold_critic": lambda p: dict(critic_init="random"),
+    "ppo_cold_critic": lambda p: dict(ngram=1, critic_init="random"),
+}
+TRACED_FIELDS = ("lam", "gamma", "kl_coef", "ngram", "termination", "value_weighting",
+                 "reward_aggregation", "critic_init")
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    arm: str
+    seed: int
+    ppo: dict  # the resolved ppo fields this run uses (TRACED_FIELDS)
+
+    @property
+    def variant(self):
+        return (self.ppo["termination"], self.ppo["value_weighting"],
+                self.ppo["reward_aggregation"])
+
+
+def resolve_arm(name: str, ppo_cfg) -> dict:
+    if name not in ARMS:
+        raise ValueError(f"config.experiment.arms: unknown arm {name!r}; known: {sorted(ARMS)}")
+    fields = {k: ppo_cfg[k] for k in TRACED_FIELDS}
+    overrides = ARMS[name](ppo_cfg)
+    fields.update(overrides)
+    if fields["termination"] == "parsing":
+        raise ValueError(f"arm {name!r}: parsing termination runs host-side and cannot be "
+                         "vmapped; run it as a single pipeline (--config.stage=all)")
+    if int(fields["ngram"]) < 1:
+        raise ValueError(f"arm {name!r}: ngram={fields['ngram']} must be >= 1")
+    return fields
+
+
+def plan_runs(config) -> list[Run]:
+    arms = tuple(config.experiment.arms)
+    if not arms:
+        raise ValueError("config.experiment.arms is empty")
+    if len(set(arms)) != len(arms):
+        raise ValueError(f"config.experiment.arms has duplicates: {arms}")
+    seeds = tuple(int(s) for s in config.seeds)
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"config.seeds={config.seeds!r} must be a non-empty tuple of distinct "
+                         "integers")
+    return [Run(a, s, resolve_arm(a, config.ppo)) for a in arms for s in seeds]
+
+
+def _stack(trees):
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def run_experiment(config, workdir: str) -> dict:
+    """SFT -> RM -> every (arm, seed) PPO run -> report. Returns the report dict.
+
+    With `config.experiment.horizons`, the whole experiment is repeated for each number of
+    summary items (a short and a long horizon) in `<workdir>/horizon_<items>/`, and
+    `<workdir>/report.md` / `report.json` gather the per-horizon reports.
+    """
+    horizons = tuple(config.experiment.get("horizons", ()))
+    if not horizons:
+        return _run_one(config, workdir)
+    from marl_jax.data.synthetic import SyntheticTask
+    if config.task.name != "synthetic":
+        raise ValueError("config.experiment.horizons applies to the synthetic task only")
+    reports = {}
+    for items in horizons:
+        sub = config.copy_and_resolve_references()
+        sub.task.summary_items = int(items)
+        sub.task.doc_size = max(sub.task.doc_size, int(items))
+        sub.experiment.horizons = ()
+        longest = SyntheticTask(summary_items=int(items), max_description=sub.task.max_description,
+                                doc_size=sub.task.doc_size).max_response_length
+        sub.ppo.response_length = -(-longest // 8) * 8
+        reports[f"horizon_{items}"] = _run_one(sub, os.path.join(workdir, f"horizon_{items}"))
+    if jax.process_index() == 0:
+        from marl_jax.eval import report as report_lib
+        report_lib.write_combined(workdir, reports)
+    return reports
+
+
+def _run_one(config, workdir: str) -> dict:
+    from marl_jax.eval import report as report_lib
+    from marl_jax.pipeline import Pipeline
+
+    config_lib.validate_config(config)
+    runs = plan_runs(config)
+    pipe = Pipeline(config, workdir)
+    try:
+        sft_params = pipe.sft()
+        rm_params, stats = pipe.rm()
+        _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats)
+    finally:
+        pipe.close()
+    if jax.process_index() != 0:
+        return {}
+    report = report_lib.write_report(workdir, beta=float(config.ppo.kl_coef),
+                                     smoothing=int(config.experiment.smoothing),
+                                     baseline="ppo", arms=tuple(config.experiment.arms))
+    print(report_lib.summary_text(report))
+    return report
+
+
+def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats):
+    p, task = config.ppo, pipe.task
+    variants = tuple(sorted({r.variant for r in runs}))
+    static = ppo_lib.static_from_config(config, task.tokenizer, variants=variants)
+    mods = ppo_lib.make_models(config, pipe.policy, pipe.critic, pipe.reward_model, task.gold_fn)
+    mesh = pipe.mesh
+    sharding.validate_batch(p.batch_size, mesh, "config.ppo.batch_size")
+
+    hparams = _stack([core.RunHparams(
+        lam=jnp.float32(r.ppo["lam"]), gamma=jnp.float32(r.ppo["gamma"]),
+        ngram=jnp.int32(r.ppo["ngram"]), variant=jnp.int32(variants.index(r.variant)))
+        for r in runs])
+    states = []
+    for r in runs:
+        critic_cfg = config.copy_and_resolve_references()
+        critic_cfg.ppo.critic_init = r.ppo["critic_init"]
+        critic = ppo_lib.initial_critic_params(critic_cfg, pipe.critic, sft_params, rm_params,
+                                               jax.random.fold_in(jax.random.key(r.seed), 1))
+        s = ppo_lib.initial_state(config, mods, sft_params, critic, r.seed)
+        states.append(s.replace(kl_coef=jnp.float32(r.ppo["kl_coef"])))
+    state = _stack(states)
+    frozen = core.Frozen(ref_params=sft_params, rm_params=rm_params,
+                         reward_mean=jnp.float32(stats["mean"]),
+                         reward_std=jnp.float32(stats["std"]))
+
+    step_fn = jax.jit(jax.vmap(functools.partial(core.ppo_step, static, mods),
+                               in_axes=(0, None, 0, 0, 0, 0)), donate_argnums=0)
+    eval_fn = jax.jit(jax.vmap(functools.partial(ppo_lib.evaluate, static, mods,
+                                                 gold_fn=task.gold_fn),
+                               in_axes=(0, None, None, None, None, 0)))
+    seeds = np.array([r.seed for r in runs])
+    num_prompts = len(task.rl["ids"])
+    eval_keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), 7))(seeds)
+
+    def run_step(state, step):
+        rows = np.stack([batches.batch_indices(num_prompts, p.batch_size, int(s) + 2, step)
+                         for s in seeds])
+        docs = task.rl.get("documents")
+        return step_fn(state, frozen, hparams, task.rl["ids"][rows], task.rl["mask"][rows],
+                       None if docs is None else docs[rows])
+
+    def evaluate(state):
+        return jax.device_get(eval_fn(state.actor_params, frozen, task.eval["ids"],
+                                      task.eval["mask"], task.eval.get("documents"), eval_keys))
+
+    def eval_rows(result, step):
+        rows = []
+        for i, r in enumerate(runs):
+            one = {k: v[i] for k, v in result.items()}
+            rows.append(dict(stage="eval", arm=r.arm, seed=r.seed, step=step,
+                             **ppo_lib.eval_row(one)))
+        return rows
+
+    writer = pipe.writer
+    stage = loop.Stage("experiment", pipe.workdir, max_to_keep=config.max_to_keep)
+    if not stage.latest_step():
+        writer.truncate_after("eval", -1)
+        writer.truncate_after("final", -1)
+        for row in eval_rows(evaluate(state), 0):
+            writer.write(row)
+
+    def hooks(state, done):
+        if p.eval_every > 0 and (done % p.eval_every == 0 or done == p.steps):
+            return eval_rows(evaluate(state), done)
+        return []
+
+    metadata = dict(stage="experiment", config=config.to_dict(),
+                    runs=[dict(arm=r.arm, seed=r.seed, **r.ppo) for r in runs])
+    state, _ = loop.run(stage, state=state, total_steps=p.steps, step_fn=run_step,
+                        writer=_PerRunWriter(writer, runs), metadata=metadata,
+                        checkpoint_every=config.checkpoint_every, log_every=config.log_every,
+                        progress_keys=("objective/scores", "objective/kl"), hooks=hooks, truncate_stages=("ppo", "eval"),
+                        tokens_per_step=len(runs) * p.batch_size * (
+                            task.prompt_length + p.response_length))
+    if not any(r.get("stage") == "final" for r in _read(pipe.workdir)):
+        result = evaluate(state)
+        for i, r in enumerate(runs):
+            row = dict(stage="final", arm=r.arm, seed=r.seed, step=p.steps,
+                       rm_score_per_prompt=[float(x) for x in result["rm_score"][i]],
+                       kl_per_prompt=[float(x) for x in result["kl"][i]])
+            if "gold" in result:
+                row["gold_per_prompt"] = [float(x) for x in result["gold"][i]]
+            writer.write(row)
+    stage.close()
+
+
+def _read(workdir):
+    from marl_jax.train.metrics import read_metrics
+    return read_metrics(workdir)
+
+
+class _PerRunWriter:
+    """Splits the vmapped step's rows (a leading run axis on every metric) into one row per run."""
+
+    def __init__(self, writer, runs):
+        self.writer, self.runs = writer, runs
+
+    def write(self, row):
+        if row.get("stage") != "experiment":
+            self.writer.write(row)
+            return
+        for i, r in enumerate(self.runs):
+            one = {k: (v[i] if isinstance(v, list) else v) for k, v in row.items()}
+            one.update(stage="ppo", arm=r.arm, seed=r.seed)
+            self.writer.write(one)
+
+    def truncate_after(self, stage, step, **match):
+        return self.writer.truncate_after(stage, step, **match)

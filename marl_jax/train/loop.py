@@ -1,0 +1,104 @@
+"""The resumable outer loop every stage shares: restore, step, log, checkpoint, repeat.
+
+A stage's state lives in `<workdir>/checkpoints/<stage>/<step>`. Running the same command again
+restores the latest complete checkpoint, drops metrics rows logged after it, and continues, so a
+run killed at any moment loses at most `checkpoint_every` steps and never duplicates a row. A
+stage whose final checkpoint exists is complete and is not run again.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Mapping, Optional
+
+import jax
+import numpy as np
+
+from marl_jax.train import checkpoint as ckpt_lib
+from marl_jax.train.metrics import ProgressBar
+
+
+class Stage:
+    """Checkpoint bookkeeping of one stage (`sft`, `rm`, `ppo`, or an experiment group)."""
+
+    def __init__(self, name: str, workdir: str, *, max_to_keep: int = 2):
+        self.name = name
+        self.checkpointer = ckpt_lib.Checkpointer(ckpt_lib.checkpoint_dir(workdir, name),
+                                                  max_to_keep=max_to_keep)
+
+    def latest_step(self) -> Optional[int]:
+        return self.checkpointer.latest_step()
+
+    def restore(self, abstract_state, shardings=None, step=None):
+        return self.checkpointer.restore(step=step, abstract_state=abstract_state,
+                                         shardings=shardings)
+
+    def save(self, step: int, state, metadata: Mapping[str, Any]):
+        self.checkpointer.save(step, state, dict(metadata))
+
+    def close(self):
+        self.checkpointer.wait()
+        self.checkpointer.close()
+
+
+def run(stage: Stage, *, state, total_steps: int, step_fn: Callable, writer, metadata: dict,
+        checkpoint_every: int, log_every: int = 1, abstract_state=None, shardings=None,
+        row_keys: Optional[dict] = None, progress_keys=(), hooks: Callable = None,
+        tokens_per_step: int = 0, truncate_stages=None):
+    """Runs `state = step_fn(state, step)` from the latest checkpoint to `total_steps`.
+
+    Args:
+      step_fn: `(state, step) -> (state, metrics)`; `step` is the 0-based index of the step
+        being taken; metrics are device scalars, fetched once per logged step.
+      abstract_state / shardings: how to restore (defaults: the shapes and shardings of `state`).
+      row_keys: extra keys of every metrics row (e.g. arm, seed).
+      hooks: `(state, done_steps) -> list[rows]` called after every step (evaluation rows).
+      tokens_per_step: tokens processed per step, for the tokens/s metric.
+      truncate_stages: stages whose rows after a restored step are dropped (default: this one).
+    Returns:
+      (state, start_step): the final state and the step the run resumed from.
+    """
+    row_keys = dict(row_keys or {})
+    start = stage.latest_step() or 0
+    if start:
+        if abstract_state is None:
+            abstract_state = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+        if shardings is None:
+            shardings = jax.tree.map(lambda x: x.sharding, state)
+        state, _ = stage.restore(abstract_state, shardings, step=start)
+        for name in truncate_stages or (stage.name,):
+            writer.truncate_after(name, start, **row_keys)
+    if start >= total_steps:
+        return state, start
+    bar = ProgressBar(total_steps, initial=start, desc=stage.name)
+    last_time, last_logged = time.perf_counter(), start
+    for step in range(start, total_steps):
+        state, metrics = step_fn(state, step)
+        done = step + 1
+        if done % log_every == 0 or done == total_steps:
+            row = {k: _host_value(v) for k, v in jax.device_get(metrics).items()}
+            now = time.perf_counter()
+            elapsed = (now - last_time) / (done - last_logged)
+            last_time, last_logged = now, done
+            row["timing/step_s"] = elapsed
+            if tokens_per_step:
+                row["tokens/s"] = tokens_per_step / max(elapsed, 1e-9)
+            row = {"stage": stage.name, "step": done, **row_keys, **row}
+            writer.write(row)
+            bar.update(done, {k: float(np.mean(row[k])) for k in progress_keys if k in row})
+        else:
+            bar.update(done)
+        if hooks is not None:
+            for extra in hooks(state, done):
+                writer.write({"step": done, **row_keys, **extra})
+        if ckpt_lib.should_save(done, checkpoint_every, total_steps):
+            stage.save(done, state, metadata)
+    bar.close()
+    stage.checkpointer.wait()
+    return state, start
+
+
+def _host_value(v):
+    """A float for a scalar metric; a list for a per-run vector (vmapped experiments)."""
+    a = np.asarray(v)
+    return float(a) if a.ndim == 0 else [float(x) for x in a.reshape(-1)]

@@ -1,0 +1,240 @@
+"""Stage 3: PPO / MA-PPO, one sharded jitted step per iteration, resumable.
+
+Actor and reference start from the SFT policy; the critic and the frozen reward model from the
+reward model (as the paper does; `config.ppo.critic_init` can also start the critic from the SFT
+backbone or from scratch).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from marl_jax import models as models_lib
+from marl_jax import sampling
+from marl_jax.data import batches
+from marl_jax.train import build, loop, sharding
+from marl_jax.train import ppo_core as core
+from marl_jax.train.optim import make_optimizer
+
+
+def static_from_config(config, tokenizer, variants=None) -> core.PPOStatic:
+    p = config.ppo
+    eos = tokenizer.eos_token_id
+    if variants is None:
+        variants = ((p.termination, p.value_weighting, p.reward_aggregation),)
+    return core.PPOStatic(
+        batch_size=p.batch_size, response_length=p.response_length, eos_id=eos,
+        pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
+        temperature=float(p.temperature), top_k=int(p.top_k), top_p=float(p.top_p),
+        variants=tuple(variants), randomized_lengths=tuple(int(x) for x in p.randomized_lengths),
+        randomized_repeats=int(p.randomized_repeats), isolate_last=bool(p.isolate_last),
+        ppo_epochs=int(p.ppo_epochs), num_minibatches=int(p.num_minibatches),
+        cliprange=float(p.cliprange), cliprange_value=float(p.cliprange_value),
+        vf_coef=float(p.vf_coef), kl_estimator=p.kl_estimator, reward_clip=float(p.reward_clip),
+        normalize_reward=bool(p.normalize_reward),
+        missing_eos_penalty=float(p.missing_eos_penalty),
+        whiten_advantages=bool(p.whiten_advantages), loss_aggregation=p.loss_aggregation,
+        adaptive_kl=bool(p.adaptive_kl), kl_target=float(p.kl_target),
+        kl_horizon=int(p.kl_horizon), reward_source=p.reward_source)
+
+
+def hparams_from_config(p, variant: int = 0) -> core.RunHparams:
+    return core.RunHparams(lam=jnp.float32(p.lam), gamma=jnp.float32(p.gamma),
+                           ngram=jnp.int32(p.ngram), variant=jnp.int32(variant))
+
+
+def make_models(config, policy, critic, reward_model, gold_fn=None) -> core.Models:
+    p = config.ppo
+    if p.reward_source == "gold" and gold_fn is None:
+        raise ValueError("config.ppo.reward_source='gold' needs a task with a gold reward "
+                         "(the synthetic task)")
+    return core.Models(
+        policy=policy, critic=critic, reward=reward_model,
+        actor_optimizer=make_optimizer(p, p.steps),
+        critic_optimizer=make_optimizer(p, p.steps, learning_rate=p.critic_learning_rate),
+        gold_fn=gold_fn)
+
+
+def initial_critic_params(config, critic, sft_params, rm_params, key):
+    """The critic's starting point: the reward model (paper), the SFT backbone, or scratch."""
+    how = config.ppo.critic_init
+    if how == "rm":
+        return rm_params
+    fresh = models_lib.init_params(critic, key)
+    if how == "sft":
+        return dict(fresh, backbone=sft_params["backbone"])
+    return fresh
+
+
+def initial_state(config, mods: core.Models, actor_params, critic_params, seed: int):
+    return core.PPOState(
+        step=jnp.zeros((), jnp.int32), actor_params=actor_params,
+        actor_opt_state=mods.actor_optimizer.init(actor_params), critic_params=critic_params,
+        critic_opt_state=mods.critic_optimizer.init(critic_params),
+        key=jax.random.key_data(jax.random.key(seed)), kl_coef=jnp.float32(config.ppo.kl_coef),
+        skipped_updates=jnp.zeros((), jnp.float32))
+
+
+def state_shardings(mods: core.Models, mesh, actor_params, critic_params):
+    a_sh = build.param_shardings(mods.policy, mesh, build.abstract(actor_params))
+    c_sh = build.param_shardings(mods.critic, mesh, build.abstract(critic_params))
+    rep = sharding.replicated(mesh)
+    return core.PPOState(
+        step=rep, actor_params=a_sh,
+        actor_opt_state=sharding.opt_state_shardings(mods.actor_optimizer, a_sh, mesh,
+                                                     params=build.abstract(actor_params)),
+        critic_params=c_sh,
+        critic_opt_state=sharding.opt_state_shardings(mods.critic_optimizer, c_sh, mesh,
+                                                      params=build.abstract(critic_params)),
+        key=rep, kl_coef=rep, skipped_updates=rep)
+
+
+def evaluate(static: core.PPOStatic, mods: core.Models, actor_params, frozen: core.Frozen,
+             prompt_ids, prompt_mask, documents, key, gold_fn=None):
+    """Held-out evaluation: per-sample gold, KL to the reference (nats), RM score. Jittable."""
+    sample = sampling.generate(
+        mods.policy, actor_params, prompt_ids, prompt_mask, key=key,
+        max_new_tokens=static.response_length, temperature=static.temperature,
+        top_k=static.top_k, top_p=static.top_p, eos_id=static.eos_id, pad_id=static.pad_id)
+    ids, mask = sample.tokens, sample.mask.astype(jnp.int32)
+    args = (prompt_ids, prompt_mask, ids, mask)
+    logp, _ = core.response_logprobs(mods.policy, actor_params, *args, static.temperature)
+    ref, _ = core.response_logprobs(mods.policy, frozen.ref_params, *args, static.temperature)
+    kl = ((logp - ref) * mask).sum(axis=1)
+    score = core.sequence_scores(mods.reward, frozen.rm_params, *args)
+    if static.normalize_reward:
+        score = (score - frozen.reward_mean) / frozen.reward_std
+    out = {"kl": kl, "rm_score": score, "length": mask.sum(axis=1).astype(jnp.float32),
+           "response_ids": ids, "response_mask": mask}
+    if gold_fn is not None:
+        out["gold"] = gold_fn(documents, ids, mask)
+    return out
+
+
+def eval_row(result: dict) -> dict:
+    row = {k: float(np.mean(np.asarray(result[k]))) for k in ("kl", "rm_score", "length")}
+    if "gold" in result:
+        row["gold"] = float(np.mean(np.asarray(result["gold"])))
+    return row
+
+
+def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, reward_stats, *,
+            mesh, writer, workdir):
+    """Runs `config.ppo.steps` PPO / MA-PPO steps; returns the final PPOState."""
+    p = config.ppo
+    sharding.validate_batch(p.batch_size, mesh, "config.ppo.batch_size")
+    if p.reward_source == "host" and task.host_reward is None:
+        raise ValueError(f"config.ppo.reward_source='host': task {config.task.name!r} has no "
+                         "host-side reward (APPS unit tests have one)")
+    static = static_from_config(config, task.tokenizer)
+    hparams = hparams_from_config(p)
+    mods = make_models(config, policy, critic, reward_model, task.gold_fn)
+    key = jax.random.key(config.seed)
+    critic_params = initial_critic_params(config, critic, sft_params, rm_params,
+                                          jax.random.fold_in(key, 1))
+    state_sh = state_shardings(mods, mesh, sft_params, critic_params)
+    frozen_sh = core.Frozen(ref_params=state_sh.actor_params,
+                            rm_params=build.param_shardings(reward_model, mesh,
+                                                            build.abstract(rm_params)),
+                            reward_mean=sharding.replicated(mesh),
+                            reward_std=sharding.replicated(mesh))
+    rep, batch_sh = sharding.replicated(mesh), sharding.batch_sharding(mesh)
+
+    frozen = jax.device_put(core.Frozen(
+        ref_params=sft_params, rm_params=rm_params,
+        reward_mean=jnp.float32(reward_stats["mean"]),
+        reward_std=jnp.float32(reward_stats["std"])), frozen_sh)
+    # The actor and critic are updated in place (donated), so they must not share buffers with
+    # the frozen reference and reward model they start from.
+    state = jax.device_put(initial_state(config, mods, sft_params, critic_params, config.seed),
+                           state_sh, may_alias=False)
+    step_fn = jax.jit(functools.partial(core.ppo_step, static, mods),
+                      in_shardings=(state_sh, frozen_sh, rep, batch_sh, batch_sh, batch_sh),
+                      out_shardings=(state_sh, rep), donate_argnums=0)
+    eval_fn = jax.jit(functools.partial(evaluate, static, mods, gold_fn=task.gold_fn))
+    num_prompts = len(task.rl["ids"])
+    eval_key = jax.random.fold_in(key, 7)
+
+    host_step = _host_phased_step(config, task, static, mods, state_sh) if (
+        p.termination == "parsing" or p.reward_source == "host") else None
+
+    def run_step(state, step):
+        rows = batches.process_rows(batches.batch_indices(num_prompts, p.batch_size,
+                                                          config.seed + 2, step))
+        prompts = sharding.shard_batch({k: v[rows] for k, v in task.rl.items()}, mesh)
+        if host_step is not None:
+            return host_step(state, frozen, hparams, prompts, rows)
+        return step_fn(state, frozen, hparams, prompts["ids"], prompts["mask"],
+                       prompts.get("documents"))
+
+    def eval_hook(state, done):
+        if p.eval_every <= 0 or (done % p.eval_every and done != p.steps):
+            return []
+        result = eval_fn(state.actor_params, frozen, task.eval["ids"], task.eval["mask"],
+                         task.eval.get("documents"), eval_key)
+        return [dict(stage="eval", **eval_row(result))]
+
+    stage = loop.Stage("ppo", workdir, max_to_keep=config.max_to_keep)
+    with sharding.mesh_context(mesh, sharding.logical_rules(mesh, build.model_dims(
+            policy.config))):
+        if not stage.latest_step() and p.eval_every > 0:
+            writer.truncate_after("eval", -1)
+            result = eval_fn(state.actor_params, frozen, task.eval["ids"], task.eval["mask"],
+                             task.eval.get("documents"), eval_key)
+            writer.write(dict(stage="eval", step=0, **eval_row(result)))
+        tokens = p.batch_size * (task.prompt_length + p.response_length)
+        state, _ = loop.run(stage, state=state, total_steps=p.steps, step_fn=run_step,
+                            writer=writer, metadata=dict(stage="ppo", config=config.to_dict()),
+                            checkpoint_every=config.checkpoint_every, log_every=config.log_every,
+                            shardings=state_sh, truncate_stages=("ppo", "eval"),
+                            progress_keys=("objective/scores", "objective/kl"),
+                            hooks=eval_hook, tokens_per_step=tokens)
+    stage.close()
+    if host_step is not None:
+        host_step.close()
+    return state
+
+
+class _host_phased_step:
+    """A PPO step with host work between sampling and the update.
+
+    generate (device) -> fetch the tokens -> [parse on host threads | host rewards] ->
+    score (device, overlapped with the parsing) -> update (device, with the parsed segment ids).
+    """
+
+    def __init__(self, config, task, static, mods, state_sh):
+        p = config.ppo
+        self.task, self.reward_source = task, p.reward_source
+        self.generate = jax.jit(functools.partial(core.generate_phase, static, mods))
+        self.score = jax.jit(functools.partial(core.score, static, mods))
+        self.update = jax.jit(functools.partial(core.update_phase, static, mods),
+                              out_shardings=(state_sh, None), donate_argnums=0)
+        self.parser = None
+        if p.termination == "parsing":
+            from marl_jax.macro.parsing import ParsingTermination
+            self.parser = ParsingTermination(
+                task.tokenizer, model=p.parsing_model, cutoff=p.parsing_cutoff,
+                fallback_n=p.ngram, isolate_last=p.isolate_last)
+
+    def __call__(self, state, frozen, hparams, prompts, rows):
+        ids, mask = self.generate(state, prompts["ids"], prompts["mask"])
+        host_ids, host_mask = np.asarray(jax.device_get(ids)), np.asarray(jax.device_get(mask))
+        parsed = self.parser.submit(host_ids, host_mask) if self.parser else None
+        host_scores = None
+        if self.reward_source == "host":
+            host_scores = jnp.asarray(self.task.host_reward(rows, host_ids, host_mask),
+                                      jnp.float32)
+        exp, roll_metrics = self.score(state, frozen, prompts["ids"], prompts["mask"], ids, mask,
+                                       prompts.get("documents"), host_scores)
+        segments, parse_stats = parsed.result() if parsed else (None, {})
+        state, metrics = self.update(state, exp, roll_metrics, hparams,
+                                     None if segments is None else jnp.asarray(segments))
+        return state, dict(metrics, **{k: v for k, v in parse_stats.items()
+                                       if k.startswith("macro/")})
+
+    def close(self):
+        if self.parser is not None:
+            self.parser.close()

@@ -1,0 +1,410 @@
+"""The pure functions of one PPO / MA-PPO step.
+
+    rollout      generate responses, then one scoring pass: old and reference logprobs, critic
+                 values, reward-model score; reward assembly (per-token KL + clipped score)
+    segment      termination -> segment ids [B, R] (fixed | randomized | perplexity on device;
+                 parsing arrives from the host)
+    update       macro GAE, then `ppo_epochs` x `num_minibatches` actor and critic updates
+
+Everything here is a pure function of pytrees and is jitted by the caller: `train/ppo.py` for one
+sharded run, `experiment.py` vmapped over arms and seeds. Hyper-parameters that arms of an
+experiment vary (kl_coef, lam, gamma, ngram, termination, weighting, aggregation) are traced
+values in `RunHparams`, so a single compiled program serves every arm.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+
+from marl_jax import losses, sampling
+from marl_jax.macro import advantage, termination
+from marl_jax.models import last_token_score
+from marl_jax.train.optim import apply_if_finite
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOStatic:
+    """Everything about a PPO step that is fixed at compile time (hashable)."""
+
+    batch_size: int
+    response_length: int
+    eos_id: Any
+    pad_id: int
+    temperature: float = 0.8
+    top_k: int = 50
+    top_p: float = 1.0
+    # (termination, value_weighting, reward_aggregation) triples the traced `RunHparams.variant`
+    # index selects from.
+    variants: tuple = (("fixed", "equal", "weighted"),)
+    randomized_lengths: tuple = (2, 3, 5, 10)
+    randomized_repeats: int = 3
+    isolate_last: bool = True
+    ppo_epochs: int = 1
+    num_minibatches: int = 1
+    cliprange: float = 0.2
+    cliprange_value: float = 0.2
+    vf_coef: float = 0.5
+    kl_estimator: str = "k1"
+    reward_clip: float = 2.5
+    normalize_reward: bool = True
+    missing_eos_penalty: float = 0.0
+    whiten_advantages: bool = False
+    loss_aggregation: str = "token_mean"
+    adaptive_kl: bool = False
+    kl_target: float = 6.0
+    kl_horizon: int = 10000
+    # "rm": the frozen reward model scores responses (the paper); "gold": the task's gold
+    # function does (synthetic task only), an oracle reward model that isolates credit assignment
+    # from reward-model error; "host": scores computed on the host between generation and
+    # scoring (e.g. the fraction of APPS unit tests passed).
+    reward_source: str = "rm"
+
+
+@flax.struct.dataclass
+class RunHparams:
+    """Per-run hyper-parameters, traced (a leading axis when vmapped over arms)."""
+
+    lam: jax.Array
+    gamma: jax.Array
+    ngram: jax.Array  # int32
+    variant: jax.Array  # int32 index into PPOStatic.variants
+
+
+@flax.struct.dataclass
+class PPOState:
+    step: jax.Array
+    actor_params: Any
+    actor_opt_state: Any
+    critic_params: Any
+    critic_opt_state: Any
+    key: jax.Array  # raw uint32 base key data; step keys are fold_in(key, step)
+    kl_coef: jax.Array
+    skipped_updates: jax.Array
+
+
+@flax.struct.dataclass
+class Frozen:
+    """What a PPO run reads but never updates."""
+
+    ref_params: Any
+    rm_params: Any
+    reward_mean: jax.Array
+    reward_std: jax.Array
+
+
+@flax.struct.dataclass
+class Experience:
+    prompt_ids: jax.Array  # [B, P]
+    prompt_mask: jax.Array  # [B, P]
+    response_ids: jax.Array  # [B, R]
+    response_mask: jax.Array  # [B, R]
+    old_logprobs: jax.Array  # [B, R]
+    ref_logprobs: jax.Array  # [B, R]
+    values: jax.Array  # [B, R]
+    scores: jax.Array  # [B] normalised RM score (before clipping)
+    rewards: jax.Array  # [B, R]
+    ended_with_eos: jax.Array  # [B]
+
+
+@dataclasses.dataclass(frozen=True)
+class Models:
+    policy: Any  # CausalLM
+    critic: Any  # ScalarHeadModel (also the reward model's architecture)
+    reward: Any  # ScalarHeadModel
+    actor_optimizer: Any
+    critic_optimizer: Any
+    gold_fn: Any = None  # gold_fn(documents [B, D], ids [B, R], mask [B, R]) -> [B]
+
+
+# ---- rollout -------------------------------------------------------------------------------------
+def response_logprobs(policy, params, prompt_ids, prompt_mask, response_ids, response_mask,
+                      temperature):
+    """Logprobs `[B, R]` of the response tokens under `policy`, and the response logits."""
+    ids = jnp.concatenate([prompt_ids, response_ids], axis=1)
+    mask = jnp.concatenate([prompt_mask, response_mask], axis=1)
+    logits = policy.apply({"params": params}, ids, mask)
+    p = prompt_ids.shape[1]
+    logits = logits[:, p - 1:-1] / jnp.maximum(temperature, 1e-6)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    token_logp = jnp.take_along_axis(logp, response_ids[..., None], axis=-1)[..., 0]
+    return token_logp * response_mask, logits
+
+
+def response_values(critic, params, prompt_ids, prompt_mask, response_ids, response_mask):
+    """Critic values `[B, R]`: the value of the state in which each response token is chosen."""
+    ids = jnp.concatenate([prompt_ids, response_ids], axis=1)
+    mask = jnp.concatenate([prompt_mask, response_mask], axis=1)
+    per_token = critic.apply({"params": params}, ids, mask)
+    p = prompt_ids.shape[1]
+    return per_token[:, p - 1:-1] * response_mask
+
+
+def sequence_scores(reward_model, params, prompt_ids, prompt_mask, response_ids, response_mask):
+    """Reward-model score `[B]` read at the last valid token of prompt + response."""
+    ids = jnp.concatenate([prompt_ids, response_ids], axis=1)
+    mask = jnp.concatenate([prompt_mask, response_mask], axis=1)
+    return last_token_score(reward_model.apply({"params": params}, ids, mask), mask)
+
+
+def generate_responses(static: PPOStatic, models: Models, state: PPOState, prompt_ids,
+                       prompt_mask, key):
+    """Samples responses `[B, R]` (ids, mask) to `prompt_ids [B, P]` from the current actor."""
+    sample = sampling.generate(
+        models.policy, state.actor_params, prompt_ids, prompt_mask, key=key,
+        max_new_tokens=static.response_length, temperature=static.temperature,
+        top_k=static.top_k, top_p=static.top_p, eos_id=static.eos_id, pad_id=static.pad_id)
+    return sample.tokens, sample.mask.astype(jnp.int32)
+
+
+def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, prompt_ids,
+          prompt_mask, response_ids, response_mask, documents=None, host_scores=None):
+    """One scoring pass over sampled responses: (Experience, metrics).
+
+    Old and reference logprobs, critic values, the sequence score (the reward model's, the gold
+    function's on `documents`, or `host_scores [B]` computed on the host, e.g. unit tests) and
+    the per-token rewards: -kl_coef * KL on every token plus the clipped score on the last one.
+    """
+    args = (prompt_ids, prompt_mask, response_ids, response_mask)
+    old_logprobs, _ = response_logprobs(models.policy, state.actor_params, *args,
+                                        static.temperature)
+    ref_logprobs, _ = response_logprobs(models.policy, frozen.ref_params, *args,
+                                        static.temperature)
+    values = response_values(models.critic, state.critic_params, *args)
+    if static.reward_source == "host":
+        raw_scores = scores = jnp.asarray(host_scores, jnp.float32)
+    elif static.reward_source == "gold":
+        raw_scores = scores = models.gold_fn(documents, response_ids, response_mask)
+    else:
+        raw_scores = scores = sequence_scores(models.reward, frozen.rm_params, *args)
+        if static.normalize_reward:
+            scores = (raw_scores - frozen.reward_mean) / frozen.reward_std
+    ended_with_eos = _ended_with_eos(response_ids, response_mask, static.eos_id)
+    rewards, reward_metrics = losses.assemble_rewards(
+        old_logprobs, ref_logprobs, scores, response_mask, kl_coef=state.kl_coef,
+        kl_estimator=static.kl_estimator, reward_clip=static.reward_clip,
+        missing_eos_penalty=static.missing_eos_penalty or None, ended_with_eos=ended_with_eos)
+    exp = Experience(prompt_ids, prompt_mask, response_ids, response_mask, old_logprobs,
+                     ref_logprobs, values, scores, rewards, ended_with_eos)
+    seq_kl = (losses.kl_per_token(old_logprobs, ref_logprobs, "k1") * response_mask).sum(axis=1)
+    metrics = {
+        "objective/kl": seq_kl.mean(),
+        "objective/entropy": (-old_logprobs * response_mask).sum(axis=1).mean(),
+        "objective/scores": scores.mean(),
+        "objective/raw_scores": raw_scores.mean(),
+        "objective/non_score_reward": reward_metrics["non_score_reward"],
+        "objective/rlhf_reward": reward_metrics["rlhf_reward"],
+        "val/num_eos_tokens": ended_with_eos.sum().astype(jnp.float32),
+        "val/response_length": response_mask.sum(axis=1).mean().astype(jnp.float32),
+    }
+    return exp, metrics
+
+
+def rollout(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, prompt_ids,
+            prompt_mask, key, documents=None):
+    """`generate_responses` then `score`: (Experience, metrics)."""
+    response_ids, response_mask = generate_responses(static, models, state, prompt_ids,
+                                                     prompt_mask, key)
+    return score(static, models, state, frozen, prompt_ids, prompt_mask, response_ids,
+                 response_mask, documents)
+
+
+def _ended_with_eos(response_ids, response_mask, eos_id):
+    last = jnp.maximum(response_mask.sum(axis=1) - 1, 0)
+    last_tok = jnp.take_along_axis(response_ids, last[:, None], axis=1)[:, 0]
+    eos = jnp.atleast_1d(jnp.asarray(eos_id))
+    return jnp.isin(last_tok, eos) & (response_mask.sum(axis=1) > 0)
+
+
+# ---- termination and advantages --------------------------------------------------------------
+def segment_ids_for(static: PPOStatic, hparams: RunHparams, exp: Experience, key):
+    """Segment ids `[B, R]` of every distinct on-device termination, selected by the variant."""
+    terminations = sorted({v[0] for v in static.variants})
+    by_name = {}
+    for name in terminations:
+        if name == "parsing":
+            continue
+        by_name[name] = termination.segment(
+            name, exp.response_mask, key=key, ref_logprobs=exp.ref_logprobs, n=hparams.ngram,
+            lengths=static.randomized_lengths, repeats=static.randomized_repeats,
+            isolate_last=static.isolate_last)
+    return by_name
+
+
+def advantages_and_returns(static: PPOStatic, hparams: RunHparams, exp: Experience,
+                           segments: dict):
+    """Macro GAE for the run's variant; `segments` maps termination name -> `[B, R]` ids."""
+    results = []
+    for term, weighting, aggregation in static.variants:
+        results.append(advantage.macro_gae(
+            exp.values, exp.rewards, exp.response_mask, segments[term], gamma=hparams.gamma,
+            lam=hparams.lam, value_weighting=weighting, reward_aggregation=aggregation))
+    if len(results) == 1:
+        adv, ret = results[0]
+    else:
+        stacked_adv = jnp.stack([r[0] for r in results])
+        stacked_ret = jnp.stack([r[1] for r in results])
+        adv, ret = stacked_adv[hparams.variant], stacked_ret[hparams.variant]
+    if static.whiten_advantages:
+        adv = advantage.whiten(adv, exp.response_mask)
+    return adv, ret
+
+
+def _segment_stats(segments, variant, static, mask):
+    names = [v[0] for v in static.variants]
+    seg = jnp.stack([segments[n] for n in names])[variant]
+    num = jnp.where(mask.sum(axis=1) > 0, seg.max(axis=1) + 1, 0).astype(jnp.float32)
+    length = mask.sum(axis=1).astype(jnp.float32)
+    return {"macro/num_macros_avg": num.mean(),
+            "macro/len_avg": length.sum() / jnp.maximum(num.sum(), 1.0)}
+
+
+# ---- update ---------------------------------------------------------------------------------
+def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, adv, ret, key):
+    """`ppo_epochs` x `num_minibatches` actor and critic updates from advantages and returns
+    `[B, R]` (every token carrying its macro's A and G)."""
+    b = static.batch_size
+    mb = b // static.num_minibatches
+    data = dict(prompt_ids=exp.prompt_ids, prompt_mask=exp.prompt_mask,
+                response_ids=exp.response_ids, response_mask=exp.response_mask,
+                old_logprobs=exp.old_logprobs, old_values=exp.values, advantages=adv,
+                returns=ret)
+
+    def actor_loss(params, batch):
+        logprobs, logits = response_logprobs(
+            models.policy, params, batch["prompt_ids"], batch["prompt_mask"],
+            batch["response_ids"], batch["response_mask"], static.temperature)
+        loss, m = losses.ppo_policy_loss(logprobs, batch["old_logprobs"], batch["advantages"],
+                                         batch["response_mask"], cliprange=static.cliprange,
+                                         aggregation=static.loss_aggregation)
+        entropy, _ = losses.entropy_from_logits(logits, batch["response_mask"])
+        return loss, dict(m, entropy=entropy)
+
+    def critic_loss(params, batch):
+        values = response_values(models.critic, params, batch["prompt_ids"],
+                                 batch["prompt_mask"], batch["response_ids"],
+                                 batch["response_mask"])
+        loss, m = losses.ppo_value_loss(values, batch["old_values"], batch["returns"],
+                                        batch["response_mask"],
+                                        cliprange_value=static.cliprange_value)
+        return static.vf_coef * loss, dict(m, value_loss=loss)
+
+    def minibatch_step(carry, batch):
+        actor_params, actor_opt, critic_params, critic_opt, skipped = carry
+        (a_loss, a_m), a_grads = jax.value_and_grad(actor_loss, has_aux=True)(actor_params, batch)
+        actor_params, actor_opt, a_skip = apply_if_finite(
+            a_loss, a_grads, actor_params, actor_opt, models.actor_optimizer)
+        (c_loss, c_m), c_grads = jax.value_and_grad(critic_loss, has_aux=True)(critic_params,
+                                                                              batch)
+        critic_params, critic_opt, c_skip = apply_if_finite(
+            c_loss, c_grads, critic_params, critic_opt, models.critic_optimizer)
+        metrics = {
+            "loss/policy_avg": a_loss, "loss/value_avg": c_m["value_loss"],
+            "policy/approxkl_avg": a_m["approxkl"], "policy/clipfrac_avg": a_m["clipfrac"],
+            "policy/entropy_avg": a_m["entropy"], "val/ratio": a_m["ratio_mean"],
+            "val/ratio_var": a_m["ratio_var"], "val/clipfrac_avg": c_m["clipfrac"],
+            "grad/actor_norm": optax.global_norm(a_grads),
+            "grad/critic_norm": optax.global_norm(c_grads),
+        }
+        return (actor_params, actor_opt, critic_params, critic_opt,
+                skipped + a_skip + c_skip), metrics
+
+    def epoch(carry, epoch_key):
+        perm = jax.random.permutation(epoch_key, b)
+        shuffled = jax.tree.map(
+            lambda x: x[perm].reshape((static.num_minibatches, mb) + x.shape[1:]), data)
+        return jax.lax.scan(minibatch_step, carry, shuffled)
+
+    carry = (state.actor_params, state.actor_opt_state, state.critic_params,
+             state.critic_opt_state, state.skipped_updates)
+    carry, metrics = jax.lax.scan(epoch, carry, jax.random.split(key, static.ppo_epochs))
+    actor_params, actor_opt, critic_params, critic_opt, skipped = carry
+    metrics = jax.tree.map(jnp.mean, metrics)
+    metrics["critic/explained_variance"] = explained_variance(exp.values, ret, exp.response_mask)
+    metrics["objective/advantage_avg"] = _masked_mean(adv, exp.response_mask)
+    metrics["objective/return_avg"] = _masked_mean(ret, exp.response_mask)
+    metrics["train/skipped_updates"] = skipped
+    new_state = state.replace(actor_params=actor_params, actor_opt_state=actor_opt,
+                              critic_params=critic_params, critic_opt_state=critic_opt,
+                              skipped_updates=skipped)
+    return new_state, metrics
+
+
+def explained_variance(values, returns, mask):
+    """1 - Var(returns - values) / Var(returns) over valid tokens (0 when returns are constant)."""
+    m = mask.astype(jnp.float32)
+    n = jnp.maximum(m.sum(), 1.0)
+    def var(x):
+        mean = (x * m).sum() / n
+        return (((x - mean) ** 2) * m).sum() / n
+    v_ret = var(returns)
+    return jnp.where(v_ret > 0, 1.0 - var(returns - values) / jnp.maximum(v_ret, 1e-12), 0.0)
+
+
+def _masked_mean(x, mask):
+    m = mask.astype(jnp.float32)
+    return (x * m).sum() / jnp.maximum(m.sum(), 1.0)
+
+
+def adapt_kl_coef(static: PPOStatic, kl_coef, kl):
+    """The adaptive KL controller of Ziegler et al. (TRL's AdaptiveKLController)."""
+    if not static.adaptive_kl:
+        return kl_coef
+    error = jnp.clip(kl / static.kl_target - 1.0, -0.2, 0.2)
+    return kl_coef * (1.0 + error * static.batch_size / static.kl_horizon)
+
+
+# ---- one whole step ---------------------------------------------------------------------------
+def step_keys(state: PPOState):
+    """(sample, segment, update) keys of this step: a pure function of the base key and step."""
+    base = jax.random.wrap_key_data(state.key)
+    return jax.random.split(jax.random.fold_in(base, state.step), 3)
+
+
+def rollout_phase(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen,
+                  prompt_ids, prompt_mask, documents=None):
+    """The first half of a step: (Experience, rollout metrics)."""
+    return rollout(static, models, state, frozen, prompt_ids, prompt_mask, step_keys(state)[0],
+                   documents)
+
+
+def generate_phase(static: PPOStatic, models: Models, state: PPOState, prompt_ids,
+                   prompt_mask):
+    """The sampling part of `rollout_phase` alone, for steps with host work in between (parsing
+    termination, host-computed rewards): responses `[B, R]` (ids, mask)."""
+    return generate_responses(static, models, state, prompt_ids, prompt_mask,
+                              step_keys(state)[0])
+
+
+def update_phase(static: PPOStatic, models: Models, state: PPOState, exp: Experience,
+                 roll_metrics: dict, hparams: RunHparams, host_segments=None):
+    """The second half: termination, macro GAE, updates, KL controller. (state, metrics).
+
+    `host_segments` (`[B, R]` int32) are the parsing termination's segment ids, computed on the
+    host from the sampled text between the two phases.
+    """
+    _, k_segment, k_update = step_keys(state)
+    segments = segment_ids_for(static, hparams, exp, k_segment)
+    if host_segments is not None:
+        segments["parsing"] = host_segments
+    adv, ret = advantages_and_returns(static, hparams, exp, segments)
+    new_state, upd_metrics = update(static, models, state, exp, adv, ret, k_update)
+    new_state = new_state.replace(
+        step=state.step + 1,
+        kl_coef=adapt_kl_coef(static, state.kl_coef, roll_metrics["objective/kl"]))
+    metrics = {**roll_metrics, **upd_metrics,
+               **_segment_stats(segments, hparams.variant, static, exp.response_mask),
+               "objective/kl_coef": state.kl_coef}
+    return new_state, metrics
+
+
+def ppo_step(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen,
+             hparams: RunHparams, prompt_ids, prompt_mask, documents=None):
+    """rollout -> termination -> macro GAE -> update, for on-device terminations."""
+    exp, roll_metrics = rollout_phase(static, models, state, frozen, prompt_ids, prompt_mask,
+                                      documents)
+    return update_phase(static, models, state, exp, roll_metrics, hparams)

@@ -1,0 +1,57 @@
+"""Stage 2: a Bradley-Terry reward model on preference pairs, started from the SFT backbone.
+
+The reward normalisation statistics (mean and std of the reward model's scores over the
+training responses, chosen and rejected) are saved with the model, so PPO can centre scores.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from marl_jax import losses
+from marl_jax.models import last_token_score
+from marl_jax.train import supervised
+
+
+def pair_scores(reward_model, params, batch):
+    """Scores `[B]` of the chosen and of the rejected responses, in one forward pass."""
+    prompt_ids = jnp.concatenate([batch["prompt_ids"]] * 2, axis=0)
+    prompt_mask = jnp.concatenate([batch["prompt_mask"]] * 2, axis=0)
+    response_ids = jnp.concatenate([batch["chosen_ids"], batch["rejected_ids"]], axis=0)
+    response_mask = jnp.concatenate([batch["chosen_mask"], batch["rejected_mask"]], axis=0)
+    ids = jnp.concatenate([prompt_ids, response_ids], axis=1)
+    mask = jnp.concatenate([prompt_mask, response_mask], axis=1)
+    scores = last_token_score(reward_model.apply({"params": params}, ids, mask), mask)
+    b = batch["prompt_ids"].shape[0]
+    return scores[:b], scores[b:]
+
+
+def rm_loss(reward_model, params, batch):
+    chosen, rejected = pair_scores(reward_model, params, batch)
+    return losses.bradley_terry_loss(chosen, rejected)
+
+
+def reward_stats(reward_model, params, data, *, batch_size: int, max_rows: int = 1024):
+    """Mean and std of scores over up to `max_rows` pairs' chosen and rejected responses."""
+    n = min(len(data["prompt_ids"]), max_rows)
+    score = jax.jit(lambda p, b: pair_scores(reward_model, p, b))
+    all_scores = []
+    for start in range(0, n, batch_size):
+        batch = {k: v[start:min(start + batch_size, n)] for k, v in data.items()}
+        c, r = score(params, batch)
+        all_scores += [np.asarray(c), np.asarray(r)]
+    s = np.concatenate(all_scores)
+    return {"mean": float(s.mean()), "std": float(max(s.std(), 1e-6))}
+
+
+def run_rm(config, task, reward_model, init_params, *, mesh, writer, workdir):
+    """Trains the reward model on `task.rm`; returns its params (resumes, or reuses a finished
+    run)."""
+    return supervised.train(
+        name="rm", cfg=config.rm, seed=config.seed + 1, module=reward_model,
+        init_params=init_params,
+        loss_fn=lambda p, batch: rm_loss(reward_model, p, batch), data=task.rm, mesh=mesh,
+        writer=writer, workdir=workdir, checkpoint_every=config.checkpoint_every,
+        log_every=config.log_every, max_to_keep=config.max_to_keep,
+        metadata=dict(stage="rm", config=config.to_dict()), progress_keys=("loss", "accuracy"))

@@ -1,0 +1,74 @@
+"""One jitted, sharded, resumable loop for the supervised stages (SFT and the reward model)."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from marl_jax.data import batches
+from marl_jax.train import build, loop, sharding
+from marl_jax.train.optim import apply_if_finite, make_optimizer
+
+
+def make_train_step(loss_fn: Callable, optimizer):
+    """`(state, batch) -> (state, metrics)`; a non-finite loss skips the update and is counted."""
+
+    def train_step(state: build.TrainState, batch):
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
+        params, opt_state, skipped = apply_if_finite(loss, grads, state.params, state.opt_state,
+                                                     optimizer)
+        total_skipped = state.skipped_updates + skipped
+        metrics = dict(metrics, loss=loss, skipped_updates=total_skipped)
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                             skipped_updates=total_skipped), metrics
+
+    return train_step
+
+
+def train(*, name: str, cfg, seed: int, module, init_params, loss_fn: Callable, data: dict,
+          mesh, writer, workdir: str, checkpoint_every: int, log_every: int, max_to_keep: int,
+          metadata: dict, progress_keys=()) -> Any:
+    """Trains `module` from `init_params` for `cfg.steps` steps; returns the final params.
+
+    Args:
+      cfg: the stage's config section (steps, batch_size, optimizer fields).
+      loss_fn: `(params, batch) -> (loss, metrics)`.
+      data: dict of host arrays with a common leading axis; batches are rows of it.
+    """
+    if cfg.steps == 0:
+        return init_params
+    sharding.validate_batch(cfg.batch_size, mesh, f"config.{name}.batch_size")
+    optimizer = make_optimizer(cfg, cfg.steps)
+    shardings = build.train_state_shardings(module, optimizer, mesh, init_params)
+    step_fn = jax.jit(make_train_step(loss_fn, optimizer),
+                      in_shardings=(shardings, sharding.batch_sharding(mesh)),
+                      out_shardings=(shardings, sharding.replicated(mesh)),
+                      donate_argnums=0)
+    num_examples = len(next(iter(data.values())))
+    stage = loop.Stage(name, workdir, max_to_keep=max_to_keep)
+
+    def run_step(state, step):
+        rows = batches.process_rows(batches.batch_indices(num_examples, cfg.batch_size, seed,
+                                                          step))
+        batch = sharding.shard_batch(batches.take(data, rows), mesh)
+        return step_fn(state, batch)
+
+    with sharding.mesh_context(mesh, sharding.logical_rules(mesh, build.model_dims(
+            module.config))):
+        latest = stage.latest_step()
+        if latest is not None and latest >= cfg.steps:
+            abstract = jax.eval_shape(lambda: build.TrainState(
+                step=jnp.zeros((), jnp.int32), params=init_params,
+                opt_state=optimizer.init(init_params), skipped_updates=jnp.zeros(())))
+            state, _ = stage.restore(abstract, shardings, step=latest)
+            stage.close()
+            return state.params
+        state = build.new_train_state(init_params, optimizer, shardings)
+        state, _ = loop.run(stage, state=state, total_steps=cfg.steps, step_fn=run_step,
+                            writer=writer, metadata=metadata, checkpoint_every=checkpoint_every,
+                            log_every=log_every, progress_keys=progress_keys,
+                            tokens_per_step=cfg.batch_size * sum(
+                                v.shape[1] for k, v in data.items() if k.endswith("ids")))
+    stage.close()
+    return state.params

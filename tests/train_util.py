@@ -1,0 +1,31 @@
+"""A tiny synthetic pipeline config that trains in seconds (shared by the training tests)."""
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from configs import synthetic  # noqa: E402
+
+
+def tiny_config(**overrides):
+    c = synthetic.get_config()
+    c.stage = "all"
+    c.task.update(dict(num_entities=8, num_words=8, doc_size=4, summary_items=2,
+                       min_description=2, max_description=3, num_sft=512, num_pairs=512,
+                       num_rl_prompts=512, num_eval_prompts=16))
+    c.model.config.update(dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                               num_kv_heads=2, head_dim=16, max_position_embeddings=64))
+    c.sft.update(dict(steps=4, batch_size=16))
+    c.rm.update(dict(steps=4, batch_size=16))
+    c.ppo.update(dict(steps=2, batch_size=8, response_length=12, eval_every=2))
+    c.checkpoint_every = 2
+    c.seeds = (0, 1)
+    for dotted, value in overrides.items():
+        node = c
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return c
