@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from marl_jax.train import checkpoint, metrics, sharding
-from tests import train_infra_util as util
+import train_infra_util as util
 
 KILL_TIMEOUT_S = 120
 

@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerFast
 
 from marl_jax import data
 from marl_jax.data import splits
-from tests import data_util
+import data_util
 
 P_CAT = ("SUBREDDIT: r/pets\n\nTITLE: Cat trouble\n\nPOST: My cat ignores me.\nWhat do I do?"
          "\n\nTL;DR:")

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from marl_jax.train import sharding
-from tests import train_infra_util as util
+import train_infra_util as util
 
 
 def _mesh(data, fsdp, tensor):
