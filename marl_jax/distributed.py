@@ -9,6 +9,7 @@ machine). Every process runs the same program; each loads only its own rows of a
     mesh = sharding.make_mesh(config.mesh)         # over all devices of all processes
     rows = distributed.local_batch_slice(batch_size, sharding=sharding.batch_sharding(mesh))
     batch = distributed.host_local_to_global(load(rows), mesh, PartitionSpec(("data", "fsdp")))
+    scores = distributed.global_to_host(step(batch))  # whole arrays on every process
 
 `config.distributed` has three fields:
   coordinator    "HOST:PORT" of process 0, "" = automatic (Cloud TPU VM slices and multi-slice)
@@ -271,6 +272,12 @@ def _leading_dim_sharding(sharding: NamedSharding) -> NamedSharding:
     return NamedSharding(sharding.mesh, PartitionSpec(spec[0] if spec else None))
 
 
+def _check_batch_size(global_batch_size: Any) -> None:
+    if (isinstance(global_batch_size, bool) or not isinstance(global_batch_size, (int, np.integer))
+            or global_batch_size < 1):
+        raise ValueError(f"global_batch_size={global_batch_size!r} must be a positive int")
+
+
 def local_batch_slice(global_batch_size: int, *, sharding: NamedSharding | None = None) -> slice:
     """Rows of a global batch `[global_batch_size, ...]` that this process loads.
 
@@ -282,9 +289,7 @@ def local_batch_slice(global_batch_size: int, *, sharding: NamedSharding | None 
       ValueError: `global_batch_size` does not split evenly, or the mesh does not give this
         process one contiguous block of rows.
     """
-    if (isinstance(global_batch_size, bool) or not isinstance(global_batch_size, (int, np.integer))
-            or global_batch_size < 1):
-        raise ValueError(f"global_batch_size={global_batch_size!r} must be a positive int")
+    _check_batch_size(global_batch_size)
     global_batch_size = int(global_batch_size)
     if sharding is None:
         count, index = jax.process_count(), jax.process_index()
@@ -293,6 +298,24 @@ def local_batch_slice(global_batch_size: int, *, sharding: NamedSharding | None 
                              f"{count} processes")
         per_process = global_batch_size // count
         return slice(index * per_process, (index + 1) * per_process)
+    rows = local_batch_rows(global_batch_size, sharding)
+    if rows[-1] - rows[0] + 1 != len(rows):
+        raise ValueError(f"the mesh gives process {jax.process_index()} batch rows that are not "
+                         f"one contiguous block; order the mesh devices by process")
+    return slice(int(rows[0]), int(rows[-1]) + 1)
+
+
+def local_batch_rows(global_batch_size: int, sharding: NamedSharding) -> np.ndarray:
+    """Indices `[B_local]` (ascending) of the rows of a global batch on this process's devices.
+
+    Unlike `local_batch_slice` the rows need not be one contiguous block (a mesh laid out by the
+    physical topology can interleave processes); `jax.make_array_from_process_local_data` maps
+    them back in this order.
+
+    Raises:
+      ValueError: `global_batch_size` does not split evenly over the batch shards.
+    """
+    _check_batch_size(global_batch_size)
     leading = _leading_dim_sharding(sharding)
     axes = leading.spec[0]
     axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
@@ -300,11 +323,7 @@ def local_batch_slice(global_batch_size: int, *, sharding: NamedSharding | None 
     if global_batch_size % shards:
         raise ValueError(f"global_batch_size={global_batch_size} is not divisible by the "
                          f"{shards} batch shards of {sharding.spec}")
-    rows = _addressable_indices(leading, (global_batch_size,))[0]
-    if rows[-1] - rows[0] + 1 != len(rows):
-        raise ValueError(f"the mesh gives process {jax.process_index()} batch rows that are not "
-                         f"one contiguous block; order the mesh devices by process")
-    return slice(int(rows[0]), int(rows[-1]) + 1)
+    return _addressable_indices(leading, (int(global_batch_size),))[0]
 
 
 def _addressable_indices(sharding: jax.sharding.Sharding, shape: tuple[int, ...]
@@ -377,6 +396,40 @@ def global_to_host_local(global_array_tree: Any) -> Any:
     process's rows of a batch-sharded result, or the whole of a replicated one.
     """
     return jax.tree.map(_host_local, global_array_tree)
+
+
+def _whole(array: Any) -> np.ndarray:
+    if not isinstance(array, jax.Array):
+        return np.asarray(array)
+    if array.is_fully_addressable:
+        return np.asarray(array)
+    if array.is_fully_replicated:
+        return np.asarray(array.addressable_data(0))
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
+def global_to_host(global_array_tree: Any) -> Any:
+    """Global arrays -> whole numpy arrays, the same on every process.
+
+    Every process must call it with the same tree: leaves sharded over several processes are
+    gathered (one leaf at a time, so the transient device memory is one leaf replicated);
+    replicated and process-local leaves are read locally. With one process it is
+    `jax.device_get`.
+    """
+    return jax.tree.map(_whole, global_array_tree)
+
+
+def main_process_value(value: bool | int | float) -> bool | int | float:
+    """Process 0's `value` on every process (a no-op with one process).
+
+    For decisions read from the shared workdir that decide whether a collective runs (a file
+    written by process 0, an existing export): all processes must take the same branch.
+    """
+    if jax.process_count() == 1:
+        return value
+    as_array = np.asarray(int(value) if isinstance(value, (bool, np.bool_)) else value)
+    agreed = multihost_utils.broadcast_one_to_all(as_array)
+    return type(value)(np.asarray(agreed).item())
 
 
 def sync(name: str) -> None:

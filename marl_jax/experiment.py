@@ -21,8 +21,10 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from marl_jax import config as config_lib
+from marl_jax import distributed
 from marl_jax.data import batches
 from marl_jax.train import build, loop, sharding
 from marl_jax.train import ppo as ppo_lib
@@ -169,42 +171,67 @@ def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats):
     mesh = pipe.mesh
     sharding.validate_batch(p.batch_size, mesh, "config.ppo.batch_size")
 
-    hparams = _stack([core.RunHparams(
-        lam=jnp.float32(r.ppo["lam"]), gamma=jnp.float32(r.ppo["gamma"]),
-        ngram=jnp.int32(r.ppo["ngram"]), variant=jnp.int32(variants.index(r.variant)))
-        for r in runs])
-    states = []
+    # Every input of the vmapped step is a global array on the mesh (on several processes a
+    # jitted computation cannot take host arrays): params and optimizer states with their
+    # logical shardings under a leading (replicated) run axis, prompts split over ("data",
+    # "fsdp") along their batch axis, hyper-parameters replicated.
+    rep = sharding.replicated(mesh)
+    critics = []
     for r in runs:
         critic_cfg = config.copy_and_resolve_references()
         critic_cfg.ppo.critic_init = r.ppo["critic_init"]
-        critic = ppo_lib.initial_critic_params(critic_cfg, pipe.critic, sft_params, rm_params,
-                                               jax.random.fold_in(jax.random.key(r.seed), 1))
-        s = ppo_lib.initial_state(config, mods, sft_params, critic, r.seed)
+        critics.append(ppo_lib.initial_critic_params(
+            critic_cfg, pipe.critic, sft_params, rm_params,
+            jax.random.fold_in(jax.random.key(r.seed), 1)))
+    run_sh = ppo_lib.state_shardings(mods, mesh, sft_params, critics[0])
+    critic_sh = run_sh.critic_params
+    states = []
+    for r, critic in zip(runs, critics):
+        s = ppo_lib.initial_state(config, mods, sft_params, jax.device_put(critic, critic_sh),
+                                  r.seed)
         states.append(s.replace(kl_coef=jnp.float32(r.ppo["kl_coef"])))
-    state = _stack(states)
-    frozen = core.Frozen(ref_params=sft_params, rm_params=rm_params,
-                         reward_mean=jnp.float32(stats["mean"]),
-                         reward_std=jnp.float32(stats["std"]))
+    state_sh = jax.tree.map(_with_run_axis, run_sh)
+    state = jax.device_put(_stack(states), state_sh)
+    hparams = jax.device_put(_stack([core.RunHparams(
+        lam=jnp.float32(r.ppo["lam"]), gamma=jnp.float32(r.ppo["gamma"]),
+        ngram=jnp.int32(r.ppo["ngram"]), variant=jnp.int32(variants.index(r.variant)))
+        for r in runs]), rep)
+    frozen_sh = core.Frozen(ref_params=run_sh.actor_params,
+                            rm_params=build.param_shardings(pipe.reward_model, mesh,
+                                                            build.abstract(rm_params)),
+                            reward_mean=rep, reward_std=rep)
+    frozen = jax.device_put(core.Frozen(ref_params=sft_params, rm_params=rm_params,
+                                        reward_mean=jnp.float32(stats["mean"]),
+                                        reward_std=jnp.float32(stats["std"])), frozen_sh)
 
+    prompts_sh = sharding.batch_sharding(mesh, axis=1)
     step_fn = jax.jit(jax.vmap(functools.partial(core.ppo_step, static, mods),
-                               in_axes=(0, None, 0, 0, 0, 0)), donate_argnums=0)
-    eval_fn = jax.jit(jax.vmap(functools.partial(ppo_lib.evaluate, static, mods,
+                               in_axes=(0, None, 0, 0, 0, 0)),
+                      in_shardings=(state_sh, frozen_sh, rep, prompts_sh, prompts_sh, prompts_sh),
+                      out_shardings=(state_sh, rep), donate_argnums=0)
+    eval_fn = jax.jit(jax.vmap(functools.partial(ppo_lib.evaluate_from_key_data, static, mods,
                                                  gold_fn=task.gold_fn),
                                in_axes=(0, None, None, None, None, 0)))
     seeds = np.array([r.seed for r in runs])
     num_prompts = len(task.rl["ids"])
-    eval_keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), 7))(seeds)
+    eval_inputs = sharding.put_global(task.eval, mesh)
+    eval_keys = sharding.put_global(np.stack([
+        jax.random.key_data(jax.random.fold_in(jax.random.key(int(s)), 7)) for s in seeds]),
+        mesh, axis=None)
+    local_rows = distributed.local_batch_rows(p.batch_size, sharding.batch_sharding(mesh))
 
     def run_step(state, step):
         rows = np.stack([batches.batch_indices(num_prompts, p.batch_size, int(s) + 2, step)
-                         for s in seeds])
-        docs = task.rl.get("documents")
-        return step_fn(state, frozen, hparams, task.rl["ids"][rows], task.rl["mask"][rows],
-                       None if docs is None else docs[rows])
+                         for s in seeds])[:, local_rows]
+        prompts = sharding.shard_batch({k: v[rows] for k, v in task.rl.items()}, mesh, axis=1)
+        return step_fn(state, frozen, hparams, prompts["ids"], prompts["mask"],
+                       prompts.get("documents"))
 
     def evaluate(state):
-        return jax.device_get(eval_fn(state.actor_params, frozen, task.eval["ids"],
-                                      task.eval["mask"], task.eval.get("documents"), eval_keys))
+        result = eval_fn(state.actor_params, frozen, eval_inputs["ids"], eval_inputs["mask"],
+                         eval_inputs.get("documents"), eval_keys)
+        return distributed.global_to_host(
+            {k: v for k, v in result.items() if k in ppo_lib.EVAL_ROW_KEYS})
 
     def eval_rows(result, step):
         rows = []
@@ -235,7 +262,10 @@ def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats):
                         progress_keys=("objective/scores", "objective/kl"), hooks=hooks, truncate_stages=("ppo", "eval"),
                         tokens_per_step=len(runs) * p.batch_size * (
                             task.prompt_length + p.response_length))
-    if not any(r.get("stage") == "final" for r in _read(pipe.workdir)):
+    # Process 0 alone reads metrics.jsonl; its answer decides for all, since the evaluation
+    # below is a collective.
+    if not distributed.main_process_value(
+            any(r.get("stage") == "final" for r in _read(pipe.workdir))):
         result = evaluate(state)
         for i, r in enumerate(runs):
             row = dict(stage="final", arm=r.arm, seed=r.seed, step=p.steps,
@@ -245,6 +275,11 @@ def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats):
                 row["gold_per_prompt"] = [float(x) for x in result["gold"][i]]
             writer.write(row)
     stage.close()
+
+
+def _with_run_axis(named_sharding):
+    """The sharding of a run-stacked `[runs, ...]` leaf: runs replicated, the rest as before."""
+    return NamedSharding(named_sharding.mesh, PartitionSpec(None, *named_sharding.spec))
 
 
 def _read(workdir):

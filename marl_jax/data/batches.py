@@ -4,6 +4,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from marl_jax import distributed
+
 
 def batch_indices(num_examples: int, batch_size: int, seed: int, step: int) -> np.ndarray:
     """Row indices `[batch_size]` of step `step`: epochs of independent seeded permutations."""
@@ -19,8 +21,17 @@ def batch_indices(num_examples: int, batch_size: int, seed: int, step: int) -> n
     return out
 
 
-def process_rows(indices: np.ndarray) -> np.ndarray:
-    """This process's contiguous share of a global batch (all of it with one process)."""
+def process_rows(indices: np.ndarray, sharding=None) -> np.ndarray:
+    """This process's share of a global batch's row indices (all of them with one process).
+
+    Args:
+      indices: `[B]` row indices of the global batch.
+      sharding: the batch's NamedSharding (`sharding.batch_sharding(mesh)`): the rows whose
+        shards live on this process's devices, in the order `sharding.shard_batch` expects. None:
+        contiguous equal blocks in process order.
+    """
+    if sharding is not None:
+        return indices[distributed.local_batch_rows(len(indices), sharding)]
     count, index = jax.process_count(), jax.process_index()
     if len(indices) % count:
         raise ValueError(f"batch of {len(indices)} rows is not divisible by {count} processes")

@@ -123,13 +123,51 @@ def make_mesh(mesh_config: Any, devices: Sequence[jax.Device] | None = None, *,
               name: str = "config.mesh") -> Mesh:
     """Builds a ("data", "fsdp", "tensor") mesh over `devices` (default: all devices).
 
-    Axes are `AxisType.Auto` (GSPMD propagation with `with_sharding_constraint`), and the device
-    order comes from `jax.make_mesh`, which follows the physical topology on TPU.
+    Axes are `AxisType.Auto` (GSPMD propagation with `with_sharding_constraint`). On one slice
+    the device order comes from `jax.make_mesh`, which follows the physical topology on TPU.
+    When the devices span several slices (TPU multi-slice, joined by the data-centre network),
+    `data` is split across the slices and `fsdp` / `tensor` stay inside each slice, so only the
+    data-parallel gradient reduction crosses the slower network (see `hybrid_device_grid`).
     """
     devices = list(jax.devices() if devices is None else devices)
     shape = validate_mesh(mesh_config, len(devices), name=name)
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
-                         devices=devices)
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    grid = hybrid_device_grid(shape, devices, name=name)
+    if grid is None:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+    return Mesh(grid, MESH_AXES, axis_types=axis_types)
+
+
+def num_slices(devices: Sequence[Any]) -> int:
+    """Number of distinct `slice_index` values among `devices` (1 where devices have none)."""
+    return len({getattr(device, "slice_index", 0) for device in devices})
+
+
+def hybrid_device_grid(shape: Sequence[int], devices: Sequence[Any], *,
+                       name: str = "config.mesh") -> np.ndarray | None:
+    """The `[data, fsdp, tensor]` device array of a multi-slice mesh; None on a single slice.
+
+    `data` is split as (slices) x (data / slices): `data` index i lies in slice
+    i // (data / slices), and each slice holds the whole `fsdp x tensor` block for its data
+    indices, laid out over its own interconnect (`mesh_utils.create_hybrid_device_mesh`).
+
+    Raises:
+      ValueError: `data` is not a multiple of the number of slices.
+    """
+    slices = num_slices(devices)
+    if slices == 1:
+        return None
+    data, fsdp, tensor = (int(x) for x in shape)
+    if data % slices:
+        raise ValueError(
+            f"{name}.data={data} must be a multiple of the {slices} slices: on a multi-slice "
+            f"run `data` spans the slices (set {name}.data=-1 or a multiple of {slices}, and "
+            f"size fsdp / tensor to fit inside one slice)")
+    from jax.experimental import mesh_utils
+
+    return mesh_utils.create_hybrid_device_mesh(
+        (data // slices, fsdp, tensor), (slices, 1, 1), devices,
+        allow_split_physical_axes=True)
 
 
 def data_parallel_size(mesh: Mesh) -> int:
@@ -299,9 +337,12 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Leading (batch) axis split over ("data", "fsdp"); other axes replicated. Any rank >= 1."""
-    return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+def batch_sharding(mesh: Mesh, *, axis: int = 0) -> NamedSharding:
+    """Axis `axis` (the batch) split over ("data", "fsdp"); other axes replicated.
+
+    `axis=1` is the batch of run-stacked arrays `[runs, B, ...]` (vmapped experiments).
+    """
+    return NamedSharding(mesh, PartitionSpec(*((None,) * axis), BATCH_AXES))
 
 
 def shard_pytree(tree: Any, shardings: Any) -> Any:
@@ -313,14 +354,35 @@ def shard_pytree(tree: Any, shardings: Any) -> Any:
     return jax.device_put(tree, shardings)
 
 
-def shard_batch(batch: Any, mesh: Mesh) -> Any:
-    """Builds global batch arrays `[B, ...]` from this process's rows `[B / num_processes, ...]`.
+def shard_batch(batch: Any, mesh: Mesh, *, axis: int = 0) -> Any:
+    """Builds global batch arrays `[B, ...]` from this process's rows.
 
-    With one process this is `device_put` onto `batch_sharding(mesh)`.
+    This process passes the rows `batches.process_rows(indices, batch_sharding(mesh))` picks (all
+    of them with one process; `B / num_processes` when every process holds its own shards of the
+    batch). With `axis=1` the arrays are `[runs, B_local, ...]` and the batch is axis 1.
     """
-    sharding = batch_sharding(mesh)
+    sharding = batch_sharding(mesh, axis=axis)
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)),
                         batch)
+
+
+def put_global(tree: Any, mesh: Mesh, *, axis: int | None = 0) -> Any:
+    """Whole host arrays, the same on every process -> global arrays on `mesh`.
+
+    Axis `axis` is split over ("data", "fsdp") where the shard count divides it, otherwise (and
+    with `axis=None`) the array is replicated. Every process supplies only its own devices' shards, so this is how
+    host data that all processes hold (held-out prompts, hyper-parameters, keys) enters a jitted
+    computation over a multi-process mesh, where plain numpy arguments cannot.
+    """
+    shards = data_parallel_size(mesh)
+
+    def place(x):
+        x = np.asarray(x)
+        split = axis is not None and x.ndim > axis and x.shape[axis] % shards == 0
+        sharding = batch_sharding(mesh, axis=axis) if split else replicated(mesh)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+    return jax.tree.map(place, tree)
 
 
 def _path_key(path: Sequence[Any]) -> tuple[str, ...]:

@@ -41,8 +41,9 @@ def train(*, name: str, cfg, seed: int, module, init_params, loss_fn: Callable, 
     sharding.validate_batch(cfg.batch_size, mesh, f"config.{name}.batch_size")
     optimizer = make_optimizer(cfg, cfg.steps)
     shardings = build.train_state_shardings(module, optimizer, mesh, init_params)
+    batch_sh = sharding.batch_sharding(mesh)
     step_fn = jax.jit(make_train_step(loss_fn, optimizer),
-                      in_shardings=(shardings, sharding.batch_sharding(mesh)),
+                      in_shardings=(shardings, batch_sh),
                       out_shardings=(shardings, sharding.replicated(mesh)),
                       donate_argnums=0)
     num_examples = len(next(iter(data.values())))
@@ -50,7 +51,7 @@ def train(*, name: str, cfg, seed: int, module, init_params, loss_fn: Callable, 
 
     def run_step(state, step):
         rows = batches.process_rows(batches.batch_indices(num_examples, cfg.batch_size, seed,
-                                                          step))
+                                                          step), batch_sh)
         batch = sharding.shard_batch(batches.take(data, rows), mesh)
         return step_fn(state, batch)
 
