@@ -39,6 +39,8 @@ def _assert_rows_close(a, b, rtol, keys=None):
     ("stage", "dpo", "config.stage"),
     ("mesh.fsdp", 3, "config.mesh.fsdp"),
     ("ppo.num_minibatches", 3, "config.ppo.num_minibatches"),
+    ("model.dtype", "fp8", "config.model.dtype='fp8'"),
+    ("model.param_dtype", "auto", "config.model.param_dtype='auto'"),
 ])
 def test_config_errors_name_the_field(tmp_path, field, value, match):
     cfg = tiny_config(**{field: value})
@@ -76,6 +78,13 @@ def test_macro_update_with_n1_equals_token_update(tiny_pipeline):
     ids, mask = pipe.task.rl["ids"][:8], pipe.task.rl["mask"][:8]
     exp, _ = jax.jit(functools.partial(core.rollout, static, mods))(
         state, frozen, ids, mask, jax.random.key(1))
+    # Without top-k / top-p the scoring pass reuses the sampler's logprobs: they must be the
+    # training-time logprobs of the sampled tokens.
+    assert core.sampler_logprobs_are_exact(static)
+    recomputed, _ = core.response_logprobs(pipe.policy, state.actor_params, exp.prompt_ids,
+                                           exp.prompt_mask, exp.response_ids, exp.response_mask,
+                                           static.temperature)
+    np.testing.assert_allclose(np.asarray(exp.old_logprobs), np.asarray(recomputed), atol=2e-5)
     key = jax.random.key(2)
     update = jax.jit(functools.partial(core.update, static, mods))
 

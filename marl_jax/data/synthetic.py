@@ -170,7 +170,14 @@ def summary_text(task: SyntheticTask, entities: np.ndarray, *, eos: bool = True)
 
 
 def build_tokenizer(task: SyntheticTask, directory: str):
-    """Writes a word-level tokenizer for `task` to `directory`; returns it loaded by transformers."""
+    """Writes a word-level tokenizer for `task` to `directory`; returns it loaded by transformers.
+
+    Every process writes its own temporary copy and loads that; the first complete copy is
+    renamed into place, so concurrent processes never read a half-written file.
+    """
+    import shutil
+    import tempfile
+
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -178,9 +185,16 @@ def build_tokenizer(task: SyntheticTask, directory: str):
     raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token=BOS, eos_token=EOS,
                                    pad_token=PAD, unk_token=UNK, padding_side="left")
-    os.makedirs(directory, exist_ok=True)
-    fast.save_pretrained(directory)
-    return AutoTokenizer.from_pretrained(directory)
+    parent = os.path.dirname(os.path.abspath(directory))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tokenizer-", dir=parent)
+    fast.save_pretrained(tmp)
+    tokenizer = AutoTokenizer.from_pretrained(tmp)
+    try:
+        os.rename(tmp, directory)
+    except OSError:  # another process got there first; its copy is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer
 
 
 # ---- the gold reward ---------------------------------------------------------------------------

@@ -216,7 +216,9 @@ def _check_segment_ids(segment_ids, response_mask):
     dtype = segment_ids.dtype if hasattr(segment_ids, "dtype") else np.asarray(segment_ids).dtype
     if not np.issubdtype(dtype, np.integer):
         raise ValueError(f"segment_ids must be integers, got dtype {dtype}")
-    if not (is_concrete(segment_ids) and is_concrete(response_mask)):
+    # Host arrays are checked; device arrays (typically straight from `termination`, which
+    # guarantees contiguous ids) are not, since reading them back would stall the dispatch.
+    if isinstance(segment_ids, jax.Array) or not is_concrete(response_mask):
         return
     ids = np.asarray(segment_ids).astype(np.int64)
     valid = np.asarray(response_mask) != 0

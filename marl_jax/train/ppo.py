@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from marl_jax import distributed
 from marl_jax import models as models_lib
 from marl_jax import sampling
 from marl_jax.data import batches
@@ -114,6 +115,17 @@ def evaluate(static: core.PPOStatic, mods: core.Models, actor_params, frozen: co
     return out
 
 
+# What `eval_row` reads: the evaluation outputs fetched to the host.
+EVAL_ROW_KEYS = ("kl", "rm_score", "length", "gold")
+
+
+def evaluate_from_key_data(static, mods, actor_params, frozen, prompt_ids, prompt_mask,
+                           documents, key_data, gold_fn=None):
+    """`evaluate` with the key as raw key data (a global array on multi-process meshes)."""
+    return evaluate(static, mods, actor_params, frozen, prompt_ids, prompt_mask, documents,
+                    jax.random.wrap_key_data(key_data), gold_fn=gold_fn)
+
+
 def eval_row(result: dict) -> dict:
     row = {k: float(np.mean(np.asarray(result[k]))) for k in ("kl", "rm_score", "length")}
     if "gold" in result:
@@ -130,7 +142,6 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
         raise ValueError(f"config.ppo.reward_source='host': task {config.task.name!r} has no "
                          "host-side reward (APPS unit tests have one)")
     static = static_from_config(config, task.tokenizer)
-    hparams = hparams_from_config(p)
     mods = make_models(config, policy, critic, reward_model, task.gold_fn)
     key = jax.random.key(config.seed)
     critic_params = initial_critic_params(config, critic, sft_params, rm_params,
@@ -142,6 +153,7 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
                             reward_mean=sharding.replicated(mesh),
                             reward_std=sharding.replicated(mesh))
     rep, batch_sh = sharding.replicated(mesh), sharding.batch_sharding(mesh)
+    hparams = jax.device_put(hparams_from_config(p), rep)
 
     frozen = jax.device_put(core.Frozen(
         ref_params=sft_params, rm_params=rm_params,
@@ -154,16 +166,26 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
     step_fn = jax.jit(functools.partial(core.ppo_step, static, mods),
                       in_shardings=(state_sh, frozen_sh, rep, batch_sh, batch_sh, batch_sh),
                       out_shardings=(state_sh, rep), donate_argnums=0)
-    eval_fn = jax.jit(functools.partial(evaluate, static, mods, gold_fn=task.gold_fn))
+    eval_fn = jax.jit(functools.partial(evaluate_from_key_data, static, mods,
+                                        gold_fn=task.gold_fn))
     num_prompts = len(task.rl["ids"])
-    eval_key = jax.random.fold_in(key, 7)
+    # Held-out prompts and the evaluation key enter as global arrays on the mesh (on several
+    # processes a jitted computation cannot take host arrays), the results come back whole.
+    eval_inputs = sharding.put_global(
+        dict(task.eval, key_data=jax.random.key_data(jax.random.fold_in(key, 7))), mesh)
+
+    def run_eval(state):
+        result = eval_fn(state.actor_params, frozen, eval_inputs["ids"], eval_inputs["mask"],
+                         eval_inputs.get("documents"), eval_inputs["key_data"])
+        return eval_row(distributed.global_to_host(
+            {k: v for k, v in result.items() if k in EVAL_ROW_KEYS}))
 
     host_step = _host_phased_step(config, task, static, mods, state_sh) if (
         p.termination == "parsing" or p.reward_source == "host") else None
 
     def run_step(state, step):
         rows = batches.process_rows(batches.batch_indices(num_prompts, p.batch_size,
-                                                          config.seed + 2, step))
+                                                          config.seed + 2, step), batch_sh)
         prompts = sharding.shard_batch({k: v[rows] for k, v in task.rl.items()}, mesh)
         if host_step is not None:
             return host_step(state, frozen, hparams, prompts, rows)
@@ -173,18 +195,14 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
     def eval_hook(state, done):
         if p.eval_every <= 0 or (done % p.eval_every and done != p.steps):
             return []
-        result = eval_fn(state.actor_params, frozen, task.eval["ids"], task.eval["mask"],
-                         task.eval.get("documents"), eval_key)
-        return [dict(stage="eval", **eval_row(result))]
+        return [dict(stage="eval", **run_eval(state))]
 
     stage = loop.Stage("ppo", workdir, max_to_keep=config.max_to_keep)
     with sharding.mesh_context(mesh, sharding.logical_rules(mesh, build.model_dims(
             policy.config))):
         if not stage.latest_step() and p.eval_every > 0:
             writer.truncate_after("eval", -1)
-            result = eval_fn(state.actor_params, frozen, task.eval["ids"], task.eval["mask"],
-                             task.eval.get("documents"), eval_key)
-            writer.write(dict(stage="eval", step=0, **eval_row(result)))
+            writer.write(dict(stage="eval", step=0, **run_eval(state)))
         tokens = p.batch_size * (task.prompt_length + p.response_length)
         state, _ = loop.run(stage, state=state, total_steps=p.steps, step_fn=run_step,
                             writer=writer, metadata=dict(stage="ppo", config=config.to_dict()),
@@ -220,18 +238,23 @@ class _host_phased_step:
                 fallback_n=p.ngram, isolate_last=p.isolate_last)
 
     def __call__(self, state, frozen, hparams, prompts, rows):
-        ids, mask = self.generate(state, prompts["ids"], prompts["mask"])
-        host_ids, host_mask = np.asarray(jax.device_get(ids)), np.asarray(jax.device_get(mask))
+        sample = self.generate(state, prompts["ids"], prompts["mask"])
+        ids, mask = sample.tokens, sample.mask.astype(jnp.int32)
+        # This process's rows of the responses, in the order of `rows`.
+        mesh = prompts["ids"].sharding.mesh
+        ids, mask = jax.device_put((ids, mask), sharding.batch_sharding(mesh))
+        host_ids, host_mask = distributed.global_to_host_local((ids, mask))
         parsed = self.parser.submit(host_ids, host_mask) if self.parser else None
         host_scores = None
         if self.reward_source == "host":
-            host_scores = jnp.asarray(self.task.host_reward(rows, host_ids, host_mask),
-                                      jnp.float32)
+            host_scores = sharding.shard_batch(
+                np.asarray(self.task.host_reward(rows, host_ids, host_mask), np.float32), mesh)
         exp, roll_metrics = self.score(state, frozen, prompts["ids"], prompts["mask"], ids, mask,
-                                       prompts.get("documents"), host_scores)
+                                       prompts.get("documents"), host_scores, sample.logprobs)
         segments, parse_stats = parsed.result() if parsed else (None, {})
         state, metrics = self.update(state, exp, roll_metrics, hparams,
-                                     None if segments is None else jnp.asarray(segments))
+                                     None if segments is None else sharding.shard_batch(
+                                         np.asarray(segments, np.int32), mesh))
         return state, dict(metrics, **{k: v for k, v in parse_stats.items()
                                        if k.startswith("macro/")})
 

@@ -153,25 +153,38 @@ def sequence_scores(reward_model, params, prompt_ids, prompt_mask, response_ids,
 
 def generate_responses(static: PPOStatic, models: Models, state: PPOState, prompt_ids,
                        prompt_mask, key):
-    """Samples responses `[B, R]` (ids, mask) to `prompt_ids [B, P]` from the current actor."""
-    sample = sampling.generate(
+    """Samples responses to `prompt_ids [B, P]` from the current actor: `SampleOutput` with
+    tokens, logprobs and mask `[B, R]`."""
+    return sampling.generate(
         models.policy, state.actor_params, prompt_ids, prompt_mask, key=key,
         max_new_tokens=static.response_length, temperature=static.temperature,
         top_k=static.top_k, top_p=static.top_p, eos_id=static.eos_id, pad_id=static.pad_id)
-    return sample.tokens, sample.mask.astype(jnp.int32)
+
+
+def sampler_logprobs_are_exact(static: PPOStatic) -> bool:
+    """Without top-k / top-p filtering the sampler's logprobs are those of the temperature-scaled
+    policy that training evaluates, so the scoring pass can reuse them instead of running the
+    actor again."""
+    return static.temperature > 0 and static.top_k == 0 and static.top_p >= 1.0
 
 
 def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, prompt_ids,
-          prompt_mask, response_ids, response_mask, documents=None, host_scores=None):
+          prompt_mask, response_ids, response_mask, documents=None, host_scores=None,
+          sampled_logprobs=None):
     """One scoring pass over sampled responses: (Experience, metrics).
 
     Old and reference logprobs, critic values, the sequence score (the reward model's, the gold
     function's on `documents`, or `host_scores [B]` computed on the host, e.g. unit tests) and
     the per-token rewards: -kl_coef * KL on every token plus the clipped score on the last one.
+    `sampled_logprobs [B, R]` (the sampler's) replace the actor's scoring pass when
+    `sampler_logprobs_are_exact(static)`.
     """
     args = (prompt_ids, prompt_mask, response_ids, response_mask)
-    old_logprobs, _ = response_logprobs(models.policy, state.actor_params, *args,
-                                        static.temperature)
+    if sampled_logprobs is not None and sampler_logprobs_are_exact(static):
+        old_logprobs = sampled_logprobs * response_mask
+    else:
+        old_logprobs, _ = response_logprobs(models.policy, state.actor_params, *args,
+                                            static.temperature)
     ref_logprobs, _ = response_logprobs(models.policy, frozen.ref_params, *args,
                                         static.temperature)
     values = response_values(models.critic, state.critic_params, *args)
@@ -207,10 +220,9 @@ def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, pr
 def rollout(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, prompt_ids,
             prompt_mask, key, documents=None):
     """`generate_responses` then `score`: (Experience, metrics)."""
-    response_ids, response_mask = generate_responses(static, models, state, prompt_ids,
-                                                     prompt_mask, key)
-    return score(static, models, state, frozen, prompt_ids, prompt_mask, response_ids,
-                 response_mask, documents)
+    sample = generate_responses(static, models, state, prompt_ids, prompt_mask, key)
+    return score(static, models, state, frozen, prompt_ids, prompt_mask, sample.tokens,
+                 sample.mask.astype(jnp.int32), documents, sampled_logprobs=sample.logprobs)
 
 
 def _ended_with_eos(response_ids, response_mask, eos_id):
@@ -375,7 +387,7 @@ def rollout_phase(static: PPOStatic, models: Models, state: PPOState, frozen: Fr
 def generate_phase(static: PPOStatic, models: Models, state: PPOState, prompt_ids,
                    prompt_mask):
     """The sampling part of `rollout_phase` alone, for steps with host work in between (parsing
-    termination, host-computed rewards): responses `[B, R]` (ids, mask)."""
+    termination, host-computed rewards): a `SampleOutput`."""
     return generate_responses(static, models, state, prompt_ids, prompt_mask,
                               step_keys(state)[0])
 

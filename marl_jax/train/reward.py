@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from marl_jax import losses
+from marl_jax import distributed, losses
 from marl_jax.models import last_token_score
-from marl_jax.train import supervised
+from marl_jax.train import sharding, supervised
 
 
 def pair_scores(reward_model, params, batch):
@@ -33,16 +33,31 @@ def rm_loss(reward_model, params, batch):
 
 
 def reward_stats(reward_model, params, data, *, batch_size: int, max_rows: int = 1024):
-    """Mean and std of scores over up to `max_rows` pairs' chosen and rejected responses."""
+    """Mean and std of scores over up to `max_rows` pairs' chosen and rejected responses.
+
+    With params on a mesh (global arrays, possibly over several processes) the pairs are placed
+    on the same mesh and the scores gathered back, so every process gets the same numbers.
+    """
     n = min(len(data["prompt_ids"]), max_rows)
+    mesh = _mesh_of(params)
     score = jax.jit(lambda p, b: pair_scores(reward_model, p, b))
     all_scores = []
     for start in range(0, n, batch_size):
         batch = {k: v[start:min(start + batch_size, n)] for k, v in data.items()}
-        c, r = score(params, batch)
-        all_scores += [np.asarray(c), np.asarray(r)]
-    s = np.concatenate(all_scores)
+        if mesh is not None:
+            batch = sharding.put_global(batch, mesh)
+        all_scores += score(params, batch)
+    # One fetch at the end: the batches run back to back, without a host round trip each.
+    s = distributed.global_to_host(jnp.concatenate(all_scores))
     return {"mean": float(s.mean()), "std": float(max(s.std(), 1e-6))}
+
+
+def _mesh_of(params):
+    """The mesh the params live on, or None for host arrays."""
+    for leaf in jax.tree.leaves(params):
+        if isinstance(leaf, jax.Array) and isinstance(leaf.sharding, jax.sharding.NamedSharding):
+            return leaf.sharding.mesh
+    return None
 
 
 def run_rm(config, task, reward_model, init_params, *, mesh, writer, workdir):
