@@ -19,6 +19,7 @@ TERMINATIONS = ("fixed", "randomized", "perplexity", "parsing")
 KL_ESTIMATORS = ("k1", "k3")
 SCHEDULES = ("constant", "linear", "cosine")
 CRITIC_INITS = ("rm", "sft", "random")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def optimizer_config(lr: float, steps: int, batch_size: int) -> ml_collections.ConfigDict:
@@ -50,20 +51,38 @@ def base_config() -> ml_collections.ConfigDict:
     c.distributed = ml_collections.ConfigDict(dict(coordinator="", num_processes=0,
                                                    process_id=-1))
 
-    # The task: "synthetic", or a real dataset (tldr, hh_rlhf, webgpt, apps).
+    # The task: "synthetic", or a real dataset (tldr, hh_rlhf, webgpt, apps); see
+    # marl_jax/data/real_tasks.py for how a real dataset becomes SFT / RM / RL / eval arrays.
     c.task = ml_collections.ConfigDict(dict(
         name="synthetic",
         path="",             # local dataset directory; empty = the hub name through `datasets`
+        tokenizer="",        # tokenizer path; empty = config.model.path
+        cache_dir="",        # `datasets` cache; empty = its default
+        max_rows=0,          # read only the first rows of each split (0 = all)
         max_prompt_length=512,
         use_chat_template=False,
+        # The paper's SFT / RM / RL split of the training rows (DeepSpeed-Chat "2,4,4").
+        split_fractions=(0.2, 0.4, 0.4),
+        split_seed=1234,
+        # Held-out prompts: "" = the dataset's validation / test split when it has one, else the
+        # last prompts of the RL part; or "validation", "test", "heldout".
+        eval_split="",
+        # Caps on the number of examples of each part (0 = all).
+        num_sft=0,
+        num_pairs=0,
+        num_rl_prompts=0,
         num_eval_prompts=256,
+        include_cnndm=False,  # tldr: keep the CNN/DailyMail rows of the validation split
+        difficulties=(),      # apps: a subset of (introductory, interview, competition); () = all
+        unit_test_timeout_s=4.0,  # apps: wall-clock budget per test case of a generated program
+        unit_test_workers=0,      # apps: programs run in parallel (0 = one per CPU)
     ))
 
     # The policy / reference model: a pretrained checkpoint (HF directory or .gguf file) or,
     # when `path` is empty, a fresh decoder built from `config` (ModelConfig fields).
     c.model = ml_collections.ConfigDict(dict(
         path="",
-        dtype="float32",
+        dtype="auto",        # compute dtype: auto = bfloat16 on GPU / TPU, float32 on CPU
         param_dtype="float32",
         remat=False,
         config=ml_collections.ConfigDict(),
@@ -116,6 +135,25 @@ def base_config() -> ml_collections.ConfigDict:
     # host: a reward computed on the host, e.g. the fraction of APPS unit tests passed.
     p.reward_source = "rm"
     p.eval_every = 10
+
+    # `--config.stage=eval`: the SFT and final PPO policies of a workdir on held-out prompts.
+    c.eval = ml_collections.ConfigDict(dict(
+        max_prompts=0,       # held-out prompts used (0 = all of the task's eval prompts)
+        batch_size=0,        # prompts sampled at once (0 = config.ppo.batch_size)
+        # Pairwise judge of policy vs SFT: rm (the trained reward model), gold (the synthetic
+        # task's gold reward), openai (an OpenAI-compatible chat endpoint), none.
+        judge="rm",
+        judge_max_samples=50,  # pairs shown to the openai judge (the paper: 50); 0 = all
+        judge_template="",     # tldr, hh or a custom template; empty = by task
+        base_url="",           # empty = $MARL_JUDGE_BASE_URL, else https://api.openai.com/v1
+        model="",              # empty = $MARL_JUDGE_MODEL
+        api_key="",            # empty = $OPENAI_API_KEY
+        judge_workers=8,
+        judge_timeout_s=60.0,
+        num_samples=5,         # apps: samples per problem for pass@k
+        pass_at_k=(1, 5),
+        histogram_bins=30,
+    ))
     return c
 
 
@@ -126,6 +164,8 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
             raise ValueError(f"config.{field}={_get(c, field)!r}: {msg}")
 
     check(c.stage in STAGES, "stage", f"must be one of {STAGES}")
+    check(c.model.dtype in ("auto",) + DTYPES, "model.dtype", f"must be auto or one of {DTYPES}")
+    check(c.model.param_dtype in DTYPES, "model.param_dtype", f"must be one of {DTYPES}")
     p = c.ppo
     check(p.termination in TERMINATIONS, "ppo.termination", f"must be one of {TERMINATIONS}")
     check(isinstance(p.ngram, int) and p.ngram >= 1, "ppo.ngram", "must be an integer >= 1")

@@ -49,6 +49,11 @@ class Pipeline:
         self.writer = metrics_lib.MetricsWriter(workdir)
         self.task = build_task(config, workdir)
         cfg = build.model_config(config, self.task.tokenizer)
+        if len(self.task.tokenizer) > cfg.vocab_size:
+            raise ValueError(
+                f"the tokenizer has {len(self.task.tokenizer)} tokens but the model "
+                f"(config.model.path={config.model.path!r}) only {cfg.vocab_size}; use the "
+                "model's own tokenizer (config.task.tokenizer)")
         self.policy = build.policy_module(cfg)
         self.reward_model = build.reward_module(cfg)
         self.critic = build.critic_module(cfg)
@@ -94,6 +99,8 @@ class Pipeline:
             if os.path.exists(stats_path):
                 with open(stats_path) as f:
                     stats = json.load(f)
+            elif len(self.task.rm["prompt_ids"]) == 0:
+                stats = {"mean": 0.0, "std": 1.0}  # no preference pairs (APPS): nothing to centre
             else:
                 stats = reward_stats(self.reward_model, params, self.task.rm,
                                      batch_size=self.config.rm.batch_size)
@@ -112,11 +119,14 @@ class Pipeline:
     def _export(self, name, module, params, extra=None):
         """A transformers-loadable directory `<workdir>/models/<name>`, complete or absent."""
         path = os.path.join(self.workdir, "models", name)
-        if jax.process_index() != 0 or os.path.exists(path):
+        if distributed.main_process_value(os.path.exists(path)):
+            return
+        params = distributed.global_to_host(params)  # a gather every process takes part in
+        if jax.process_index() != 0:
             return
         tmp = path + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        build.models.save_pretrained(module, jax.device_get(params), tmp)
+        build.models.save_pretrained(module, params, tmp)
         self.task.tokenizer.save_pretrained(tmp)
         for filename, content in (extra or {}).items():
             with open(os.path.join(tmp, filename), "w") as f:

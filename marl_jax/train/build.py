@@ -7,6 +7,10 @@ as in the paper.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import pathlib
+import threading
 from typing import Any
 
 import flax
@@ -28,12 +32,67 @@ class TrainState:
     skipped_updates: jax.Array
 
 
+# Weights read for `model_config` wait here for `initial_policy_params`, so a checkpoint that has
+# to be read in full to learn its config (a GGUF file) is read once.
+_pending_weights: dict = {}
+_pending_lock = threading.Lock()
+HUB_WEIGHT_PATTERNS = ("*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt")
+
+
+def pretrained_path(path: str) -> str:
+    """A local checkpoint for `config.model.path`: the path itself when it exists (an HF
+    directory or a .gguf file), else a Hugging Face Hub name ("google/gemma-2b") downloaded
+    once into the hub cache (config, safetensors and tokenizer files only; gated models need
+    `HF_TOKEN`; with `HF_HUB_OFFLINE=1` only an already cached copy is used)."""
+    if os.path.exists(path):
+        return path
+    name = str(path)
+    if name.startswith((".", "/", "~")) or name.count("/") != 1 or name.endswith(".gguf"):
+        raise FileNotFoundError(f"config.model.path={path!r}: no such file or directory (and not "
+                                "a Hugging Face Hub name like 'google/gemma-2b')")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id=name, allow_patterns=list(HUB_WEIGHT_PATTERNS))
+    except Exception as error:  # offline, gated, misspelt: all end the same way for the user
+        raise FileNotFoundError(
+            f"config.model.path={path!r} is neither a local checkpoint nor a downloadable Hugging "
+            f"Face Hub model ({type(error).__name__}: {error}); pass a local HF directory or "
+            ".gguf file") from error
+
+
+def _weights_key(config):
+    m = config.model
+    return (os.path.abspath(pretrained_path(m.path)), str(m.param_dtype))
+
+
+def _read_pretrained(config):
+    """(ModelConfig, params) of `config.model.path`, parameters in `config.model.param_dtype`."""
+    path, dtype = _weights_key(config)
+    module, params = models.load_pretrained(path, dtype=jnp.dtype(dtype))
+    return module.config, params
+
+
 def model_config(config, tokenizer) -> models.ModelConfig:
-    """The policy's ModelConfig: from `config.model.path` or from `config.model.config` fields."""
+    """The policy's ModelConfig: from `config.model.path` or from `config.model.config` fields.
+
+    `config.model.dtype` is the compute dtype; "auto" means bfloat16 on GPUs and TPUs and
+    float32 on CPUs.
+
+    An HF directory is known from its config.json alone; a GGUF file is read in full, and its
+    weights are kept for the `initial_policy_params` call that follows.
+    """
     m = config.model
     if m.path:
-        base, _ = models.load_pretrained(m.path, dtype=jnp.float32)
-        cfg = base.config
+        key = _weights_key(config)
+        hf_config = pathlib.Path(key[0]) / "config.json"
+        if hf_config.is_file():
+            cfg = models.ModelConfig.from_hf(json.loads(hf_config.read_text()))
+        else:
+            cfg, params = _read_pretrained(config)
+            with _pending_lock:
+                _pending_weights.clear()
+                _pending_weights[key] = params
     else:
         fields = dict(m.config)
         fields.setdefault("vocab_size", len(tokenizer))
@@ -41,7 +100,18 @@ def model_config(config, tokenizer) -> models.ModelConfig:
         fields.setdefault("pad_token_id", tokenizer.pad_token_id)
         fields.setdefault("bos_token_id", tokenizer.bos_token_id)
         cfg = models.ModelConfig(**fields)
-    return dataclasses.replace(cfg, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat)
+    dtype = m.dtype
+    if dtype == "auto":
+        # bf16 matmuls run at full rate on TPUs and GPUs; CPUs emulate bf16, so stay in fp32.
+        dtype = "bfloat16" if jax.default_backend() in ("gpu", "tpu") else "float32"
+    return dataclasses.replace(cfg, dtype=dtype, param_dtype=m.param_dtype, remat=m.remat)
+
+
+def release_pretrained() -> None:
+    """Drops weights `model_config` read that no `initial_policy_params` call took (e.g. when a
+    stage only loads trained models)."""
+    with _pending_lock:
+        _pending_weights.clear()
 
 
 def policy_module(cfg: models.ModelConfig):
@@ -59,9 +129,13 @@ def critic_module(cfg: models.ModelConfig):
 
 
 def initial_policy_params(config, module, key):
-    """Pretrained weights from `config.model.path`, or a fresh init."""
+    """Pretrained weights from `config.model.path` (in `config.model.param_dtype`; taken from
+    `model_config`'s read when it had to read them), or a fresh init."""
     if config.model.path:
-        _, params = models.load_pretrained(config.model.path, dtype=jnp.float32)
+        with _pending_lock:
+            params = _pending_weights.pop(_weights_key(config), None)
+        if params is None:
+            _, params = _read_pretrained(config)
         return params
     return models.init_params(module, key)
 
