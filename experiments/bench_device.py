@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench_timing import best_time
+
 # bf16 dense peak FLOP/s of one JAX device, by lower-cased `device_kind` substring (first match).
 # TPU v2 / v3 expose each TensorCore as a device (half a chip); v4 and later one device per chip.
 PEAK_FLOPS = (
@@ -89,21 +91,11 @@ def table_peak(device_kind: str):
     return None
 
 
-def _best(fn, repeats):
-    jax.block_until_ready(fn())
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def timed_matmul_peak(dtype, size: int, repeats: int = 10) -> float:
     """FLOP/s of the best of `repeats` `[size, size] @ [size, size]` matmuls on one device."""
     a = jax.random.normal(jax.random.key(0), (size, size), dtype)
     matmul = jax.jit(lambda x: x @ x)
-    return 2 * size ** 3 / _best(lambda: matmul(a), repeats)
+    return 2 * size ** 3 / best_time(lambda: matmul(a), repeats)
 
 
 def build_config(preset: dict, dtype: str):
@@ -141,7 +133,7 @@ def bench_train(config, module, params, mesh, batch: int, length: int, repeats: 
 
     with sharding.mesh_context(mesh, sharding.logical_rules(mesh, build.model_dims(
             module.config))):
-        return _best(run, repeats)
+        return best_time(run, repeats)
 
 
 def bench_sampler(module, params, mesh, batch: int, prompt: int, new: int, repeats: int):

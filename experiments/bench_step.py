@@ -12,10 +12,11 @@ import functools
 import importlib.util
 import pathlib
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
+
+from bench_timing import best_time
 
 
 def _load_config(path):
@@ -23,16 +24,6 @@ def _load_config(path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config()
-
-
-def _best(fn, repeats):
-    jax.block_until_ready(fn())
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def main(argv):
@@ -71,9 +62,9 @@ def main(argv):
             step = jax.jit(functools.partial(core.ppo_step, static, mods))
             exp, roll_metrics = rollout(state, frozen, ids, mask)
             times[name] = dict(
-                rollout=_best(lambda: rollout(state, frozen, ids, mask), args.repeats),
-                update=_best(lambda: update(state, exp, roll_metrics, hp), args.repeats),
-                step=_best(lambda: step(state, frozen, hp, ids, mask), args.repeats),
+                rollout=best_time(lambda: rollout(state, frozen, ids, mask), args.repeats),
+                update=best_time(lambda: update(state, exp, roll_metrics, hp), args.repeats),
+                step=best_time(lambda: step(state, frozen, hp, ids, mask), args.repeats),
                 tokens=int(exp.response_mask.sum()) + int(mask.sum()))
         pipe.close()
 

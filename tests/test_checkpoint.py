@@ -1,7 +1,6 @@
 """Checkpointer: round trip of a sharded training state across meshes, resume, atomicity under SIGKILL."""
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from marl_jax.train import checkpoint, metrics, sharding
+import process_util
 import train_infra_util as util
 
 KILL_TIMEOUT_S = 120
@@ -271,15 +271,9 @@ _TWO_PROCESS_WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("localhost", 0))
-        return sock.getsockname()[1]
-
-
 def test_two_processes_save_one_checkpoint_and_one_metrics_row(tmp_path):
     directory, workdir = tmp_path / "ckpt", tmp_path / "run"
-    port = _free_port()
+    port = process_util.free_port()
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     procs = [subprocess.Popen([sys.executable, "-c", _TWO_PROCESS_WORKER, str(i), str(port),
                                str(directory), str(workdir)],

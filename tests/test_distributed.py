@@ -6,11 +6,7 @@ their own rows of a global batch, run jitted global reductions, and write one or
 that this (single) pytest process, with 8 fake devices, restores.
 """
 import json
-import os
-import socket
-import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +16,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from marl_jax import distributed
+
+import process_util
 
 GLOBAL_BATCH = 16
 FEATURES = 6
@@ -97,48 +95,16 @@ def run_worker(process_id, port, checkpoint_path, out_path):
         json.dump(report, f)
 
 
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("localhost", 0))
-        return sock.getsockname()[1]
-
-
-def wait_all_or_first_failure(procs, timeout_s):
-    """Returns when all exit; stops early when one fails, since the others would block in a collective."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        codes = [proc.poll() for proc in procs]
-        if all(code is not None for code in codes) or any(code not in (None, 0) for code in codes):
-            return
-        time.sleep(0.05)
-
-
 @pytest.fixture(scope="module")
 def two_process_run(tmp_path_factory):
     """Runs the two workers to completion; returns (reports by process id, checkpoint path)."""
     root = tmp_path_factory.mktemp("two_process")
     checkpoint_path = root / "checkpoint"
-    port = free_port()
-    env = dict(os.environ)
-    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    for name in ("TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES", "MEGASCALE_NUM_SLICES"):
-        env.pop(name, None)
-    logs = [open(root / f"worker{i}.log", "w") for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(i), str(port),
-                               str(checkpoint_path), str(root / f"report{i}.json")],
-                              env=env, stdout=logs[i], stderr=subprocess.STDOUT)
-             for i in range(2)]
-    try:
-        wait_all_or_first_failure(procs, WORKER_TIMEOUT_S)
-    finally:
-        for proc, log in zip(procs, logs):
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            log.close()
-    for i, proc in enumerate(procs):
-        output = (root / f"worker{i}.log").read_text()[-4000:]
-        assert proc.returncode == 0, f"worker {i} exited with {proc.returncode}:\n{output}"
+    port = process_util.free_port()
+    process_util.run_processes(
+        [[sys.executable, __file__, "--worker", str(i), str(port), str(checkpoint_path),
+          str(root / f"report{i}.json")] for i in range(2)],
+        process_util.cpu_env(4), root, WORKER_TIMEOUT_S)
     reports = [json.loads((root / f"report{i}.json").read_text()) for i in range(2)]
     return reports, checkpoint_path
 
@@ -254,7 +220,7 @@ def test_explicit_settings_after_jax_started_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(distributed, "_initialized", None)
     jax.devices()
     with pytest.raises(RuntimeError, match="must run before any JAX computation"):
-        distributed.initialize({"coordinator": f"localhost:{free_port()}", "num_processes": 1,
+        distributed.initialize({"coordinator": f"localhost:{process_util.free_port()}", "num_processes": 1,
                                 "process_id": 0})
     assert not jax.distributed.is_initialized()
 

@@ -13,15 +13,11 @@ faster and changes no number beyond float tolerance.
 """
 import json
 import os
-import pathlib
 import shutil
-import socket
 import subprocess
 import sys
-import time
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
@@ -33,6 +29,7 @@ from marl_jax.data import batches
 from marl_jax.train import build, sharding
 from marl_jax.train.metrics import read_metrics
 
+import process_util
 from train_util import ROOT, tiny_config
 
 RUN_PY = str(ROOT / "experiments" / "run.py")
@@ -62,46 +59,17 @@ def tiny_flags(**overrides):
     return [f"--config={ROOT / 'configs' / 'synthetic.py'}"] + flags
 
 
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("localhost", 0))
-        return sock.getsockname()[1]
-
-
 def _env(devices, **extra):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_XLA}",
-               JAX_PLATFORMS="cpu", **extra)
-    for name in ("TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES", "MEGASCALE_NUM_SLICES"):
-        env.pop(name, None)
-    return env
+    return process_util.cpu_env(devices, FAST_XLA, **extra)
 
 
 def _run_two_processes(workdir, logdir, flags):
-    port = _free_port()
-    logs = [open(logdir / f"worker{i}.log", "w") for i in range(2)]
-    procs = [subprocess.Popen(
-        [sys.executable, RUN_PY, f"--workdir={workdir}", *flags,
-         f"--config.distributed.coordinator=localhost:{port}",
-         "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}"],
-        env=_env(4), stdout=logs[i], stderr=subprocess.STDOUT) for i in range(2)]
-    deadline = time.monotonic() + TWO_PROCESS_TIMEOUT_S
-    try:
-        # A failed process leaves the other blocked in a collective: stop at the first failure.
-        while time.monotonic() < deadline:
-            codes = [proc.poll() for proc in procs]
-            if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
-                break
-            time.sleep(0.1)
-    finally:
-        for proc, log in zip(procs, logs):
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            log.close()
-    for i, proc in enumerate(procs):
-        output = (logdir / f"worker{i}.log").read_text()
-        assert proc.returncode == 0, f"worker {i} exited with {proc.returncode}:\n{output[-4000:]}"
-    return [(logdir / f"worker{i}.log").read_text() for i in range(2)]
+    port = process_util.free_port()
+    return process_util.run_processes(
+        [[sys.executable, RUN_PY, f"--workdir={workdir}", *flags,
+          f"--config.distributed.coordinator=localhost:{port}",
+          "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}"]
+         for i in range(2)], _env(4), logdir, TWO_PROCESS_TIMEOUT_S)
 
 
 def _run_single(workdir, flags, cache):

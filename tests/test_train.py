@@ -1,7 +1,6 @@
 """The SFT -> RM -> PPO pipeline: config errors, the token/macro equivalence of an update, the
 same PPO metrics on 8 devices as on 1, exact resume, and skipped non-finite updates."""
 import functools
-import json
 import os
 
 import jax

@@ -40,7 +40,7 @@ from marl_jax.data import collate
 from marl_jax.data.chat import filter_by_length, format_records
 from marl_jax.data.loaders import load_preference_pairs, load_prompts, load_sft_examples
 from marl_jax.data.splits import paper_split
-from marl_jax.data.tasks import TaskData
+from marl_jax.data.tasks import TaskData, supervised_arrays
 
 logger = logging.getLogger("marl_jax.data")
 
@@ -96,11 +96,6 @@ def build_real_task(config, workdir: str, *, tokenizer=None) -> TaskData:
             return empty, empty.copy()
         return collate.encode_responses(tokenizer, texts, response_length)
 
-    sft_prompts, rm_prompts = prompts(sft), prompts(rm)
-    sft_ids, sft_mask = responses([r["response"] for r in sft])
-    chosen_ids, chosen_mask = responses([r["chosen"] for r in rm])
-    rejected_ids, rejected_mask = responses([r["rejected"] for r in rm])
-
     counts = {"sft": len(sft), "rm": len(rm), "rl": len(rl), "eval": len(evals)}
     info = dict(task=t.name, counts=counts, loads=loads, dropped=prepare.dropped,
                 eval_records=[_eval_fields(r) for r in evals])
@@ -110,13 +105,10 @@ def build_real_task(config, workdir: str, *, tokenizer=None) -> TaskData:
         host_reward = UnitTestReward(tokenizer, [r["input_output"] for r in rl],
                                      timeout_s=float(t.unit_test_timeout_s),
                                      max_workers=int(t.unit_test_workers) or None)
+    sft_arrays, rm_arrays = supervised_arrays(prompts, responses, sft, rm)
     return TaskData(
         tokenizer=tokenizer, prompt_length=prompt_length, response_length=response_length,
-        sft=dict(prompt_ids=sft_prompts["ids"], prompt_mask=sft_prompts["mask"],
-                 response_ids=sft_ids, response_mask=sft_mask),
-        rm=dict(prompt_ids=rm_prompts["ids"], prompt_mask=rm_prompts["mask"],
-                chosen_ids=chosen_ids, chosen_mask=chosen_mask,
-                rejected_ids=rejected_ids, rejected_mask=rejected_mask),
+        sft=sft_arrays, rm=rm_arrays,
         rl=prompts(rl), eval=prompts(evals), host_reward=host_reward, info=info)
 
 

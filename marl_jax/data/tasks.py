@@ -77,19 +77,31 @@ def _synthetic(config, workdir: str) -> TaskData:
     def responses(texts):
         return collate.encode_responses(tokenizer, texts, r)
 
-    sft_ids, sft_mask = responses([x["response"] for x in sft_rows])
-    chosen_ids, chosen_mask = responses([x["chosen"] for x in pairs])
-    rejected_ids, rejected_mask = responses([x["rejected"] for x in pairs])
-    sft_prompts = prompts(sft_rows)
-    rm_prompts = prompts(pairs)
+    sft, rm = supervised_arrays(prompts, responses, sft_rows, pairs)
     return TaskData(
-        tokenizer=tokenizer, prompt_length=p, response_length=r,
-        sft=dict(prompt_ids=sft_prompts["ids"], prompt_mask=sft_prompts["mask"],
-                 response_ids=sft_ids, response_mask=sft_mask),
-        rm=dict(prompt_ids=rm_prompts["ids"], prompt_mask=rm_prompts["mask"],
-                chosen_ids=chosen_ids, chosen_mask=chosen_mask,
-                rejected_ids=rejected_ids, rejected_mask=rejected_mask),
+        tokenizer=tokenizer, prompt_length=p, response_length=r, sft=sft, rm=rm,
         rl=prompts(rl_rows), eval=prompts(eval_rows),
         gold_fn=functools.partial(syn.gold_score_jax, task),
         info=dict(task=dataclasses.asdict(task)),
     )
+
+
+def supervised_arrays(prompts, responses, sft_rows, pairs) -> tuple[dict, dict]:
+    """The `TaskData.sft` and `TaskData.rm` arrays.
+
+    Args:
+      prompts: rows -> dict with `ids` / `mask` `[N, P]` of their "prompt" fields.
+      responses: texts -> (ids, mask) `[N, R]`.
+      sft_rows: rows with "prompt" and "response"; pairs: rows with "prompt", "chosen" and
+        "rejected".
+    """
+    sft_prompts, rm_prompts = prompts(sft_rows), prompts(pairs)
+    sft_ids, sft_mask = responses([x["response"] for x in sft_rows])
+    chosen_ids, chosen_mask = responses([x["chosen"] for x in pairs])
+    rejected_ids, rejected_mask = responses([x["rejected"] for x in pairs])
+    sft = dict(prompt_ids=sft_prompts["ids"], prompt_mask=sft_prompts["mask"],
+               response_ids=sft_ids, response_mask=sft_mask)
+    rm = dict(prompt_ids=rm_prompts["ids"], prompt_mask=rm_prompts["mask"],
+              chosen_ids=chosen_ids, chosen_mask=chosen_mask,
+              rejected_ids=rejected_ids, rejected_mask=rejected_mask)
+    return sft, rm

@@ -223,7 +223,6 @@ def markdown(report: dict) -> str:
 
 
 def summary_text(report: dict) -> str:
-    b = report["baseline"]
     out = [f"{'arm':<20}{'gold':>16}{'KL':>16}{'J':>16}{'50%':>7}{'90%':>7}{'parity':>9}"]
     for arm, e in report["arms"].items():
         out.append(f"{arm:<20}{_fmt(e['gold']):>16}{_fmt(e['kl']):>16}{_fmt(e['J']):>16}"

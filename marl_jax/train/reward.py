@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from marl_jax import distributed, losses
 from marl_jax.models import last_token_score

@@ -1,11 +1,10 @@
 """Stage 1: supervised fine-tuning on demonstrations (masked cross-entropy on responses)."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from marl_jax import losses
-from marl_jax.train import build, supervised
+from marl_jax.train import supervised
 
 
 def sft_loss(policy, params, batch):

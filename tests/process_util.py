@@ -1,0 +1,51 @@
+"""Running several local JAX processes that form one job, for the multi-process tests."""
+import os
+import socket
+import subprocess
+import time
+
+TPU_ENVIRONMENT = ("TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES", "MEGASCALE_NUM_SLICES")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
+
+
+def cpu_env(devices: int, xla_flags: str = "", **extra) -> dict:
+    """This environment with `devices` fake CPU devices and no TPU host detection."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **extra,
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {xla_flags}".strip())
+    for name in TPU_ENVIRONMENT:
+        env.pop(name, None)
+    return env
+
+
+def run_processes(commands, env, logdir, timeout_s) -> list:
+    """Runs the commands at once, each logging to `<logdir>/worker<i>.log`; returns the logs.
+
+    Stops at the first failure (the others would block in a collective) or at the timeout, and
+    fails the test with the log of any process that did not exit with 0.
+    """
+    paths = [logdir / f"worker{i}.log" for i in range(len(commands))]
+    logs = [open(path, "w") for path in paths]
+    procs = [subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+             for command, log in zip(commands, logs)]
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            codes = [proc.poll() for proc in procs]
+            if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
+                break
+            time.sleep(0.05)
+    finally:
+        for proc, log in zip(procs, logs):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            log.close()
+    outputs = [path.read_text() for path in paths]
+    for i, proc in enumerate(procs):
+        assert proc.returncode == 0, f"worker {i} exited with {proc.returncode}:\n{outputs[i][-4000:]}"
+    return outputs
