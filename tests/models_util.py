@@ -43,6 +43,12 @@ CASES = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
         query_pre_attn_scalar=12, attn_logit_softcapping=2.0, final_logit_softcapping=1.5, sliding_window=4,
         pad_token_id=0, eos_token_id=1, bos_token_id=2),
+    "qwen2_yarn": dict(
+        model_type="qwen2", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                         "rope_theta": 1000.0},
+        pad_token_id=0, eos_token_id=1, bos_token_id=1),
     "qwen2_bias": dict(
         model_type="qwen2", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,

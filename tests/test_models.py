@@ -61,8 +61,25 @@ def test_fully_padded_row_is_finite_and_does_not_touch_other_rows(case):
     np.testing.assert_allclose(logits[1], alone[0], atol=1e-5)
 
 
+@pytest.mark.parametrize("options", [
+    dict(beta_fast=8, beta_slow=2, truncate=False),
+    dict(mscale=0.7, mscale_all_dim=1.3),
+    dict(attention_factor=1.7),
+])
+def test_yarn_options_match_transformers(options, tmp_path):
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+            "original_max_position_embeddings": 16, **options}
+    hf = random_hf_model("qwen2_yarn", seed=3, rope_parameters=rope, max_position_embeddings=128)
+    model, params = M.load_pretrained(write_checkpoint(hf, tmp_path))
+    ids, mask = padded_batch([30, 17], 30, seed=5)
+    ours = np.asarray(M.forward_logits(model, params, jnp.asarray(ids), jnp.asarray(mask)))
+    valid = _valid(mask)
+    np.testing.assert_allclose(ours[valid], hf_logits(hf, ids, mask)[valid], atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("name,feature", [
     ("llama_gqa_llama3_untied", dict(rope_scaling=None)), ("llama_linear_tied", dict(rope_scaling=None)),
+    ("qwen2_yarn", dict(rope_scaling=None)),
     ("gemma2_softcap_window", dict(sliding_layers=())), ("gemma2_softcap_window", dict(attn_logit_softcap=None)),
     ("gemma2_softcap_window", dict(final_logit_softcap=None)),
     ("gemma2_softcap_window", dict(query_pre_attn_scalar=None))])
@@ -397,7 +414,9 @@ def test_bad_paths_and_arguments(llama_checkpoint, tmp_path):
     with pytest.raises(ValueError, match=r"num_heads \(6\) must be a multiple of num_kv_heads \(4\)"):
         M.ModelConfig.for_family("llama", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
                                  num_heads=6, num_kv_heads=4, head_dim=8, max_position_embeddings=8)
-    with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
+    with pytest.raises(ValueError, match="rope type 'dynamic' is not supported"):
+        M.ModelConfig.from_hf({**CASES["llama_linear_tied"], "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}})
+    with pytest.raises(ValueError, match=r"rope scaling 'yarn' misses \['original_max_position_embeddings'\]"):
         M.ModelConfig.from_hf({**CASES["llama_linear_tied"], "rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
 
 

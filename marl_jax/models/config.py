@@ -18,7 +18,7 @@ FAMILIES = ("gpt2", "llama", "gemma", "qwen2", "gemma2")
 NORM_TYPES = ("rmsnorm", "layernorm")
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 POSITION_EMBEDDINGS = ("rope", "learned")
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 DTYPES = ("float32", "bfloat16", "float16")
 
 # transformers activation names -> ours ("gelu_new" and "gelu_pytorch_tanh" are the same tanh
@@ -158,8 +158,11 @@ class ModelConfig:
         rope_type = self.rope_scaling_dict.get("rope_type", "default")
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"ModelConfig.rope_scaling: rope_type {rope_type!r} is not one of {ROPE_TYPES}")
-        if rope_type in ("linear", "llama3") and "factor" not in self.rope_scaling_dict:
+        if rope_type != "default" and "factor" not in self.rope_scaling_dict:
             raise ValueError(f"ModelConfig.rope_scaling: rope_type {rope_type!r} needs a 'factor'")
+        if rope_type == "yarn" and "original_max_position_embeddings" not in self.rope_scaling_dict:
+            raise ValueError("ModelConfig.rope_scaling: rope_type 'yarn' needs "
+                             "'original_max_position_embeddings'")
         if self.sliding_layers:
             if not self.sliding_window or self.sliding_window < 1:
                 raise ValueError(f"ModelConfig.sliding_window must be a positive int when sliding_layers are set, "
@@ -335,11 +338,19 @@ def _rope_from_hf(config: dict) -> tuple[float, dict | None]:
         return theta, None
     keep = {"linear": ("rope_type", "factor"),
             "llama3": ("rope_type", "factor", "low_freq_factor", "high_freq_factor",
-                       "original_max_position_embeddings")}[rope_type]
+                       "original_max_position_embeddings"),
+            "yarn": ("rope_type", "factor", "original_max_position_embeddings")}[rope_type]
     missing = [k for k in keep if k not in merged]
     if missing:
         raise ValueError(f"config.json rope scaling {rope_type!r} misses {missing}")
-    return theta, {k: merged[k] for k in keep}
+    optional = _YARN_OPTIONAL if rope_type == "yarn" else ()
+    return theta, {k: merged[k] for k in keep + optional if merged.get(k) is not None}
+
+
+# YaRN settings with transformers' defaults when absent (beta_fast 32, beta_slow 1, truncate True,
+# attention factor from `factor`, or from mscale / mscale_all_dim when both are given).
+_YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                  "truncate")
 
 
 def _llama_like_from_hf(config: dict) -> dict:
@@ -411,4 +422,48 @@ def rope_inverse_frequencies(config: ModelConfig):
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old_context / high) & ~(wavelen > old_context / low)
         inv_freq = np.where(medium, smoothed, scaled).astype(np.float32)
+    elif rope_type == "yarn":
+        inv_freq = _yarn_inverse_frequencies(inv_freq, dim, config.rope_theta, scaling)
     return inv_freq
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """The factor YaRN applies to cos and sin (1 for every other rope type)."""
+    scaling = config.rope_scaling_dict
+    if scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(scale):
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(float(scaling["mscale"])) / mscale(float(scaling["mscale_all_dim"]))
+    return mscale(1.0)
+
+
+def _yarn_inverse_frequencies(inv_freq, dim, theta, scaling):
+    """YaRN (Peng et al., 2023): interpolated frequencies below a ramp over the dimensions whose
+    wavelengths fall between `beta_fast` and `beta_slow` rotations of the original context,
+    extrapolated (unchanged) above it."""
+    import numpy as np
+
+    factor = float(scaling["factor"])
+    context = float(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolation = (1 - ramp).astype(np.float32)
+    interpolated = (inv_freq / np.float32(factor)).astype(np.float32)
+    return (interpolated * (1 - extrapolation) + inv_freq * extrapolation).astype(np.float32)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from marl_jax.models.config import ModelConfig, rope_inverse_frequencies
+from marl_jax.models.config import ModelConfig, rope_attention_factor, rope_inverse_frequencies
 
 Cache = list  # per layer: {"k": [B, K, S, H], "v": [B, K, S, H]}
 
@@ -105,7 +105,10 @@ def rotary_tables(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array,
     """cos, sin `[B, T, H / 2]` float32 for integer `positions [B, T]`."""
     inv_freq = jnp.asarray(rope_inverse_frequencies(config))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
-    return jnp.cos(angles), jnp.sin(angles)
+    factor = rope_attention_factor(config)
+    if factor == 1.0:
+        return jnp.cos(angles), jnp.sin(angles)
+    return jnp.cos(angles) * factor, jnp.sin(angles) * factor
 
 
 def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
