@@ -22,20 +22,26 @@ DeepSpeed-Chat scripts (SFT: LR 5e-5 cosine, 10% warmup, weight decay 0.01, 1 ep
 7.5e-6 cosine, 5% warmup, weight decay 0.1, 2 epochs) at batch 64. Evaluation: mean RM score of
 2,000 validation responses; pairwise judge on 50 (openai: set MARL_JUDGE_MODEL, e.g. gpt-4).
 
-Compute in bfloat16 with float32 master weights, rematerialised layers, parameters and
-optimizer state sharded over all chips (fsdp).
+Compute in bfloat16 with float32 master weights, rematerialised layers in one scan, parameters
+and optimizer state sharded over all chips (fsdp). Sized for a v4-16 slice (8 chips of 32 GiB):
+`python experiments/bench.py memory --config=configs/tldr_gemma2b_tpu.py` compiles every stage
+for it with the TPU compiler and reports the per-chip peak (docs/SCALING.md).
 """
 from marl_jax.config import base_config
 
 TLDR_TRAIN_ROWS = 92_858  # openai/summarize_from_feedback "comparisons" train split
 
 
-def gemma_tldr_config(model_path: str, *, kl_coef: float = 0.05):
+def gemma_tldr_config(model_path: str, *, tpu_topology: str, kl_coef: float = 0.05,
+                      grad_accum_steps: int = 1):
     c = base_config()
     c.stage = "all"
     c.seed = 1234
     c.checkpoint_every = 50
     c.log_every = 1
+    # The slice this config is sized for: `python experiments/bench.py memory --config=...`
+    # compiles every stage for it and checks the fit (docs/SCALING.md has the numbers).
+    c.tpu_topology = tpu_topology
 
     c.mesh.update(dict(data=1, fsdp=-1, tensor=1))
 
@@ -43,6 +49,7 @@ def gemma_tldr_config(model_path: str, *, kl_coef: float = 0.05):
     c.model.dtype = "bfloat16"
     c.model.param_dtype = "float32"
     c.model.remat = True
+    c.model.scan_layers = True
 
     t = c.task
     t.name = "tldr"
@@ -59,7 +66,8 @@ def gemma_tldr_config(model_path: str, *, kl_coef: float = 0.05):
 
     p = c.ppo
     p.steps = rl_rows // 256
-    p.batch_size = 256
+    p.batch_size = 256  # prompts per rollout, as released; micro-batches only split the update
+    p.grad_accum_steps = grad_accum_steps
     p.learning_rate = 1.5e-5
     p.critic_learning_rate = 1.5e-5
     p.warmup_ratio = 0.05
@@ -84,4 +92,4 @@ def gemma_tldr_config(model_path: str, *, kl_coef: float = 0.05):
 
 
 def get_config():
-    return gemma_tldr_config("google/gemma-2b")
+    return gemma_tldr_config("google/gemma-2b", tpu_topology="v4-16")

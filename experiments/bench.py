@@ -1,4 +1,4 @@
-"""Benchmarks: `python experiments/bench.py {macro,sampler,step,device} [flags]`.
+"""Benchmarks: `python experiments/bench.py {macro,sampler,step,device,memory,scoring} [flags]`.
 
 Each benchmark lives in `experiments/bench_<name>.py` with a `main(argv)` function and prints
 the numbers it measures side by side in one run (ratios, not absolute times, are what matter on
@@ -8,7 +8,7 @@ import importlib
 import pathlib
 import sys
 
-BENCHMARKS = ("macro", "sampler", "step", "device")
+BENCHMARKS = ("macro", "sampler", "step", "device", "memory", "scoring")
 
 
 def main(argv):

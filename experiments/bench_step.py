@@ -54,7 +54,10 @@ def main(argv):
         for name, (n, variant) in arms.items():
             static = ppo_lib.static_from_config(config, pipe.task.tokenizer, variants=(variant,))
             mods = ppo_lib.make_models(config, pipe.policy, pipe.critic, pipe.reward_model)
-            state = ppo_lib.initial_state(config, mods, policy_params, rm_params, seed=0)
+            critic_params = ppo_lib.initial_critic_params(
+                config, pipe.critic, policy_params, rm_params, jax.random.key(2),
+                {"mean": 0.0, "std": 1.0})
+            state = ppo_lib.initial_state(config, mods, policy_params, critic_params, seed=0)
             hp = core.RunHparams(lam=jnp.float32(config.ppo.lam), gamma=jnp.float32(1.0),
                                  ngram=jnp.int32(n), variant=jnp.int32(0))
             rollout = jax.jit(functools.partial(core.rollout_phase, static, mods))

@@ -6,10 +6,16 @@
 
 `--config.stage` in {sft, rm, ppo, all, experiment, eval}; every field of the config file can be
 overridden as `--config.<section>.<field>=<value>`. Running the same command again resumes.
+
+A configuration or input error (a bad config field, a missing data file or checkpoint) ends the
+run with one line `error: <message>` on stderr and exit status 2; `--traceback` shows its
+traceback instead. Any other error is a bug and always shows its traceback.
 """
 import os
 import pathlib
 import sys
+import sysconfig
+import traceback
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -20,6 +26,62 @@ sys.path.insert(0, str(ROOT))
 config_flags.DEFINE_config_file("config", str(ROOT / "configs" / "synthetic.py"),
                                 "Experiment config file.", lock_config=True)
 flags.DEFINE_string("workdir", None, "Output directory (default: runs/<config name>).")
+flags.DEFINE_bool("traceback", False,
+                  "Show the traceback of configuration and input errors, not just their message.")
+
+# The exception types of the project's own checks of configs, data and checkpoints.
+INPUT_ERRORS = (ValueError, FileNotFoundError)
+
+
+def is_input_error(error: BaseException) -> bool:
+    """Whether `error` is the project's own message about its input, to be shown without a
+    traceback.
+
+    Catching every ValueError would also hide bugs: jax, numpy and the other libraries raise
+    ValueError for programming errors too. So an error counts only when it was raised by the
+    project's own code (configs/, experiments/ or the marl_jax package) with nothing but that
+    code and the standard library (e.g. `open`, `pathlib`) from the first project frame down to
+    the raise: not inside a library, nor in project code a library called back (a function jax
+    traces, say). jax removes its own frames from the traceback of an error raised while it
+    traces, and says so in a note (or, with JAX_TRACEBACK_FILTERING=remove_frames, in a chained
+    UnfilteredStackTrace); such errors do not count either.
+    """
+    if not isinstance(error, INPUT_ERRORS):
+        return False
+    from jax._src import traceback_util
+
+    notes = getattr(error, "__notes__", ())
+    if (any(traceback_util._simplified_tb_msg in note for note in notes)
+            or isinstance(error.__cause__, traceback_util.UnfilteredStackTrace)):
+        return False
+    frames = [frame.filename for frame in traceback.extract_tb(error.__traceback__)]
+    first = next((i for i, filename in enumerate(frames) if _is_project(filename)), None)
+    return first is not None and all(_is_project(f) or _is_stdlib(f) for f in frames[first:])
+
+
+def _is_stdlib(filename: str) -> bool:
+    if filename.startswith("<frozen "):
+        return True
+    path = pathlib.Path(filename).resolve()
+    if {"site-packages", "dist-packages"} & set(path.parts):
+        return False
+    paths = sysconfig.get_paths()
+    return any(path.is_relative_to(pathlib.Path(paths[key]).resolve())
+               for key in ("stdlib", "platstdlib"))
+
+
+def _is_project(filename: str) -> bool:
+    import marl_jax
+
+    path = pathlib.Path(filename).resolve()
+    return any(path.is_relative_to(folder) for folder in (
+        pathlib.Path(marl_jax.__file__).resolve().parent, ROOT / "configs", ROOT / "experiments"))
+
+
+def _shown(path: str) -> str:
+    """A config file path as a user of this checkout would type it."""
+    resolved = pathlib.Path(path).resolve()
+    return str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else path
 
 
 def main(argv):
@@ -27,12 +89,20 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
-    from marl_jax import pipeline
-
     config = flags.FLAGS.config
-    workdir = flags.FLAGS.workdir or os.path.join(
-        "runs", pathlib.Path(flags.FLAGS["config"].config_filename).stem)
-    pipeline.run(config, workdir)
+    config_file = flags.FLAGS["config"].config_filename
+    workdir = flags.FLAGS.workdir or os.path.join("runs", pathlib.Path(config_file).stem)
+    try:
+        from marl_jax import config as config_lib, pipeline
+
+        config_lib.validate_config(config, config_file=_shown(config_file))
+        pipeline.run(config, workdir)
+    except INPUT_ERRORS as error:
+        if flags.FLAGS.traceback or not is_input_error(error):
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

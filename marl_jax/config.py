@@ -10,6 +10,8 @@ temperature 0.8, top-k 50, top-p 1, fixed 5-gram macros with `equal` weighting a
 """
 from __future__ import annotations
 
+import re
+
 import ml_collections
 
 from marl_jax.macro.advantage import REWARD_AGGREGATIONS, VALUE_WEIGHTINGS
@@ -20,12 +22,25 @@ KL_ESTIMATORS = ("k1", "k3")
 SCHEDULES = ("constant", "linear", "cosine")
 CRITIC_INITS = ("rm", "sft", "random")
 DTYPES = ("float32", "bfloat16", "float16")
+# The config file that serves each task name: real datasets need the task fields of
+# `base_config()`, which configs/synthetic.py replaces with the synthetic world's.
+TASK_CONFIGS = {
+    "synthetic": "configs/synthetic.py",
+    "tldr": "configs/tldr_smollm2.py",
+    "hh_rlhf": "configs/hh_rlhf_smollm2.py",
+    "webgpt": "configs/webgpt_smollm2.py",
+    "apps": "configs/apps_smollm2.py",
+}
+# What marl_jax/data/tasks.py reads of the synthetic task section besides the world's fields.
+SYNTHETIC_TASK_FIELDS = ("data_seed", "num_sft", "num_pairs", "num_rl_prompts",
+                         "num_eval_prompts")
 
 
 def optimizer_config(lr: float, steps: int, batch_size: int) -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(dict(
         steps=steps,
         batch_size=batch_size,
+        grad_accum_steps=1,  # micro-batches per optimizer update (batch_size is their total)
         learning_rate=lr,
         warmup_ratio=0.05,
         schedule="linear",
@@ -44,6 +59,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint_every = 100
     c.log_every = 1
     c.max_to_keep = 2
+    # The Cloud TPU slice this config is sized for, e.g. "v4-16" (`experiments/bench.py memory`
+    # compiles for it); empty = none.
+    c.tpu_topology = ""
 
     # Mesh axes (data, fsdp, tensor); -1 takes all remaining devices (at most one -1).
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
@@ -75,7 +93,9 @@ def base_config() -> ml_collections.ConfigDict:
         include_cnndm=False,  # tldr: keep the CNN/DailyMail rows of the validation split
         difficulties=(),      # apps: a subset of (introductory, interview, competition); () = all
         unit_test_timeout_s=4.0,  # apps: wall-clock budget per test case of a generated program
-        unit_test_workers=0,      # apps: programs run in parallel (0 = one per CPU)
+        unit_test_workers=0,      # apps: programs run in parallel (0 = one per CPU, memory allowing)
+        unit_test_memory_mb=2048,  # apps: address space of each process of a generated program
+        sandbox="bubblewrap",     # apps: jail of generated programs: bubblewrap | namespaces (weaker)
     ))
 
     # The policy / reference model: a pretrained checkpoint (HF directory or .gguf file) or,
@@ -85,6 +105,7 @@ def base_config() -> ml_collections.ConfigDict:
         dtype="auto",        # compute dtype: auto = bfloat16 on GPU / TPU, float32 on CPU
         param_dtype="float32",
         remat=False,
+        scan_layers=False,   # one `scan` over the decoder layers (MaxText's scan_layers)
         config=ml_collections.ConfigDict(),
     ))
 
@@ -157,13 +178,19 @@ def base_config() -> ml_collections.ConfigDict:
     return c
 
 
-def validate_config(c: ml_collections.ConfigDict) -> None:
-    """Raises ValueError naming the first bad field; call before anything compiles."""
+def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> None:
+    """Raises ValueError naming the first bad field; call before anything compiles.
+
+    `config_file` (the file `c` came from) only makes messages more specific.
+    """
     def check(cond, field, msg):
         if not cond:
             raise ValueError(f"config.{field}={_get(c, field)!r}: {msg}")
 
     check(c.stage in STAGES, "stage", f"must be one of {STAGES}")
+    _check_task_fields(c, config_file)
+    check(isinstance(c.tpu_topology, str) and re.fullmatch(r"([a-z0-9]+-[0-9]+)?", c.tpu_topology),
+          "tpu_topology", "must be empty or a Cloud TPU slice like v4-16, v5litepod-8, v5p-32")
     check(c.model.dtype in ("auto",) + DTYPES, "model.dtype", f"must be auto or one of {DTYPES}")
     check(c.model.param_dtype in DTYPES, "model.param_dtype", f"must be one of {DTYPES}")
     p = c.ppo
@@ -198,9 +225,19 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
         s = c[stage]
         check(s.steps >= 0, f"{stage}.steps", "must be >= 0")
         check(s.batch_size >= 1, f"{stage}.batch_size", "must be >= 1")
+        check(isinstance(s.grad_accum_steps, int) and s.grad_accum_steps >= 1,
+              f"{stage}.grad_accum_steps", "must be an integer >= 1")
         check(s.learning_rate > 0, f"{stage}.learning_rate", "must be > 0")
         check(s.schedule in SCHEDULES, f"{stage}.schedule", f"must be one of {SCHEDULES}")
         check(0 <= s.warmup_ratio < 1, f"{stage}.warmup_ratio", "must be in [0, 1)")
+    for stage in ("sft", "rm"):
+        s = c[stage]
+        check(s.batch_size % s.grad_accum_steps == 0, f"{stage}.grad_accum_steps",
+              f"must divide {stage}.batch_size={s.batch_size}")
+    # PPO splits each of its minibatches into the micro-batches.
+    check(p.batch_size % (p.num_minibatches * p.grad_accum_steps) == 0, "ppo.grad_accum_steps",
+          f"ppo.num_minibatches * ppo.grad_accum_steps = {p.num_minibatches} * "
+          f"{p.grad_accum_steps} must divide ppo.batch_size={p.batch_size}")
     check(c.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
     for axis in ("data", "fsdp", "tensor"):
         v = c.mesh[axis]
@@ -208,6 +245,21 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
               "must be a positive integer or -1 (all remaining devices)")
     check(sum(c.mesh[a] == -1 for a in ("data", "fsdp", "tensor")) <= 1, "mesh",
           "at most one mesh axis may be -1")
+
+
+def _check_task_fields(c, config_file):
+    """A task name whose section lacks the fields its task reads fails here, naming them and the
+    config file that serves the task, rather than deep inside data loading."""
+    name = c.task.name
+    if name not in TASK_CONFIGS:
+        raise ValueError(f"config.task.name={name!r}: must be one of {tuple(TASK_CONFIGS)}")
+    needed = SYNTHETIC_TASK_FIELDS if name == "synthetic" else tuple(base_config().task)
+    missing = [f for f in needed if f not in c.task]
+    if missing:
+        kind = "synthetic" if name == "synthetic" else "real-dataset"
+        raise ValueError(
+            f"config.task.name={name!r} needs the {kind} task fields ({', '.join(missing)}) that "
+            f"{config_file or 'this config'} does not have; use --config={TASK_CONFIGS[name]}")
 
 
 def _get(c, dotted):

@@ -25,28 +25,29 @@ from jax.sharding import NamedSharding, PartitionSpec
 from marl_jax import config as config_lib
 from marl_jax import distributed
 from marl_jax.data import batches
-from marl_jax.train import build, loop, sharding
+from marl_jax.train import loop, programs, sharding
 from marl_jax.train import ppo as ppo_lib
 from marl_jax.train import ppo_core as core
 
 
-def _ma(p):
-    return p.ngram
+# Token-level PPO: every macro field reset, whatever the base config says (n = 1 with any
+# weighting or aggregation is token GAE exactly; these are the base values of the variant).
+TOKEN_PPO = dict(ngram=1, termination="fixed", value_weighting="equal",
+                 reward_aggregation="weighted")
+CONTROL_SUFFIX = "_ctrl"
 
-
-# name -> function of config.ppo returning overrides of config.ppo.
+# name -> function of config.ppo returning overrides of config.ppo. Any macro arm `<arm>` also
+# has its matched token-PPO control `<arm>_ctrl` (see `matched_control`).
 ARMS = {
-    "ppo": lambda p: dict(ngram=1),
-    "ma_ppo": lambda p: dict(ngram=_ma(p), value_weighting="equal",
+    "ppo": lambda p: dict(TOKEN_PPO),
+    "ppo_lam1": lambda p: dict(TOKEN_PPO, lam=1.0),
+    # MA-PPO as released: fixed n-grams, `equal` values, `weighted` (mean) rewards.
+    "ma_ppo": lambda p: dict(ngram=p.ngram, termination="fixed", value_weighting="equal",
                              reward_aggregation="weighted"),
-    # Token PPO with the hyper-parameters MA-PPO implies: lam^(1/n), and beta/n for the
-    # official mean ("weighted") reward aggregation.
-    "ppo_matched": lambda p: dict(ngram=1, lam=p.lam ** (1.0 / _ma(p)),
-                                  kl_coef=p.kl_coef / _ma(p)),
-    "ma_ppo_smdp": lambda p: dict(ngram=_ma(p), value_weighting="first",
+    # The semi-MDP choices: the value of the state where a macro starts, summed rewards.
+    "ma_ppo_smdp": lambda p: dict(ngram=p.ngram, termination="fixed", value_weighting="first",
                                   reward_aggregation="sum"),
-    # Ablations (configs/synthetic_sweep.py).
-    "n1": lambda p: dict(ngram=1),
+    # Ablations (configs/synthetic_sweep.py), relative to the base config's macro settings.
     "n3": lambda p: dict(ngram=3),
     "n5": lambda p: dict(ngram=5),
     "n10": lambda p: dict(ngram=10),
@@ -59,10 +60,10 @@ ARMS = {
     "first": lambda p: dict(value_weighting="first"),
     "agg_weighted": lambda p: dict(reward_aggregation="weighted"),
     "agg_sum": lambda p: dict(reward_aggregation="sum"),
-    "ppo_lam1": lambda p: dict(ngram=1, lam=1.0),
     "ma_ppo_lam1": lambda p: dict(lam=1.0),
+    # The critic axis: the RM-initialised (rescaled) critic of every other arm vs a cold one.
+    "ppo_cold_critic": lambda p: dict(TOKEN_PPO, critic_init="random"),
     "ma_ppo_cold_critic": lambda p: dict(critic_init="random"),
-    "ppo_cold_critic": lambda p: dict(ngram=1, critic_init="random"),
 }
 TRACED_FIELDS = ("lam", "gamma", "kl_coef", "ngram", "termination", "value_weighting",
                  "reward_aggregation", "critic_init")
@@ -72,7 +73,8 @@ TRACED_FIELDS = ("lam", "gamma", "kl_coef", "ngram", "termination", "value_weigh
 class Run:
     arm: str
     seed: int
-    ppo: dict  # the resolved ppo fields this run uses (TRACED_FIELDS)
+    ppo: dict  # the resolved ppo fields this run uses (TRACED_FIELDS, mean_macro_length)
+    control_of: str = ""  # the macro arm this run is the matched control of
 
     @property
     def variant(self):
@@ -80,22 +82,73 @@ class Run:
                 self.ppo["reward_aggregation"])
 
 
+def is_macro_arm(fields: dict) -> bool:
+    return not (fields["termination"] == "fixed" and int(fields["ngram"]) == 1)
+
+
+def mean_macro_length(fields: dict, ppo_cfg):
+    """L of a macro arm when it is known without rollouts: n for fixed n-grams shorter than the
+    responses; None (measured on the arm's own rollouts) for the other terminations."""
+    if fields["termination"] == "fixed" and int(fields["ngram"]) < int(ppo_cfg.response_length):
+        return float(fields["ngram"])
+    return None
+
+
+def matched_control(fields: dict, length: float) -> dict:
+    """Token PPO with the hyper-parameters a macro arm implies: lam' = lam^(1/L) and, when the
+    arm aggregates rewards with `weighted` (a mean over the macro), kl_coef / L; every other
+    field (gamma, critic start) as the arm's."""
+    kl = fields["kl_coef"] / length if fields["reward_aggregation"] == "weighted" \
+        else fields["kl_coef"]
+    return dict(fields, **TOKEN_PPO, lam=fields["lam"] ** (1.0 / length), kl_coef=kl,
+                mean_macro_length=length)
+
+
 def resolve_arm(name: str, ppo_cfg) -> dict:
+    """The ppo fields of arm `name` (TRACED_FIELDS, plus `mean_macro_length` for macro arms and
+    controls: None while it has to be measured)."""
+    if name.endswith(CONTROL_SUFFIX) and name not in ARMS:
+        base_name = name[:-len(CONTROL_SUFFIX)]
+        base = resolve_arm(base_name, ppo_cfg)
+        if not is_macro_arm(base):
+            raise ValueError(f"config.experiment.arms: {name!r} is the control of {base_name!r}, "
+                             "which is token PPO already; controls exist for macro arms only")
+        if base["mean_macro_length"] is None:
+            return dict(base, **TOKEN_PPO, mean_macro_length=None)
+        return matched_control(base, base["mean_macro_length"])
     if name not in ARMS:
-        raise ValueError(f"config.experiment.arms: unknown arm {name!r}; known: {sorted(ARMS)}")
+        raise ValueError(f"config.experiment.arms: unknown arm {name!r}; known: {sorted(ARMS)} "
+                         f"and <macro arm>{CONTROL_SUFFIX}")
     fields = {k: ppo_cfg[k] for k in TRACED_FIELDS}
-    overrides = ARMS[name](ppo_cfg)
-    fields.update(overrides)
+    fields.update(ARMS[name](ppo_cfg))
     if fields["termination"] == "parsing":
         raise ValueError(f"arm {name!r}: parsing termination runs host-side and cannot be "
                          "vmapped; run it as a single pipeline (--config.stage=all)")
     if int(fields["ngram"]) < 1:
         raise ValueError(f"arm {name!r}: ngram={fields['ngram']} must be >= 1")
+    fields["mean_macro_length"] = mean_macro_length(fields, ppo_cfg) if is_macro_arm(
+        fields) else 1.0
     return fields
 
 
-def plan_runs(config) -> list[Run]:
+def experiment_arms(config) -> tuple:
+    """`config.experiment.arms`, with `<arm>_ctrl` after every macro arm that lacks one when
+    `config.experiment.add_controls` is set."""
     arms = tuple(config.experiment.arms)
+    if not config.experiment.get("add_controls", False):
+        return arms
+    out = []
+    for arm in arms:
+        out.append(arm)
+        control = arm + CONTROL_SUFFIX
+        if (not arm.endswith(CONTROL_SUFFIX) and control not in arms
+                and is_macro_arm(resolve_arm(arm, config.ppo))):
+            out.append(control)
+    return tuple(out)
+
+
+def plan_runs(config) -> list[Run]:
+    arms = experiment_arms(config)
     if not arms:
         raise ValueError("config.experiment.arms is empty")
     if len(set(arms)) != len(arms):
@@ -104,7 +157,17 @@ def plan_runs(config) -> list[Run]:
     if not seeds or len(set(seeds)) != len(seeds):
         raise ValueError(f"config.seeds={config.seeds!r} must be a non-empty tuple of distinct "
                          "integers")
-    return [Run(a, s, resolve_arm(a, config.ppo)) for a in arms for s in seeds]
+    runs = []
+    for a in arms:
+        control_of = a[:-len(CONTROL_SUFFIX)] if (a.endswith(CONTROL_SUFFIX)
+                                                   and a not in ARMS) else ""
+        runs += [Run(a, s, resolve_arm(a, config.ppo), control_of) for s in seeds]
+    return runs
+
+
+def controls_of(runs) -> dict:
+    """macro arm -> the name of its matched control, for the arms that have one."""
+    return {r.control_of: r.arm for r in runs if r.control_of}
 
 
 def _stack(trees):
@@ -157,7 +220,7 @@ def _run_one(config, workdir: str) -> dict:
         return {}
     report = report_lib.write_report(workdir, beta=float(config.ppo.kl_coef),
                                      smoothing=int(config.experiment.smoothing),
-                                     baseline="ppo", arms=tuple(config.experiment.arms))
+                                     baseline="ppo", arms=experiment_arms(config))
     print(report_lib.summary_text(report))
     return report
 
@@ -181,7 +244,7 @@ def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats):
         critic_cfg.ppo.critic_init = r.ppo["critic_init"]
         critics.append(ppo_lib.initial_critic_params(
             critic_cfg, pipe.critic, sft_params, rm_params,
-            jax.random.fold_in(jax.random.key(r.seed), 1)))
+            jax.random.fold_in(jax.random.key(r.seed), 1), stats))
     run_sh = ppo_lib.state_shardings(mods, mesh, sft_params, critics[0])
     critic_sh = run_sh.critic_params
     states = []
@@ -191,14 +254,8 @@ def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats):
         states.append(s.replace(kl_coef=jnp.float32(r.ppo["kl_coef"])))
     state_sh = jax.tree.map(_with_run_axis, run_sh)
     state = jax.device_put(_stack(states), state_sh)
-    hparams = jax.device_put(_stack([core.RunHparams(
-        lam=jnp.float32(r.ppo["lam"]), gamma=jnp.float32(r.ppo["gamma"]),
-        ngram=jnp.int32(r.ppo["ngram"]), variant=jnp.int32(variants.index(r.variant)))
-        for r in runs]), rep)
-    frozen_sh = core.Frozen(ref_params=run_sh.actor_params,
-                            rm_params=build.param_shardings(pipe.reward_model, mesh,
-                                                            build.abstract(rm_params)),
-                            reward_mean=rep, reward_std=rep)
+    hparams = jax.device_put(_run_hparams(runs, variants), rep)
+    frozen_sh = programs.frozen_shardings(mods, mesh, run_sh, rm_params)
     frozen = jax.device_put(core.Frozen(ref_params=sft_params, rm_params=rm_params,
                                         reward_mean=jnp.float32(stats["mean"]),
                                         reward_std=jnp.float32(stats["std"])), frozen_sh)
@@ -219,10 +276,24 @@ def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats):
         mesh, axis=None)
     local_rows = distributed.local_batch_rows(p.batch_size, sharding.batch_sharding(mesh))
 
-    def run_step(state, step):
+    def step_prompts(step):
         rows = np.stack([batches.batch_indices(num_prompts, p.batch_size, int(s) + 2, step)
                          for s in seeds])[:, local_rows]
-        prompts = sharding.shard_batch({k: v[rows] for k, v in task.rl.items()}, mesh, axis=1)
+        return sharding.shard_batch({k: v[rows] for k, v in task.rl.items()}, mesh, axis=1)
+
+    if any(r.ppo["mean_macro_length"] is None for r in runs):
+        measure = jax.jit(jax.vmap(functools.partial(_mean_macro_length_at_start, static, mods),
+                                   in_axes=(0, None, 0, 0, 0, 0)))
+        prompts = step_prompts(0)
+        lengths = distributed.global_to_host(measure(state, frozen, hparams, prompts["ids"],
+                                                     prompts["mask"], prompts.get("documents")))
+        runs = _with_measured_lengths(config, runs, [float(x) for x in lengths])
+        hparams = jax.device_put(_run_hparams(runs, variants), rep)
+        state = state.replace(kl_coef=jax.device_put(
+            jnp.asarray([r.ppo["kl_coef"] for r in runs], jnp.float32), state_sh.kl_coef))
+
+    def run_step(state, step):
+        prompts = step_prompts(step)
         return step_fn(state, frozen, hparams, prompts["ids"], prompts["mask"],
                        prompts.get("documents"))
 
@@ -243,8 +314,9 @@ def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats):
     writer = pipe.writer
     stage = loop.Stage("experiment", pipe.workdir, max_to_keep=config.max_to_keep)
     if not stage.latest_step():
-        writer.truncate_after("eval", -1)
-        writer.truncate_after("final", -1)
+        for name in ("plan", "eval", "final"):
+            writer.truncate_after(name, -1)
+        writer.write(plan_row(config, runs, len(task.eval["ids"])))
         for row in eval_rows(evaluate(state), 0):
             writer.write(row)
 
@@ -274,6 +346,59 @@ def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats):
                 row["gold_per_prompt"] = [float(x) for x in result["gold"][i]]
             writer.write(row)
     stage.close()
+
+
+def plan_row(config, runs, num_eval_prompts: int) -> dict:
+    """The `plan` row of metrics.jsonl: what the report needs to know about the experiment
+    besides the evaluation rows (arms in order, seeds, the baseline, beta for J, which arm
+    controls which, every run's resolved settings)."""
+    arms = list(dict.fromkeys(r.arm for r in runs))
+    first = {}
+    for r in runs:
+        first.setdefault(r.arm, r.ppo)
+    return dict(
+        stage="plan", step=0, arms=arms, seeds=list(dict.fromkeys(r.seed for r in runs)),
+        baseline="ppo", beta=float(config.ppo.kl_coef), controls=controls_of(runs),
+        macro_arms=[a for a in arms if is_macro_arm(first[a])], runs=first,
+        per_run=[dict(arm=r.arm, seed=r.seed, **r.ppo) for r in runs],
+        steps=int(config.ppo.steps), eval_every=int(config.ppo.eval_every),
+        num_eval_prompts=int(num_eval_prompts))
+
+
+def _run_hparams(runs, variants) -> core.RunHparams:
+    return _stack([core.RunHparams(
+        lam=jnp.float32(r.ppo["lam"]), gamma=jnp.float32(r.ppo["gamma"]),
+        ngram=jnp.int32(r.ppo["ngram"]), variant=jnp.int32(variants.index(r.variant)))
+        for r in runs])
+
+
+def _mean_macro_length_at_start(static, mods, state, frozen, hparams, prompt_ids, prompt_mask,
+                                documents):
+    """Tokens per macro of a run's first rollout (the SFT policy's, on its step-0 prompts and
+    keys: exactly what the run sees at step 0), under the run's own termination."""
+    exp, _ = core.rollout_phase(static, mods, state, frozen, prompt_ids, prompt_mask, documents)
+    _, k_segment, _ = core.step_keys(state)
+    segments = core.segment_ids_for(static, hparams, exp, k_segment)
+    return core.segment_stats(segments, hparams.variant, static, exp.response_mask)[
+        "macro/len_avg"]
+
+
+def _with_measured_lengths(config, runs, lengths):
+    """Runs whose mean macro length had to be measured, with it filled in: a macro arm records
+    its own; its control takes the arm's of the same seed (lam^(1/L), kl_coef / L)."""
+    measured = {(r.arm, r.seed): length for r, length in zip(runs, lengths)}
+    out = []
+    for r in runs:
+        if r.ppo["mean_macro_length"] is not None:
+            out.append(r)
+        elif r.control_of:
+            base = dict(resolve_arm(r.control_of, config.ppo))
+            out.append(dataclasses.replace(r, ppo=matched_control(
+                base, measured[(r.control_of, r.seed)])))
+        else:
+            out.append(dataclasses.replace(r, ppo=dict(r.ppo, mean_macro_length=measured[
+                (r.arm, r.seed)])))
+    return out
 
 
 def _with_run_axis(named_sharding):

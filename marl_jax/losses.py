@@ -192,29 +192,6 @@ def assemble_rewards(logprobs, ref_logprobs, scores, response_mask, *, kl_coef,
     return rewards, metrics
 
 
-def entropy_from_logits(logits, mask):
-    """Masked mean of the per-token entropy of softmax(logits).
-
-    Args:
-      logits: float `[B, T, V]`.
-      mask: `[B, T]` 0/1 mask.
-
-    Returns:
-      `(entropy, {"entropy": entropy})`.
-    """
-    check_rank(logits, 3, "logits")
-    check_rank(mask, 2, "mask")
-    if np.shape(mask) != np.shape(logits)[:2]:
-        raise ValueError(f"mask has shape {np.shape(mask)} but logits have {np.shape(logits)}")
-    check_mask(mask, "mask", left_aligned=False)
-    log_probs = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
-    probs = jnp.exp(log_probs)
-    # Tokens with probability 0 (logit -inf) contribute 0, not 0 * -inf (in value and gradient).
-    per_token = -jnp.sum(probs * jnp.where(probs > 0, log_probs, 0), axis=-1)
-    entropy = _masked_mean(per_token, jnp.asarray(mask) != 0)
-    return entropy, {"entropy": entropy}
-
-
 def bradley_terry_loss(chosen, rejected):
     """Reward-model loss mean(-log sigmoid(chosen - rejected)).
 
@@ -271,8 +248,17 @@ def sft_cross_entropy(logits, targets, mask):
     targets = jnp.where(valid, jnp.asarray(targets), 0)
     log_probs = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
     target_log_probs = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
-    loss = _masked_mean(-target_log_probs, valid)
     correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+    return token_cross_entropy(target_log_probs, correct, mask)
+
+
+def token_cross_entropy(target_logprobs, correct, mask):
+    """`sft_cross_entropy` from per-token results: log p(target) and argmax == target, `[B, T]`
+    (what `models.heads.token_scores` gives without building the logits)."""
+    check_rank(target_logprobs, 2, "target_logprobs")
+    check_same_shape(target_logprobs, "target_logprobs", correct=correct, mask=mask)
+    valid = jnp.asarray(mask) != 0
+    loss = _masked_mean(-jnp.asarray(target_logprobs, jnp.float32), valid)
     metrics = {"accuracy": _masked_mean(correct, valid), "perplexity": jnp.exp(loss)}
     return loss, metrics
 

@@ -6,23 +6,19 @@ models are also exported as transformers-loadable directories under `<workdir>/m
 """
 from __future__ import annotations
 
-import json
 import os
-import shutil
 
 import jax
+import numpy as np
 
 from marl_jax import distributed
 from marl_jax.config import validate_config
 from marl_jax.data.tasks import build_task
-from marl_jax.train import build, checkpoint, metrics as metrics_lib, sharding
+from marl_jax.train import build, exports, metrics as metrics_lib, sharding
+from marl_jax.train import ppo as ppo_lib
 from marl_jax.train.ppo import run_ppo
-from marl_jax.train.reward import reward_stats, run_rm
+from marl_jax.train.reward import reward_stats, run_rm, sample_policy_pairs
 from marl_jax.train.sft import run_sft
-
-# The reward model's score mean and std over its training responses, saved beside it so PPO
-# (and anyone serving it) can centre and scale its scores.
-REWARD_STATS = "reward_stats.json"
 
 SUMMARY_COLUMNS = {
     "sft": ("step", "loss", "accuracy"),
@@ -58,6 +54,7 @@ class Pipeline:
         self.reward_model = build.reward_module(cfg)
         self.critic = build.critic_module(cfg)
         self._sft = self._rm = None
+        self._sampled = False  # the policy's preference pairs are in self.task.rm
         self.run_earlier_stages = run_earlier_stages
 
     def _require(self, name: str, needed_by: str):
@@ -65,8 +62,7 @@ class Pipeline:
         if self.run_earlier_stages:
             return
         steps = self.config[name].steps
-        latest = checkpoint.Checkpointer(checkpoint.checkpoint_dir(self.workdir, name),
-                                         read_only=True).latest_step() if steps else 0
+        latest = exports.latest_checkpoint_step(self.workdir, name) if steps else 0
         if steps and (latest or 0) < steps:
             raise FileNotFoundError(
                 f"stage {needed_by!r} needs the finished {name!r} stage in {self.workdir} "
@@ -93,20 +89,43 @@ class Pipeline:
                                              jax.random.key(self.config.seed + 1))
             init = dict(fresh, backbone=sft_params["backbone"]) \
                 if self.config.rm.init_from == "sft" else fresh
+            # Pairs sampled from the SFT policy join the data whenever the data is read: to
+            # train, or to recompute the reward statistics.
+            if exports.latest_checkpoint_step(self.workdir, "rm") < self.config.rm.steps:
+                self._add_policy_pairs(sft_params)
             params = run_rm(self.config, self.task, self.reward_model, init, mesh=self.mesh,
                             writer=self.writer, workdir=self.workdir)
-            stats_path = os.path.join(self.workdir, "models", "rm", REWARD_STATS)
-            if os.path.exists(stats_path):
-                with open(stats_path) as f:
-                    stats = json.load(f)
-            elif len(self.task.rm["prompt_ids"]) == 0:
-                stats = {"mean": 0.0, "std": 1.0}  # no preference pairs (APPS): nothing to centre
-            else:
-                stats = reward_stats(self.reward_model, params, self.task.rm,
-                                     batch_size=self.config.rm.batch_size)
-            self._export("rm", self.reward_model, params, extra={REWARD_STATS: stats})
+            # The statistics belong to these params: reused only from an export of the same
+            # checkpoint, recomputed (and re-exported) whenever the reward model changed.
+            stats = exports.current_export_file(self.workdir, "rm", exports.REWARD_STATS)
+            if stats is None:
+                self._add_policy_pairs(sft_params)
+                if len(self.task.rm["prompt_ids"]) == 0:
+                    stats = {"mean": 0.0, "std": 1.0}  # no preference pairs (APPS): nothing to centre
+                else:
+                    stats = reward_stats(self.reward_model, params, self.task.rm,
+                                         batch_size=self.config.rm.batch_size)
+            self._export("rm", self.reward_model, params, extra={exports.REWARD_STATS: stats})
             self._rm = (params, stats)
         return self._rm
+
+    def _add_policy_pairs(self, sft_params) -> None:
+        """Adds to the task's preference pairs pairs sampled from the SFT policy with PPO's
+        sampler and labelled by the task's annotator (once, for tasks that have them): the
+        reward model then also learns the responses PPO starts from."""
+        if self.task.policy_pair_prompts is None or self._sampled:
+            return
+        p = self.config.ppo
+        static = ppo_lib.static_from_config(self.config, self.task.tokenizer)
+        sampled = sample_policy_pairs(
+            self.policy, sft_params, self.task.policy_pair_prompts, self.task.label_pairs,
+            key=jax.random.fold_in(jax.random.key(self.config.seed), 11),
+            sampler=dict(max_new_tokens=p.response_length, temperature=static.temperature,
+                         top_k=static.top_k, top_p=static.top_p, eos_id=static.eos_id,
+                         pad_id=static.pad_id),
+            batch_size=self.config.rm.batch_size)
+        self.task.rm = {k: np.concatenate([v, sampled[k]]) for k, v in self.task.rm.items()}
+        self._sampled = True
 
     def ppo(self):
         rm_params, stats = self.rm(needed_by="ppo")
@@ -117,21 +136,7 @@ class Pipeline:
         return state
 
     def _export(self, name, module, params, extra=None):
-        """A transformers-loadable directory `<workdir>/models/<name>`, complete or absent."""
-        path = os.path.join(self.workdir, "models", name)
-        if distributed.main_process_value(os.path.exists(path)):
-            return
-        params = distributed.global_to_host(params)  # a gather every process takes part in
-        if jax.process_index() != 0:
-            return
-        tmp = path + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        build.models.save_pretrained(module, params, tmp)
-        self.task.tokenizer.save_pretrained(tmp)
-        for filename, content in (extra or {}).items():
-            with open(os.path.join(tmp, filename), "w") as f:
-                json.dump(content, f, indent=2)
-        os.replace(tmp, path)
+        exports.export_model(self.workdir, name, module, params, self.task.tokenizer, extra)
 
     def close(self):
         self.writer.close()

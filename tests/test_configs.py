@@ -1,11 +1,13 @@
-"""Every shipped config file builds and passes the checks a run makes before compiling, and the
-arms of the experiment configs resolve to the macro settings their docstrings promise."""
+"""Every shipped config file builds and passes the checks a run makes before compiling, the arms
+of the experiment configs resolve to the macro settings their docstrings promise, and bad fields
+(micro-batching, TPU topology, a task name without its task fields) are named."""
 import importlib
 
 import pytest
 
 from marl_jax import experiment
-from marl_jax.config import validate_config
+from marl_jax.config import TASK_CONFIGS, base_config, validate_config
+from marl_jax.data.real_tasks import REAL_TASKS
 
 from train_util import ROOT  # puts the repository root (and so `configs`) on sys.path
 
@@ -19,7 +21,7 @@ def test_config_builds_and_validates(name):
     validate_config(config)
     if config.stage == "experiment":
         runs = experiment.plan_runs(config)
-        assert len(runs) == len(config.experiment.arms) * len(config.seeds)
+        assert len(runs) == len(experiment.experiment_arms(config)) * len(config.seeds)
 
 
 def test_the_shipped_configs_cover_the_paper_tasks():
@@ -27,19 +29,28 @@ def test_the_shipped_configs_cover_the_paper_tasks():
             "apps_smollm2", "tldr_gemma2b_tpu", "tldr_gemma7b_tpu"} <= set(CONFIG_NAMES)
 
 
-def test_default_arms_are_the_four_of_the_study():
+def test_default_arms_are_the_macro_arms_beside_their_controls():
     config = importlib.import_module("configs.synthetic").get_config()
     p = config.ppo
     arms = {run.arm: run.ppo for run in experiment.plan_runs(config) if run.seed == config.seeds[0]}
-    assert set(arms) == {"ppo", "ma_ppo", "ppo_matched", "ma_ppo_smdp"}
-    assert arms["ppo"]["ngram"] == 1 and arms["ppo"]["lam"] == p.lam
+    assert list(arms) == ["ppo", "ma_ppo", "ma_ppo_ctrl", "ma_ppo_smdp", "ma_ppo_smdp_ctrl",
+                          "ppo_lam1"]
+    assert len(config.seeds) >= 8
+    token = ("fixed", 1)
+    for arm in ("ppo", "ma_ppo_ctrl", "ma_ppo_smdp_ctrl", "ppo_lam1"):
+        assert (arms[arm]["termination"], arms[arm]["ngram"]) == token, arm
+    assert arms["ppo"]["lam"] == p.lam and arms["ppo_lam1"]["lam"] == 1.0
     assert (arms["ma_ppo"]["ngram"], arms["ma_ppo"]["value_weighting"],
             arms["ma_ppo"]["reward_aggregation"]) == (5, "equal", "weighted")
-    assert arms["ppo_matched"]["ngram"] == 1
-    assert arms["ppo_matched"]["lam"] == pytest.approx(p.lam ** (1 / 5))
-    assert arms["ppo_matched"]["kl_coef"] == pytest.approx(p.kl_coef / 5)
+    # Released MA-PPO averages rewards over the macro: its control takes beta / 5 too.
+    assert arms["ma_ppo_ctrl"]["lam"] == pytest.approx(p.lam ** (1 / 5))
+    assert arms["ma_ppo_ctrl"]["kl_coef"] == pytest.approx(p.kl_coef / 5)
     assert (arms["ma_ppo_smdp"]["ngram"], arms["ma_ppo_smdp"]["value_weighting"],
             arms["ma_ppo_smdp"]["reward_aggregation"]) == (5, "first", "sum")
+    # Summed rewards keep the full KL coefficient.
+    assert arms["ma_ppo_smdp_ctrl"]["lam"] == pytest.approx(p.lam ** (1 / 5))
+    assert arms["ma_ppo_smdp_ctrl"]["kl_coef"] == p.kl_coef
+    assert config.ppo.eval_every <= 5 and config.task.num_eval_prompts >= 128
 
 
 def test_sweep_arms_change_what_their_names_say():
@@ -55,3 +66,87 @@ def test_sweep_arms_change_what_their_names_say():
     assert arms["agg_weighted"]["reward_aggregation"] == "weighted"
     assert arms["ppo_lam1"]["lam"] == arms["ma_ppo_lam1"]["lam"] == 1.0
     assert tuple(config.experiment.horizons) == (2, 8)
+    # Every macro arm runs beside its control; the cold-critic arms on both sides of the axis.
+    macro = [a for a in config.experiment.arms if a not in ("ppo", "ppo_lam1", "ppo_cold_critic")]
+    for arm in macro:
+        assert arms[arm + "_ctrl"]["ngram"] == 1, arm
+    assert arms["ma_ppo_cold_critic_ctrl"]["critic_init"] == "random"
+    assert arms["ppo_cold_critic"]["critic_init"] == "random"
+    assert arms["ppo"]["critic_init"] == arms["n5"]["critic_init"] == "rm"
+
+
+def _synthetic(overrides=None):
+    """The default config with `{"section.field": value}` overrides."""
+    c = importlib.import_module("configs.synthetic").get_config()
+    for dotted, value in (overrides or {}).items():
+        section, _, name = dotted.rpartition(".")
+        (c[section] if section else c)[name] = value
+    return c
+
+
+def test_new_fields_and_their_defaults():
+    c = base_config()
+    assert (c.sft.grad_accum_steps, c.rm.grad_accum_steps, c.ppo.grad_accum_steps) == (1, 1, 1)
+    assert c.model.scan_layers is False and c.tpu_topology == ""
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"sft.grad_accum_steps": 0}, "config.sft.grad_accum_steps=0: must be an integer >= 1"),
+    ({"rm.grad_accum_steps": 3}, "config.rm.grad_accum_steps=3: must divide rm.batch_size=32"),
+    ({"ppo.grad_accum_steps": 3},
+     "config.ppo.grad_accum_steps=3: ppo.num_minibatches * ppo.grad_accum_steps = 1 * 3 must "
+     "divide ppo.batch_size=16"),
+    # 4 and 8 each divide 16, their product does not: every minibatch needs whole micro-batches.
+    ({"ppo.num_minibatches": 4, "ppo.grad_accum_steps": 8},
+     "config.ppo.grad_accum_steps=8: ppo.num_minibatches * ppo.grad_accum_steps = 4 * 8 must "
+     "divide ppo.batch_size=16"),
+    ({"tpu_topology": "v4"}, "config.tpu_topology='v4': must be empty or a Cloud TPU slice"),
+    ({"tpu_topology": "V4-16"}, "config.tpu_topology='V4-16': must be empty or a Cloud TPU"),
+])
+def test_bad_new_fields_are_named(overrides, message):
+    with pytest.raises(ValueError) as error:
+        validate_config(_synthetic(overrides))
+    assert str(error.value).startswith(message)
+
+
+@pytest.mark.parametrize("overrides", [
+    {"sft.batch_size": 32, "sft.grad_accum_steps": 8},
+    {"ppo.num_minibatches": 2, "ppo.grad_accum_steps": 8},
+    {"tpu_topology": "v4-16"},
+    {"tpu_topology": "v5litepod-8"},
+])
+def test_good_new_fields_pass(overrides):
+    validate_config(_synthetic(overrides))
+
+
+def test_each_task_name_has_the_config_that_serves_it():
+    assert set(TASK_CONFIGS) == {"synthetic", *REAL_TASKS}
+    for name, path in TASK_CONFIGS.items():
+        module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+        assert module.get_config().task.name == name
+
+
+def test_a_task_name_without_its_fields_fails_naming_them_and_the_config():
+    c = _synthetic()
+    c.task.name = "tldr"
+    with pytest.raises(ValueError) as error:
+        validate_config(c, config_file="configs/synthetic.py")
+    assert str(error.value) == (
+        "config.task.name='tldr' needs the real-dataset task fields (cache_dir, difficulties, "
+        "eval_split, include_cnndm, max_prompt_length, max_rows, sandbox, split_fractions, "
+        "split_seed, tokenizer, unit_test_memory_mb, unit_test_timeout_s, unit_test_workers, "
+        "use_chat_template) that "
+        "configs/synthetic.py does not have; use --config=configs/tldr_smollm2.py")
+
+    c = importlib.import_module("configs.webgpt_smollm2").get_config()
+    c.task.name = "synthetic"
+    with pytest.raises(ValueError) as error:
+        validate_config(c)
+    assert str(error.value) == (
+        "config.task.name='synthetic' needs the synthetic task fields (data_seed) that this "
+        "config does not have; use --config=configs/synthetic.py")
+
+    c.task.name = "tl;dr"
+    with pytest.raises(ValueError, match=r"config.task.name='tl;dr': must be one of "
+                                         r"\('synthetic', 'tldr', 'hh_rlhf', 'webgpt', 'apps'\)"):
+        validate_config(c)

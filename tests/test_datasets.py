@@ -1,5 +1,7 @@
 """Real-dataset loaders on fixture files in each public schema (jsonl and parquet), the paper's
 split, chat templates and length filtering."""
+import gzip
+import json
 import logging
 
 import datasets
@@ -164,6 +166,70 @@ def test_single_file_path_and_max_rows(files, cache):
     pairs = data.load_preference_pairs("webgpt", file, split="test", max_rows=1, cache_dir=cache)
     assert [p["id"] for p in pairs] == ["q1"]
     assert pairs.load_stats["rows"] == 1
+
+
+def _sft_line(i):
+    return json.dumps({"prompt": f"POST {i}\nTL;DR:", "label": f"summary {i}"})
+
+
+# Lines 3 (truncated JSON) and 6 (JSON, but not an object) are malformed; line 8 is blank.
+MIXED_LINES = [_sft_line(1), _sft_line(2), '{"prompt": "POST x", "lab', _sft_line(3),
+               _sft_line(4), "[1, 2]", _sft_line(5), ""]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
+def test_malformed_json_lines_are_skipped_and_reported(tmp_path, suffix, caplog):
+    raw = ("\n".join(MIXED_LINES) + "\n").encode()
+    file = tmp_path / "data" / f"valid{suffix}"
+    file.parent.mkdir()
+    file.write_bytes(gzip.compress(raw) if suffix.endswith(".gz") else raw)
+    cache = tmp_path / "cache"
+    with caplog.at_level(logging.WARNING, logger="marl_jax.data"):
+        sft = data.load_sft_examples("tldr_sft", file.parent, split="validation",
+                                     cache_dir=str(cache))
+    assert [dict(e) for e in sft] == [{"prompt": f"POST {i}\nTL;DR:", "response": f" summary {i}"}
+                                      for i in range(1, 6)]
+    reason = "malformed JSON lines of valid.jsonl (lines 3, 6)".replace(".jsonl", suffix)
+    assert sft.load_stats["rows"] == 7 and sft.load_stats["kept"] == 5
+    assert sft.load_stats["skipped"] == {reason: 2}
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert f"skipped 2 of 7 rows ({reason}: 2)" in warning
+    # `datasets` read a copy of the good lines, kept for the next load.
+    [copy] = (cache / "marl_jax_json_lines").glob("*.jsonl")
+    good = [line for i, line in enumerate(MIXED_LINES) if i not in (2, 5, 7)]
+    assert copy.read_text() == "".join(line + "\n" for line in good)
+    written = copy.stat().st_mtime_ns
+    again = data.load_sft_examples("tldr_sft", file, split="validation", cache_dir=str(cache),
+                                   max_rows=3)
+    assert copy.stat().st_mtime_ns == written
+    # The first 3 rows end at line 4: line 3 was read, line 6 was not.
+    assert [e["prompt"] for e in again] == [f"POST {i}\nTL;DR:" for i in (1, 2, 3)]
+    assert again.load_stats["rows"] == 4
+    assert again.load_stats["skipped"] == {reason.replace("lines 3, 6", "line 3"): 1}
+
+
+def test_malformed_lines_after_a_json_array_file(tmp_path):
+    """Rows of a JSON array file (read by `datasets` as it is) come before a later file's."""
+    (tmp_path / "valid-0.json").write_text(
+        json.dumps([json.loads(_sft_line(1)), json.loads(_sft_line(2))]))
+    (tmp_path / "valid-1.jsonl").write_text("\n".join(["{bad", _sft_line(3)] + [
+        f"not json {i}" for i in range(6)]) + "\n")
+    cache = str(tmp_path / "cache")  # inside the data directory: its copies are not data files
+    read = {rows: data.load_sft_examples("tldr_sft", tmp_path, split="validation",
+                                         cache_dir=cache, max_rows=rows) for rows in (2, 3)}
+    assert [[e["prompt"] for e in r] for r in read.values()] == [
+        [f"POST {i}\nTL;DR:" for i in (1, 2)], [f"POST {i}\nTL;DR:" for i in (1, 2, 3)]]
+    # Line 1 of valid-1.jsonl comes after the 2 rows of valid-0.json: read only with 3 rows.
+    assert read[2].load_stats["skipped"] == {}
+    assert read[3].load_stats["skipped"] == {"malformed JSON lines of valid-1.jsonl (line 1)": 1}
+    every = data.load_sft_examples("tldr_sft", tmp_path, split="validation", cache_dir=cache)
+    assert len(every) == 3 and every.load_stats["rows"] == 10
+    assert every.load_stats["skipped"] == {
+        "malformed JSON lines of valid-1.jsonl (lines 1, 3, 4, 5, 6, ... (2 more))": 7}
+
+    (tmp_path / "valid-1.jsonl").write_text("{bad\n[1]\n")
+    with pytest.raises(ValueError, match="no line of .*valid-1.jsonl is a JSON object"):
+        data.load_sft_examples("tldr_sft", tmp_path, split="validation", cache_dir=cache)
 
 
 def test_bad_names_paths_and_options(files, cache, tmp_path):

@@ -72,8 +72,6 @@ def test_zero_masks_give_zero_not_nan():
     assert float(loss) == 0.0 and all(float(v) == 0.0 for v in metrics.values())
     loss, metrics = losses.ppo_value_loss(z, z, z, z)
     assert float(loss) == 0.0 and all(float(v) == 0.0 for v in metrics.values())
-    entropy, _ = losses.entropy_from_logits(jnp.zeros((2, 3, 4)), z)
-    assert float(entropy) == 0.0
     loss, metrics = losses.sft_cross_entropy(jnp.zeros((2, 3, 4)), jnp.zeros((2, 3), int), z)
     assert float(loss) == 0.0 and float(metrics["accuracy"]) == 0.0
 
@@ -153,24 +151,7 @@ def test_assemble_rewards_with_traced_kl_coef():
     np.testing.assert_allclose(swept, [[[0.0, 0.0]], [[-0.5, 0.0]]], atol=1e-7)
 
 
-# ---------------------------------------------------------------- entropy, BT, SFT
-
-def test_entropy_matches_numpy_and_handles_masked_vocabulary():
-    rng = np.random.default_rng(2)
-    logits = rng.normal(size=(2, 3, 5)).astype(np.float32)
-    logits[0, 0, 4] = -np.inf
-    mask = np.array([[1, 1, 0], [1, 0, 0]])
-    p = np.exp(numpy_log_softmax(logits.astype(np.float64)))
-    per_token = -np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1)), 0), axis=-1)
-    expected = per_token[mask == 1].mean()
-    entropy, metrics = losses.entropy_from_logits(logits, mask)
-    np.testing.assert_allclose(entropy, expected, rtol=1e-5)
-    np.testing.assert_allclose(metrics["entropy"], expected, rtol=1e-5)
-    grad = jax.grad(lambda x: losses.entropy_from_logits(x, mask)[0])(jnp.asarray(logits))
-    assert np.all(np.isfinite(grad))
-    uniform, _ = losses.entropy_from_logits(np.zeros((1, 1, 8), np.float32), np.ones((1, 1)))
-    np.testing.assert_allclose(uniform, np.log(8), rtol=1e-6)
-
+# ---------------------------------------------------------------- BT, SFT
 
 def test_bradley_terry():
     chosen = np.array([2.0, 0.0, 1.0, -1.0], np.float32)
@@ -233,5 +214,5 @@ def test_bad_input_names_the_argument():
         losses.bradley_terry_loss(np.zeros(3), np.zeros(2))
     with pytest.raises(ValueError, match="targets"):
         losses.sft_cross_entropy(np.zeros((2, 3, 4)), np.full((2, 3), 4), mask)
-    with pytest.raises(ValueError, match="mask"):
-        losses.entropy_from_logits(np.zeros((2, 3, 4)), np.ones((2, 4)))
+    with pytest.raises(ValueError, match="correct"):
+        losses.token_cross_entropy(np.zeros((2, 3)), np.zeros((2, 4)), np.ones((2, 3)))

@@ -81,8 +81,8 @@ def test_bad_rows(tmp_path):
             writer.write({"stage": "sft", "loss": 1.0})
         with pytest.raises(ValueError, match=r"row\['step'\]=1.5 must be an int"):
             writer.write({"stage": "sft", "step": 1.5})
-        with pytest.raises(ValueError, match="metric 'cfg' has unsupported type dict"):
-            writer.write({"stage": "sft", "step": 1, "cfg": {}})
+        with pytest.raises(ValueError, match="metric 'cfg.seed' has unsupported type object"):
+            writer.write({"stage": "sft", "step": 1, "cfg": {"seed": object()}})
     assert metrics.read_metrics(tmp_path) == []
 
 
@@ -167,21 +167,79 @@ class _Terminal(io.StringIO):
         return True
 
 
-def test_progress_bar_shows_metrics_only_on_a_terminal_of_process_zero():
+def test_progress_bar_on_a_terminal_of_process_zero():
     terminal = _Terminal()
-    with metrics.ProgressBar(10, initial=2, desc="ppo", process_index=0, file=terminal) as bar:
-        assert bar.enabled
+    with metrics.ProgressBar(10, initial=2, desc="ppo", keys=("objective/scores", "objective/kl"),
+                             process_index=0, file=terminal) as bar:
+        assert bar.terminal
         bar.update(3, {"objective/scores": np.float32(1.25), "objective/kl": jnp.asarray(0.5),
                        "loss/value_avg": 9.0})
     text = terminal.getvalue()
     assert "ppo" in text and "scores=1.25 kl=0.5" in text and "3/10" in text
     assert "value_avg" not in text
 
-    for file, process in ((io.StringIO(), 0), (_Terminal(), 1)):
-        with metrics.ProgressBar(10, process_index=process, file=file) as bar:
-            assert not bar.enabled
-            bar.update(5, {"objective/kl": 0.5})
-        assert file.getvalue() == ""
+    terminal = _Terminal()
+    with metrics.ProgressBar(10, desc="sft", process_index=0, file=terminal) as bar:
+        bar.update(4, {"loss": 0.125, "accuracy": 0.75})  # no keys: every value of the row
+    assert "loss=0.125 accuracy=0.75" in terminal.getvalue()
+
+    terminal = _Terminal()
+    with metrics.ProgressBar(10, process_index=1, file=terminal) as bar:
+        assert not bar.active and not bar.terminal
+        bar.update(5, {"objective/kl": 0.5})
+    assert terminal.getvalue() == ""
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_progress_lines_off_a_terminal():
+    """Plain lines for logged steps at most every interval_s, always at the last step."""
+    out, clock = io.StringIO(), _Clock()
+    bar = metrics.ProgressBar(120, desc="ppo", process_index=0, file=out, clock=clock)
+    assert bar.active and not bar.terminal
+
+    def at(t, step, row=None):
+        clock.now = t
+        bar.update(step, row)
+
+    at(10.0, 10, {"objective/scores": 0.5, "objective/kl": 1.0})  # 10 s after the start: quiet
+    at(31.0, 11)                                                   # not a logged step: quiet
+    # 20 steps in 40 s: 0.5 steps/s, 100 steps left -> 200 s.
+    at(40.0, 20, {"objective/scores": 0.412, "objective/kl": 3.1})
+    at(60.0, 30, {"objective/scores": 0.3, "objective/kl": 3.0})  # 20 s after the last line
+    # 20 steps in 30.5 s: 0.6557 steps/s, 80 steps left -> 80 * 30.5 / 20 = 122 s.
+    at(70.5, 40, {"objective/scores": np.float32(0.25), "objective/kl": jnp.asarray(2.0)})
+    at(71.0, 41)
+    # The last step always gets a line: 80 steps in 29.5 s = 2.712 steps/s.
+    at(100.0, 120, {"objective/scores": 1.0, "objective/kl": 4.0})
+    bar.close()
+    assert out.getvalue() == (
+        "[ppo] step 20/120 (16%)  0.5 steps/s  scores=0.412 kl=3.1  eta 0:03:20\n"
+        "[ppo] step 40/120 (33%)  0.656 steps/s  scores=0.25 kl=2  eta 0:02:02\n"
+        "[ppo] step 120/120 (100%)  2.71 steps/s  scores=1 kl=4  eta 0:00:00\n")
+
+
+def test_progress_lines_resume_interval_and_long_eta():
+    out, clock = io.StringIO(), _Clock()
+    bar = metrics.ProgressBar(100_002, initial=2, desc="sft", process_index=0, file=out,
+                              interval_s=5.0, clock=clock)
+    clock.now = 4.0
+    bar.update(3, {"loss": 2.5})
+    clock.now = 6.0
+    bar.update(4, {"loss": 2.25})  # resumed at step 2: 2 steps in 6 s, 99998 left -> 299994 s
+    assert out.getvalue() == "[sft] step 4/100002 (0%)  0.333 steps/s  loss=2.25  eta 83:19:54\n"
+
+    quiet = io.StringIO()
+    bar = metrics.ProgressBar(10, process_index=1, file=quiet, clock=clock)
+    bar.update(10, {"loss": 1.0})
+    bar.close()
+    assert quiet.getvalue() == ""
 
 
 def test_summary_table():
@@ -195,3 +253,14 @@ def test_summary_table():
     ])
     with pytest.raises(ValueError, match="columns"):
         metrics.summary_table(rows, [])
+
+
+def test_nested_dicts_round_trip(tmp_path):
+    row = {"stage": "plan", "step": 0, "controls": {"ma_ppo": "ma_ppo_ctrl"},
+           "runs": {"ppo": {"lam": 0.95, "mean_macro_length": None, "kl": float("nan")}}}
+    with metrics.MetricsWriter(tmp_path, process_index=0) as writer:
+        writer.write(row)
+    back = metrics.read_metrics(tmp_path)[0]
+    assert back["controls"] == {"ma_ppo": "ma_ppo_ctrl"}
+    assert back["runs"]["ppo"]["lam"] == 0.95 and back["runs"]["ppo"]["mean_macro_length"] is None
+    assert np.isnan(back["runs"]["ppo"]["kl"])

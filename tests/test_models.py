@@ -428,3 +428,37 @@ def test_token_ids_outside_vocabulary(case):
         M.forward_logits(model, params, jnp.asarray(ids), jnp.ones_like(jnp.asarray(ids)))
     with pytest.raises(ValueError, match="attention_mask shape"):
         M.forward_logits(model, params, jnp.ones((1, 3), jnp.int32), jnp.ones((1, 4), jnp.int32))
+
+
+@pytest.mark.parametrize("name,token_ids,expected", [
+    # Some published Llama configs say pad_token_id=-1 (torch's embedding takes a negative padding
+    # index); ids past the vocabulary load in transformers with a warning too.
+    ("llama_linear_tied", dict(bos_token_id=70, eos_token_id=[2, 99], pad_token_id=-1),
+     dict(bos_token_id=None, eos_token_id=(2,), pad_token_id=None)),
+    ("gpt2", dict(bos_token_id=3, eos_token_id=100, pad_token_id=100),
+     dict(bos_token_id=3, eos_token_id=(), pad_token_id=None)),
+])
+def test_checkpoint_token_ids_outside_vocabulary_load_unset(name, token_ids, expected, tmp_path):
+    hf = random_hf_model(name, seed=12, vocab_size=64, **token_ids)
+    path = write_checkpoint(hf, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["pad_token_id"] == token_ids["pad_token_id"]
+    with pytest.warns(UserWarning) as record:
+        model, params = M.load_pretrained(path)
+    messages = sorted(str(w.message) for w in record if str(w.message).startswith("config.json"))
+    wanted = {
+        "llama_linear_tied": [
+            "config.json bos_token_id=70 lies outside the vocabulary [0, 64); bos_token_id is left unset",
+            "config.json eos_token_id=99 lies outside the vocabulary [0, 64); 99 is dropped from eos_token_id",
+            "config.json pad_token_id=-1 lies outside the vocabulary [0, 64); pad_token_id is left unset"],
+        "gpt2": [
+            "config.json eos_token_id=100 lies outside the vocabulary [0, 64); 100 is dropped from eos_token_id",
+            "config.json pad_token_id=100 lies outside the vocabulary [0, 64); pad_token_id is left unset"],
+    }[name]
+    assert messages == wanted
+    assert {field: getattr(model.config, field) for field in expected} == expected
+    ids, mask = padded_batch([5, 8], 8, seed=13, vocab=64)
+    ours = np.asarray(M.forward_logits(model, params, jnp.asarray(ids), jnp.asarray(mask)))
+    valid = _valid(mask)
+    np.testing.assert_allclose(ours[valid], hf_logits(hf, ids, mask)[valid], atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match=r"token id 100 is outside the vocabulary \[0, 64\)"):
+        model.config.replace(pad_token_id=100)  # a config built in code is still checked strictly

@@ -1,6 +1,7 @@
 """experiments/colab_tpu_demo.ipynb runs top to bottom (nbclient, a fresh kernel) in its tiny
 setting on 2 fake CPU devices, and shows the curves and report table of the run it made."""
 import base64
+import itertools
 import json
 
 import nbformat
@@ -80,14 +81,15 @@ def test_notebook_shows_the_curves_and_report_of_its_run(executed):
     images = _outputs(last, "image/png")
     assert images == [(workdir / "curves.png").read_bytes()]
     markdown = "\n".join(_outputs(last, "text/markdown"))
-    report_md = (workdir / "report.md").read_text()
-    table = [line for line in report_md.splitlines() if line.startswith("|")]
+    lines = (workdir / "report.md").read_text().splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    table = list(itertools.takewhile(lambda line: line.startswith("|"), lines[first:]))
     assert markdown.startswith("\n".join(table))
     report = json.loads((workdir / "report.json").read_text())
     assert list(report["arms"]) == ["ppo", "ma_ppo"]
-    shown = {line.split("|")[1].strip(): line for line in table[2:]}
+    shown = {line.split("|")[1].strip().strip("`"): line for line in table[2:]}
     assert set(shown) == {"ppo", "ma_ppo"}
     for arm, line in shown.items():
-        gold = report["arms"][arm]["gold"][0]
+        gold = report["arms"][arm]["final_gold"]["mean"]
         assert line.split("|")[2].strip().startswith(f"{gold:.3f}")
     assert "**Verdict**" in markdown and report["verdict"][0] in markdown

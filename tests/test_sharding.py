@@ -110,8 +110,8 @@ def test_logical_spec_without_shapes_uses_the_plain_rules():
 
 def test_logical_errors():
     mesh = _mesh(1, 4, 2)
-    with pytest.raises(ValueError, match="logical axis name 'layers' has no rule"):
-        sharding.logical_to_mesh_spec(P("layers", "embed"), mesh, (2, 8))
+    with pytest.raises(ValueError, match="logical axis name 'experts' has no rule"):
+        sharding.logical_to_mesh_spec(P("experts", "embed"), mesh, (2, 8))
     with pytest.raises(ValueError, match=r"has 2 entries for an array of shape \(8,\)"):
         sharding.logical_to_mesh_spec(P("embed", "mlp"), mesh, (8,))
     with pytest.raises(ValueError, match="names mesh axis 'model'"):

@@ -158,6 +158,29 @@ def test_perplexity_boundary_is_at_the_rising_token():
                                   [[0, 1, 1, 1, 2, 2, 0, 0]])
 
 
+@pytest.mark.parametrize("isolate_last", [True, False])
+def test_perplexity_ids_have_the_mask_shape_at_every_width(isolate_last):
+    # Width 1: one token or none, a single macro 0 (the ids were once [B, 0] here).
+    ids = perplexity(np.array([[-0.3], [0.0]], np.float32), mask_from_lengths([1, 0], 1),
+                     isolate_last=isolate_last)
+    assert ids.shape == (2, 1) and ids.dtype == np.int32
+    np.testing.assert_array_equal(ids, [[0], [0]])
+    # Width 2: a rise into token 1; no rise (token 1 is alone only as the isolated last token);
+    # a single token; an empty row.
+    ids = perplexity(np.array([[-1, -2], [-2, -1], [-2, -1], [-5, -5]], np.float32),
+                     mask_from_lengths([2, 2, 1, 0], 2), isolate_last=isolate_last)
+    assert ids.shape == (4, 2)
+    np.testing.assert_array_equal(
+        ids, [[0, 1], [0, 1] if isolate_last else [0, 0], [0, 0], [0, 0]])
+    # Width 6: rises into token 2 (row 0, a tie at 3 continues the macro) and tokens 1, 2 (row 1);
+    # the log-probabilities on padding are ignored.
+    ref_logprobs = np.array([[-1.0, -0.5, -1.5, -1.5, -0.2, 9.0],
+                             [-3.0, -4.0, -5.0, 0.0, -9.0, 0.0]], np.float32)
+    ids = perplexity(ref_logprobs, mask_from_lengths([5, 3], 6), isolate_last=isolate_last)
+    np.testing.assert_array_equal(
+        ids, [[0, 0, 1, 1, 2 if isolate_last else 1, 0], [0, 1, 2, 0, 0, 0]])
+
+
 def test_perplexity_does_not_overflow():
     ref_logprobs = np.array([[-200.0, -300.0, -100.0, -400.0]], np.float32)  # exp overflows
     np.testing.assert_array_equal(perplexity(ref_logprobs, np.ones((1, 4), np.int32)),

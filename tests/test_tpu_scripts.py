@@ -247,6 +247,33 @@ def test_launch_dry_run_commands():
     assert without_stream == commands[:1]
 
 
+def test_launch_dry_run_shows_the_worker_command_first():
+    result = run_script("launch.sh", "--dry-run", "--run-id", "r1", "--env", "A=b c", "--",
+                        "--config=configs/tldr_smollm2.py", "--workdir=/mnt/shared/run 1")
+    assert result.returncode == 0, result.stderr
+    shown, ssh = result.stdout.splitlines()
+    worker_command = ("export PYTHONUNBUFFERED=1; export A='b c'; ~/marl_jax_venv/bin/python "
+                      "experiments/run.py --config=configs/tldr_smollm2.py "
+                      "'--workdir=/mnt/shared/run 1'")
+    assert shown == f"# every worker runs, in ~/marl_jax: {worker_command}"
+    assert f"{worker_command};" in remote_command(shlex.split(ssh))
+
+
+def test_launch_without_flags_runs_the_default_experiment(fake_worker):
+    home, env = fake_worker
+    result = run_script("launch.sh", "--dry-run", "--run-id", "r3", "--stream")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0] == (
+        "# every worker runs, in ~/marl_jax: export PYTHONUNBUFFERED=1; "
+        "~/marl_jax_venv/bin/python experiments/run.py")
+    launch, stream, _, _ = dry_run("launch.sh", "--run-id", "r3", "--stream")
+    assert ("export PYTHONUNBUFFERED=1; ~/marl_jax_venv/bin/python experiments/run.py; echo"
+            in remote_command(launch))
+    assert on_worker(remote_command(launch), env).returncode == 0
+    assert on_worker(remote_command(stream), env).returncode == 3
+    assert (home / "argv").read_text().split("\0")[:-1] == ["experiments/run.py"]
+
+
 def test_launch_fetch_and_stop_dry_run():
     assert dry_run("launch.sh", "--fetch-logs", "--run-id", "r7") == [
         ["mkdir", "-p", "logs"],
@@ -257,7 +284,6 @@ def test_launch_fetch_and_stop_dry_run():
 
 
 @pytest.mark.parametrize("args, message", [
-    ([], "give the run.py flags after --"),
     (["--fetch-logs"], "--fetch-logs needs --run-id"),
     (["--stop"], "--stop needs --run-id"),
     (["--run-id", "r1", "--stop", "--fetch-logs"], "exclude each other"),

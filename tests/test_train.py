@@ -72,7 +72,8 @@ def test_macro_update_with_n1_equals_token_update(tiny_pipeline):
                      for a in advantage.REWARD_AGGREGATIONS)
     static = ppo_lib.static_from_config(cfg, pipe.task.tokenizer, variants=variants)
     mods = ppo_lib.make_models(cfg, pipe.policy, pipe.critic, pipe.reward_model)
-    state = ppo_lib.initial_state(cfg, mods, sft, rm, seed=0)
+    critic = ppo_lib.initial_critic_params(cfg, pipe.critic, sft, rm, jax.random.key(0), stats)
+    state = ppo_lib.initial_state(cfg, mods, sft, critic, seed=0)
     frozen = core.Frozen(sft, rm, jnp.float32(stats["mean"]), jnp.float32(stats["std"]))
     ids, mask = pipe.task.rl["ids"][:8], pipe.task.rl["mask"][:8]
     exp, _ = jax.jit(functools.partial(core.rollout, static, mods))(
@@ -80,9 +81,9 @@ def test_macro_update_with_n1_equals_token_update(tiny_pipeline):
     # Without top-k / top-p the scoring pass reuses the sampler's logprobs: they must be the
     # training-time logprobs of the sampled tokens.
     assert core.sampler_logprobs_are_exact(static)
-    recomputed, _ = core.response_logprobs(pipe.policy, state.actor_params, exp.prompt_ids,
-                                           exp.prompt_mask, exp.response_ids, exp.response_mask,
-                                           static.temperature)
+    recomputed, _ = core.token_logprobs(pipe.policy, state.actor_params, exp.prompt_ids,
+                                        exp.prompt_mask, exp.response_ids, exp.response_mask,
+                                        static.temperature)
     np.testing.assert_allclose(np.asarray(exp.old_logprobs), np.asarray(recomputed), atol=2e-5)
     key = jax.random.key(2)
     update = jax.jit(functools.partial(core.update, static, mods))

@@ -6,7 +6,7 @@ usage() {
   cat <<'EOF'
 Usage: tpu_scripts/launch.sh [--name NAME] [--zone ZONE] [--project PROJECT] [--run-id ID]
                              [--stream] [--logs-dir DIR] [--env KEY=VALUE]... [--remote-dir DIR]
-                             [--dry-run] -- RUN_FLAGS...
+                             [--dry-run] [-- RUN_FLAGS...]
        tpu_scripts/launch.sh --fetch-logs --run-id ID [--logs-dir DIR] [...]
        tpu_scripts/launch.sh --stop --run-id ID [...]
 
@@ -16,8 +16,10 @@ Every worker writes ~/marl_jax_runs/ID/worker-<i>.log (and .pid, and .exit with 
 RUN_FLAGS reach run.py exactly as given, spaces and parentheses included, e.g.
   tpu_scripts/launch.sh --stream -- --config=configs/synthetic.py --workdir=/mnt/shared/run1 \
       --config.seeds="(1, 2, 3)"
-On more than one host, --workdir must be the same shared directory on every worker (an NFS /
-Filestore mount, or a bucket mounted with gcsfuse at the same path).
+Without RUN_FLAGS it runs the default experiment (configs/synthetic.py, workdir runs/synthetic
+in the checkout). On more than one host, --workdir must be the same shared directory on every
+worker (an NFS / Filestore mount, or a bucket mounted with gcsfuse at the same path).
+The command run on every worker is printed first (with --dry-run as a "# ..." line).
 
   --run-id ID      names the run's log directory (default: run-<UTC date>-<time>)
   --stream         follow worker 0's log until the run ends, then fetch all logs; exits with
@@ -101,9 +103,6 @@ fi
 if [[ -z $LOGS_DIR ]]; then
   die "--logs-dir must not be empty"
 fi
-if [[ $ACTION == launch && ${#RUN_ARGS[@]} -eq 0 ]]; then
-  die "give the run.py flags after --, e.g. -- --config=configs/synthetic.py --workdir=/mnt/shared/run1"
-fi
 if [[ $ACTION != launch && ${#RUN_ARGS[@]} -gt 0 ]]; then
   die "--$ACTION takes no run.py flags"
 fi
@@ -143,7 +142,15 @@ case "$ACTION" in
 esac
 
 python_bin=$REMOTE_HOME/$(quote_word "${REMOTE_DIR}_venv")/bin/python
-run_py="$python_bin experiments/run.py $(quote_words "${RUN_ARGS[@]}")"
+run_py="$python_bin experiments/run.py"
+if ((${#RUN_ARGS[@]})); then
+  run_py+=" $(quote_words "${RUN_ARGS[@]}")"
+fi
+if ((DRY_RUN)); then
+  printf '# every worker runs, in %s: %s\n' "$REMOTE_HOME/$REMOTE_DIR" "$env_prefix$run_py"
+else
+  printf 'every worker runs, in %s: %s\n' "$REMOTE_HOME/$REMOTE_DIR" "$env_prefix$run_py" >&2
+fi
 # `set -m` gives the background subshell its own process group (so --stop reaches run.py too);
 # the subshell ignores SIGHUP and records run.py's exit status once it ends.
 # shellcheck disable=SC2016  # $w, $out, $? and $! expand on the workers

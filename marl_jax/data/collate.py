@@ -27,8 +27,10 @@ def encode_prompts(tokenizer, prompts, prompt_length: int):
     return ids, mask
 
 
-def encode_responses(tokenizer, responses, response_length: int):
-    """Returns (ids [N, R] int32, mask [N, R] int32), left-aligned, EOS appended if missing.
+def encode_responses(tokenizer, responses, response_length: int, *, append_eos: bool = True):
+    """Returns (ids [N, R] int32, mask [N, R] int32), left-aligned, EOS appended if missing
+    (with `append_eos`; without it, texts that end without the EOS token stay so, like the cut-off
+    responses a policy produces at `response_length`).
 
     A response longer than `response_length` is truncated (and then has no EOS).
     """
@@ -41,8 +43,10 @@ def encode_responses(tokenizer, responses, response_length: int):
     mask = np.zeros((len(responses), response_length), np.int32)
     encoded = tokenizer(list(responses), add_special_tokens=False)["input_ids"]
     for i, row in enumerate(encoded):
-        if not row or row[-1] != eos:
+        if append_eos and (not row or row[-1] != eos):
             row = row + [eos]
+        if not row:
+            raise ValueError(f"response {i} encodes to no tokens: {responses[i]!r}")
         row = row[:response_length]
         ids[i, :len(row)] = row
         mask[i, :len(row)] = 1

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 
-from marl_jax.data import apps
+from marl_jax.data import apps, json_lines
 from marl_jax.data.records import DroppedRow, RowTally
 from marl_jax.data.registry import get_spec
 from marl_jax.data.sources import canonical_split, load_rows
@@ -52,12 +52,16 @@ def _load(name, kind, path, split, options):
                         f"{sorted(spec.options) + ['cache_dir', 'max_rows']}")
     _check_options(options)
     split = canonical_split(split)
-    rows, source = load_rows(spec, path, split, cache_dir=cache_dir)
+    if max_rows is not None and (not isinstance(max_rows, int) or max_rows < 0):
+        raise ValueError(f"max_rows must be a non-negative int, got {max_rows!r}")
+    rows, source, bad_lines = load_rows(spec, path, split, cache_dir=cache_dir)
     if max_rows is not None:
-        if not isinstance(max_rows, int) or max_rows < 0:
-            raise ValueError(f"max_rows must be a non-negative int, got {max_rows!r}")
         rows = rows.select(range(min(max_rows, len(rows))))
     tally = RowTally(name, split, source)
+    for bad in bad_lines:
+        lines = bad.reached(max_rows)
+        if lines:
+            tally.skip(json_lines.reason(bad.name, lines), len(lines))
     convert = functools.partial(convert, **options)
     if kind == "prompt":
         convert = _distinct_prompts(convert)

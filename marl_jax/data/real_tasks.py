@@ -31,7 +31,7 @@ import json
 import logging
 import os
 import re
-from typing import Optional, Sequence
+from typing import Sequence
 
 import jax
 import numpy as np
@@ -103,8 +103,7 @@ def build_real_task(config, workdir: str, *, tokenizer=None) -> TaskData:
     host_reward = None
     if t.name == "apps":
         host_reward = UnitTestReward(tokenizer, [r["input_output"] for r in rl],
-                                     timeout_s=float(t.unit_test_timeout_s),
-                                     max_workers=int(t.unit_test_workers) or None)
+                                     **unit_test_options(config))
     sft_arrays, rm_arrays = supervised_arrays(prompts, responses, sft, rm)
     return TaskData(
         tokenizer=tokenizer, prompt_length=prompt_length, response_length=response_length,
@@ -146,10 +145,41 @@ def _check_task_config(config):
                          "needs room for at least one token and the EOS")
     if t.unit_test_timeout_s <= 0:
         raise ValueError(f"config.task.unit_test_timeout_s={t.unit_test_timeout_s}: must be > 0")
+    if t.name == "apps":
+        _check_unit_test_config(config)
     if t.name == "apps" and config.rm.steps > 0:
         raise ValueError(f"config.rm.steps={config.rm.steps}: apps has no preference pairs (its "
                          "reward is the unit tests); set config.rm.steps=0 and "
                          "config.ppo.reward_source='host'")
+
+
+def _check_unit_test_config(config):
+    """The APPS sandbox settings: a known jail, and as many parallel sandboxes as the host's
+    memory holds at the per-program memory limit."""
+    from marl_jax.eval import sandbox
+
+    t = config.task
+    if t.sandbox not in sandbox.SANDBOXES:
+        raise ValueError(f"config.task.sandbox={t.sandbox!r}: must be one of {sandbox.SANDBOXES} "
+                         "(namespaces is weaker: host files stay readable, no seccomp)")
+    if not isinstance(t.unit_test_memory_mb, int) or t.unit_test_memory_mb < 64:
+        raise ValueError(f"config.task.unit_test_memory_mb={t.unit_test_memory_mb!r}: must be an "
+                         "int >= 64 (MiB of address space per process of a program)")
+    options = unit_test_options(config)
+    sandbox.parallel_sandboxes(options["max_workers"], options["limits"],
+                               setting="config.task.unit_test_workers")
+
+
+def unit_test_options(config) -> dict:
+    """Keyword arguments of `apps.run_solutions` from `config.task`: the per-test timeout, the
+    parallel sandboxes, the jail and its limits (RL reward and eval run programs alike)."""
+    from marl_jax.eval.sandbox import SandboxLimits
+
+    t = config.task
+    timeout_s = float(t.unit_test_timeout_s)
+    return dict(timeout_s=timeout_s, max_workers=int(t.unit_test_workers) or None,
+                sandbox=t.sandbox,
+                limits=SandboxLimits(timeout_s=timeout_s, memory_mb=int(t.unit_test_memory_mb)))
 
 
 def _options(config) -> dict:
@@ -341,15 +371,16 @@ class UnitTestReward:
 
     `reward(rows [B], response_ids [B, R], response_mask [B, R]) -> float32 [B]`, where `rows`
     index the RL problems (`TaskData.rl`). Programs run in parallel, each in its own sandbox
-    with `timeout_s` per test case.
+    with `timeout_s` per test case; `run_options` (max_workers, sandbox, limits) go to
+    `apps.run_solutions`.
     """
 
     def __init__(self, tokenizer, problems: Sequence[dict], *, timeout_s: float = 4.0,
-                 max_workers: Optional[int] = None):
+                 **run_options):
         self.tokenizer = tokenizer
         self.problems = list(problems)
         self.timeout_s = timeout_s
-        self.max_workers = max_workers
+        self.run_options = run_options
 
     def __call__(self, rows, response_ids, response_mask) -> np.ndarray:
         from marl_jax.eval import apps
@@ -364,5 +395,5 @@ class UnitTestReward:
         codes = [extract_code(t) for t in decode_responses(self.tokenizer, response_ids,
                                                           response_mask)]
         results = apps.run_solutions(codes, [self.problems[i] for i in rows], self.timeout_s,
-                                     max_workers=self.max_workers)
+                                     **self.run_options)
         return np.asarray([apps.unit_test_reward(r) for r in results], np.float32)

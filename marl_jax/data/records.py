@@ -43,6 +43,11 @@ class RowTally:
         self.skipped = collections.Counter()
         self.dropped = collections.Counter()
 
+    def skip(self, reason, count):
+        """Counts `count` rows that never became rows (malformed lines of a file) as skipped."""
+        self.rows += count
+        self.skipped[reason] += count
+
     def convert(self, rows, convert_row):
         """Applies `convert_row` to each row; returns the records it produced (None = nothing)."""
         records = []

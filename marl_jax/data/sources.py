@@ -8,13 +8,16 @@ directory a file belongs to a split when its name, up to the first ".", "-" or "
 split's aliases: `train.jsonl`, `valid.json`, `validation-00000-of-00001.parquet`. Files are
 searched recursively; when the directory has a sub-directory named after the dataset's hub config
 (e.g. `comparisons/`, the hub layout), only that sub-directory is searched. A path to a single
-file is read as the requested split whatever the file is called.
+file is read as the requested split whatever the file is called. Malformed lines of local JSON
+Lines files are left out and reported (see json_lines.py).
 """
 from __future__ import annotations
 
 import os
 import pathlib
 import re
+
+from marl_jax.data import json_lines
 
 SPLIT_ALIASES = {
     "train": ("train",),
@@ -37,7 +40,8 @@ def canonical_split(split):
 
 
 def load_rows(spec, path, split, *, cache_dir=None):
-    """Raw rows of one split as a `datasets.Dataset`, and a description of where they came from.
+    """Raw rows of one split as a `datasets.Dataset`, where they came from, and the malformed
+    lines left out of them (`json_lines.BadLines`, one per local JSON Lines file that has any).
 
     Args:
       spec: the dataset's `DatasetSpec` (hub name, config, hub split names).
@@ -47,8 +51,9 @@ def load_rows(spec, path, split, *, cache_dir=None):
     """
     split = canonical_split(split)
     if path is None:
-        return _load_hub(spec, split, cache_dir), spec.hub_name
-    return _load_local(spec, pathlib.Path(path), split, cache_dir), str(path)
+        return _load_hub(spec, split, cache_dir), spec.hub_name, []
+    rows, bad_lines = _load_local(spec, pathlib.Path(path), split, cache_dir)
+    return rows, str(path), bad_lines
 
 
 def _load_hub(spec, split, cache_dir):
@@ -82,8 +87,14 @@ def _load_local(spec, path, split, cache_dir):
     if len(builders) != 1:
         raise ValueError(f"{spec.name} {split} files under {path} mix json and parquet: "
                          f"{[str(f) for f in files]}")
-    return datasets.load_dataset(builders.pop(), data_files={split: [str(f) for f in files]},
+    builder, bad_lines = builders.pop(), []
+    if builder == "json":
+        names = [file.name if path.is_file() else str(file.relative_to(path)) for file in files]
+        files, bad_lines = json_lines.check_files(
+            files, names, cache_dir or datasets.config.HF_DATASETS_CACHE)
+    rows = datasets.load_dataset(builder, data_files={split: [str(f) for f in files]},
                                  split=split, cache_dir=cache_dir)
+    return rows, bad_lines
 
 
 def _split_files(spec, directory, split):

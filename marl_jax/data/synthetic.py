@@ -53,6 +53,10 @@ class SyntheticTask:
     demo_swap: float = 0.25
     # Annotators prefer the better summary with probability sigmoid(gold gap / temperature).
     annotator_temperature: float = 0.05
+    # Generated preference candidates: the share cut off without EOS (prefixes), and the share
+    # with garbled descriptions or duplicated items; the rest are noisy summaries.
+    truncate_fraction: float = 0.25 / 3
+    corrupt_fraction: float = 0.5 / 3
     missing_eos_penalty: float = 0.2
     extra_item_penalty: float = 0.1
 
@@ -63,6 +67,10 @@ class SyntheticTask:
         if not 1 <= self.summary_items <= self.doc_size:
             raise ValueError(
                 f"summary_items={self.summary_items} must be in [1, doc_size={self.doc_size}]")
+        if not (0 <= self.truncate_fraction and 0 <= self.corrupt_fraction
+                and self.truncate_fraction + self.corrupt_fraction <= 1):
+            raise ValueError(f"truncate_fraction={self.truncate_fraction} and corrupt_fraction="
+                             f"{self.corrupt_fraction} must be >= 0 and sum to at most 1")
         if not 1 <= self.min_description <= self.max_description:
             raise ValueError("need 1 <= min_description <= max_description, got "
                              f"{self.min_description}, {self.max_description}")
@@ -208,10 +216,9 @@ def gold_score_tokens(task: SyntheticTask, documents, response_ids, response_mas
     Returns:
       [B] float32 in [-1, 1]: NDCG@summary_items where an item's gain is its entity's in-document
       relevance ((1 - rank / (doc_size - 1))^2: 1 for the most important document entity, 0 for
-      the least) times its description
-      accuracy, minus penalties for items beyond `summary_items` and for a missing EOS. Items whose
-      opening token is not an unused document entity gain nothing. Jittable; numpy in, numpy out
-      when called on host arrays.
+      the least) times its description accuracy, minus penalties for items beyond
+      `summary_items` and for a missing EOS. Items whose opening token is not an unused document
+      entity gain nothing. Jittable; numpy in, numpy out when called on host arrays.
     """
     return np.asarray(_gold_jit(task, jnp.asarray(documents), jnp.asarray(response_ids),
                                 jnp.asarray(response_mask)))
@@ -308,9 +315,9 @@ def sft_examples(task: SyntheticTask, seed: int, n: int) -> list[dict]:
 def preference_pairs(task: SyntheticTask, seed: int, n: int) -> list[dict]:
     """[{"prompt", "chosen", "rejected", "document"}] labelled by gold with annotator noise.
 
-    Candidates are noisy summaries at random noise levels; a quarter of them also carry garbled
-    descriptions, truncations or duplicated items so the reward model sees the failure modes a
-    policy produces during RL.
+    Candidates are noisy summaries at random noise levels; `truncate_fraction` of them are cut
+    off without EOS and `corrupt_fraction` carry garbled descriptions or duplicated items, so the
+    reward model sees the failure modes a policy produces during RL.
     """
     rng = np.random.default_rng(seed)
     docs = sample_documents(task, rng, n)
@@ -319,13 +326,17 @@ def preference_pairs(task: SyntheticTask, seed: int, n: int) -> list[dict]:
         for d in docs:
             level = rng.uniform(0.0, 0.8)
             entities = noisy_summary(task, rng, d[None], level, level)[0]
-            text = _corrupt(task, rng, entities) if rng.random() < 0.25 else summary_text(
-                task, entities)
+            u = rng.random()
+            if u < task.truncate_fraction:
+                text = _truncated(task, rng, entities)
+            elif u < task.truncate_fraction + task.corrupt_fraction:
+                text = _corrupt(task, rng, entities)
+            else:
+                text = summary_text(task, entities)
             texts[side].append(text)
             token_rows[side].append([task.ids[w] for w in text.split()])
     gold = [_gold_of_rows(task, docs, rows) for rows in token_rows]
-    p_first = 1.0 / (1.0 + np.exp(-(gold[0] - gold[1]) / task.annotator_temperature))
-    first_wins = rng.random(n) < p_first
+    first_wins = annotator_prefers_first(task, rng, gold[0], gold[1])
     pairs = []
     for i, d in enumerate(docs):
         a, b = texts[0][i], texts[1][i]
@@ -333,6 +344,24 @@ def preference_pairs(task: SyntheticTask, seed: int, n: int) -> list[dict]:
         pairs.append(dict(prompt=prompt_text(task, d), chosen=chosen, rejected=rejected,
                           document=d))
     return pairs
+
+
+def annotator_prefers_first(task: SyntheticTask, rng: np.random.Generator, gold_first,
+                            gold_second) -> np.ndarray:
+    """[n] bool: the Bradley-Terry annotator's choice between two responses of known gold,
+    P(first) = sigmoid((gold_first - gold_second) / annotator_temperature)."""
+    gap = np.asarray(gold_first, np.float64) - np.asarray(gold_second, np.float64)
+    p_first = 1.0 / (1.0 + np.exp(-gap / task.annotator_temperature))
+    return rng.random(len(gap)) < p_first
+
+
+def label_sampled_pairs(task: SyntheticTask, seed: int, documents, ids_a, mask_a, ids_b,
+                        mask_b) -> np.ndarray:
+    """[n] bool, True where the annotator prefers response a: the labels of preference pairs
+    whose responses (token ids and masks [n, R]) a policy sampled for `documents` [n, doc]."""
+    gold_a = gold_score_tokens(task, documents, ids_a, mask_a)
+    gold_b = gold_score_tokens(task, documents, ids_b, mask_b)
+    return annotator_prefers_first(task, np.random.default_rng(seed), gold_a, gold_b)
 
 
 def rl_prompts(task: SyntheticTask, seed: int, n: int) -> list[dict]:
@@ -344,16 +373,20 @@ def rl_prompts(task: SyntheticTask, seed: int, n: int) -> list[dict]:
 
 def _corrupt(task, rng, entities) -> str:
     words = summary_text(task, entities, eos=False).split()
-    kind = rng.integers(3)
-    if kind == 0:  # garbled descriptions
+    if rng.random() < 0.5:  # garbled descriptions
         for i, w in enumerate(words):
             if w.startswith("w") and rng.random() < 0.3:
                 words[i] = f"w{rng.integers(task.num_words):02d}"
         return " ".join(words + [EOS])
-    if kind == 1:  # truncated, no EOS
-        return " ".join(words[:rng.integers(1, len(words))])
     repeated = np.concatenate([entities[:2], entities[:-2]])  # duplicated items
     return summary_text(task, repeated)
+
+
+def _truncated(task, rng, entities) -> str:
+    """A summary cut off before its end, without EOS: what a policy emits when it runs out of
+    tokens, and a prefix scored on what it already holds."""
+    words = summary_text(task, entities, eos=False).split()
+    return " ".join(words[:rng.integers(1, len(words))])
 
 
 def _gold_of_rows(task, docs, rows):

@@ -35,6 +35,11 @@ class TaskData:
     # A host-side reward for `config.ppo.reward_source="host"`:
     # host_reward(rl_rows [B], response_ids [B, R], response_mask [B, R]) -> [B] float.
     host_reward: Optional[Callable] = None
+    # Prompts [K, P] (with documents) whose preference pairs are sampled from the SFT policy
+    # before the reward model trains, and the annotator that labels them:
+    # label_pairs(documents [K, D], ids_a, mask_a, ids_b, mask_b [K, R]) -> [K] bool (a wins).
+    policy_pair_prompts: Optional[dict] = None
+    label_pairs: Optional[Callable] = None
     info: dict = dataclasses.field(default_factory=dict)
 
 
@@ -65,23 +70,33 @@ def _synthetic(config, workdir: str) -> TaskData:
             f"response ({task.max_response_length} tokens); raise it or shorten the task")
     seed = t.data_seed
 
+    fraction = float(t.get("policy_pairs", 0.0))
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"config.task.policy_pairs={fraction}: must be in [0, 1) (the "
+                         "generated pairs carry the failure modes the policy has not shown yet)")
+    num_policy_pairs = int(round(fraction * t.num_pairs))
     sft_rows = syn.sft_examples(task, seed, t.num_sft)
-    pairs = syn.preference_pairs(task, seed + 1, t.num_pairs)
+    pairs = syn.preference_pairs(task, seed + 1, t.num_pairs - num_policy_pairs)
     rl_rows = syn.rl_prompts(task, seed + 2, t.num_rl_prompts)
     eval_rows = syn.rl_prompts(task, seed + 3, t.num_eval_prompts)
+    policy_pair_rows = syn.rl_prompts(task, seed + 4, num_policy_pairs)
 
     def prompts(rows):
         ids, mask = collate.encode_prompts(tokenizer, [x["prompt"] for x in rows], p)
         return dict(ids=ids, mask=mask, documents=np.stack([x["document"] for x in rows]))
 
     def responses(texts):
-        return collate.encode_responses(tokenizer, texts, r)
+        # Synthetic texts carry their own EOS; the truncated corruptions end without one, like
+        # PPO responses cut at response_length, so the reward model learns what gold penalises.
+        return collate.encode_responses(tokenizer, texts, r, append_eos=False)
 
     sft, rm = supervised_arrays(prompts, responses, sft_rows, pairs)
     return TaskData(
         tokenizer=tokenizer, prompt_length=p, response_length=r, sft=sft, rm=rm,
         rl=prompts(rl_rows), eval=prompts(eval_rows),
         gold_fn=functools.partial(syn.gold_score_jax, task),
+        policy_pair_prompts=prompts(policy_pair_rows) if num_policy_pairs else None,
+        label_pairs=functools.partial(syn.label_sampled_pairs, task, seed + 5),
         info=dict(task=dataclasses.asdict(task)),
     )
 

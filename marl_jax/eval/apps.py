@@ -15,7 +15,8 @@ Evaluation follows the APPS reference evaluator (hendrycks/apps `eval/testing_ut
   ...) is available to every program.
 
 Differences from the reference, all deliberate: every test case runs in its own sandboxed
-process (see `marl_jax.eval.sandbox`) instead of inside the evaluator with an alarm signal;
+process (see `marl_jax.eval.sandbox`: by default a bubblewrap jail that sees none of the host's
+files, under seccomp) instead of inside the evaluator with an alarm signal;
 stdin programs run as `__main__` (the reference wraps them in a function, so an
 `if __name__ == "__main__":` guard silently never ran); a returned value is compared outside the
 program as plain data, so an object whose `__eq__` always returns True does not pass; a compile
@@ -31,12 +32,11 @@ import concurrent.futures
 import dataclasses
 import itertools
 import json
-import os
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from marl_jax.eval.sandbox import SandboxLimits, encode_value, run_program
+from marl_jax.eval.sandbox import SandboxLimits, encode_value, parallel_sandboxes, run_program
 
 COMPARE_MODES = ("apps", "strict")
 
@@ -54,7 +54,8 @@ class AppsTests:
 @dataclasses.dataclass(frozen=True)
 class SolutionEvaluation:
     """Per test case: `passed` (bool), `codes` (True / False / -1 / -2 as in the APPS
-    evaluator) and sandbox `statuses`; `isolation` is the sandbox's self-report."""
+    evaluator) and sandbox `statuses`; `isolation` is the sandbox's self-report (its
+    `sandbox` names the jail that ran the program)."""
 
     passed: tuple
     codes: tuple
@@ -210,7 +211,8 @@ def _limits(timeout_s: float, limits: Optional[SandboxLimits]) -> SandboxLimits:
 
 def evaluate_solution(code: str, input_output: Union[str, dict], timeout_s: float = 4.0, *,
                       limits: Optional[SandboxLimits] = None, compare: str = "apps",
-                      stop_at_first_failure: bool = False) -> SolutionEvaluation:
+                      stop_at_first_failure: bool = False,
+                      sandbox: str = "bubblewrap") -> SolutionEvaluation:
     """Run `code` on every test case of one APPS problem in the sandbox (one process per case).
 
     Args:
@@ -222,6 +224,8 @@ def evaluate_solution(code: str, input_output: Union[str, dict], timeout_s: floa
       compare: "apps" (reference comparison) or "strict" (see `stdout_matches`).
       stop_at_first_failure: skip the remaining cases after the first failure (enough for
         pass@k); skipped cases count as failed with code -1.
+      sandbox: "bubblewrap" (default) or "namespaces" (weaker: host files stay readable, no
+        seccomp). A jail that cannot be built complete raises `SandboxError`; nothing runs.
     """
     if compare not in COMPARE_MODES:
         raise ValueError(f"compare must be one of {COMPARE_MODES}, got {compare!r}")
@@ -247,7 +251,7 @@ def evaluate_solution(code: str, input_output: Union[str, dict], timeout_s: floa
         return not stop_at_first_failure or passes(index, case_run)
 
     run = run_program(code, tests.inputs, fn_name=tests.fn_name, limits=limits,
-                      should_continue=should_continue)
+                      should_continue=should_continue, sandbox=sandbox)
     codes = []
     for index, case_run in enumerate(run.cases):
         if case_run.status == "compile_error":
@@ -274,7 +278,10 @@ def run_solutions(codes: Sequence[str], input_outputs, timeout_s: float = 4.0,
     """`run_solution` for many programs in parallel (a thread pool, one sandbox per program).
 
     `input_outputs`: one per code, or a single dict / JSON string shared by all of them.
-    Returns a list (per code) of lists of bools, in the order of `codes`.
+    `max_workers`: sandboxes at once (None or 0: one per CPU, as many as the host's memory
+    holds); ValueError when that many programs at their memory limit exceed the host's memory
+    (`sandbox.parallel_sandboxes`). Returns a list (per code) of lists of bools, in the order
+    of `codes`.
     """
     codes = list(codes)
     if isinstance(input_outputs, (str, bytes, dict)):
@@ -282,10 +289,7 @@ def run_solutions(codes: Sequence[str], input_outputs, timeout_s: float = 4.0,
     input_outputs = list(input_outputs)
     if len(input_outputs) != len(codes):
         raise ValueError(f"input_outputs has {len(input_outputs)} entries for {len(codes)} codes")
-    if max_workers is None:
-        max_workers = os.cpu_count() or 1
-    if not isinstance(max_workers, int) or max_workers < 1:
-        raise ValueError(f"max_workers must be a positive int, got {max_workers!r}")
+    max_workers = parallel_sandboxes(max_workers, _limits(timeout_s, kwargs.get("limits")))
     if not codes:
         return []
     with concurrent.futures.ThreadPoolExecutor(max_workers=max_workers) as pool:

@@ -1,182 +1,429 @@
 """The experiment report: report.json, report.md, curves.png and rm_hist.png, from metrics.jsonl.
 
 Every number is recomputed from the rows of `<workdir>/metrics.jsonl` written by
-`marl_jax/experiment.py`, with these definitions (also stored in report.json):
-
-- final gold / KL / RM score of a run: its evaluation row at the last step; per arm, the mean
-  and the sample standard deviation (ddof=1) over seeds. J = gold - beta * KL with the base
-  `config.ppo.kl_coef` as beta for every arm (the objective PPO optimises).
-- curve of an arm: the mean over seeds of its evaluation gold at each evaluation step, smoothed
-  by a trailing moving average over `smoothing` evaluation points (fewer at the start).
-- SFT gold: the baseline arm's step-0 gold, averaged over seeds. Baseline final: the last point
-  of the baseline's smoothed curve. Gain = baseline final - SFT gold.
-- steps to 50% / 90%: the first evaluation step at which an arm's smoothed curve reaches
-  SFT gold + 0.5 / 0.9 x gain (null when never reached or when gain <= 0).
-- speedup_to_parity: the baseline's steps to reach its own final smoothed gold divided by the
-  arm's steps to reach it (null when the arm never reaches it or when gain <= 0).
-- win rate against the baseline: over every (seed, held-out prompt) pair, 1 when the arm's final
-  response has higher gold than the baseline's response for the same prompt and seed, 0.5 on a
-  tie (|difference| <= 1e-6), 0 otherwise; averaged.
+`marl_jax/experiment.py`: the plan row (`{"stage": "plan", "arms", "seeds", "baseline", "beta",
+"controls", "macro_arms", "runs", ...}`) says what was run, the evaluation rows
+(`{"stage": "eval", "arm", "seed", "step", "gold", "kl", "rm_score"}`, step 0 = the SFT policy)
+give the curves, and the final rows (per-prompt results) give the win rates and the RM-score
+histogram. The arguments of `compute_report` / `write_report` stand in for the plan row of a
+workdir written before it existed. The definitions of every number are `DEFINITIONS`, stored in
+report.json; the statistics are `marl_jax/eval/study_stats.py`.
 """
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections import defaultdict
 
 import numpy as np
 
+from marl_jax.eval import study_stats as st
 from marl_jax.train.metrics import read_metrics
 
+METRICS = ("final_gold", "J", "auc_gold")
+ARM_METRICS = ("final_gold", "kl", "J", "rm_score", "auc_gold", "gain_over_sft")
+METRIC_WORDS = {"final_gold": "final gold", "J": "J", "auc_gold": "mean gold over training",
+                "kl": "KL", "rm_score": "RM score", "gain_over_sft": "gold gain over SFT"}
+FRACTIONS = {"steps_to_50": 0.5, "steps_to_90": 0.9}
 TIE = 1e-6
 DEFINITIONS = {
-    "final": "eval row at the last step per seed; mean and sample std (ddof=1) over seeds",
-    "J": "gold - beta * kl with beta = config.ppo.kl_coef for every arm",
-    "curve": "mean over seeds of eval gold per step, trailing moving average over `smoothing` "
-             "eval points",
-    "steps_to_50": "first eval step where the curve >= sft_gold + 0.5 * (baseline_final - "
-                   "sft_gold)",
-    "steps_to_90": "same with 0.9",
-    "speedup_to_parity": "baseline steps_to_parity / arm steps_to_parity, where steps_to_parity "
-                         "is the first eval step where the curve >= baseline_final",
-    "win_rate_vs_baseline": "mean over (seed, prompt) of 1 win / 0.5 tie / 0 loss on final gold",
+    "final_gold / kl / rm_score": "the evaluation row of a run (arm, seed) at the last "
+                                  "evaluation step: means over the held-out prompts",
+    "J": "final gold - beta * final kl, with beta = the plan row's `beta` (the base "
+         "config.ppo.kl_coef) for every arm: the objective PPO optimises",
+    "auc_gold": "mean gold over training: sum_k (g_k + g_{k+1}) / 2 * (s_{k+1} - s_k) / "
+                "(s_K - s_0) over the evaluation steps s_0 = 0 < ... < s_K of a run",
+    "gain_over_sft": "final gold - step-0 gold of a run (step 0 is the SFT policy)",
+    "per-arm interval": "mean over seeds with a 95% percentile bootstrap interval of the mean "
+                        "(and a t interval, `ci_t`)",
+    "paired difference": "per seed common to both arms, metric(arm) - metric(versus); the "
+                         "mean of these differences with a 95% percentile bootstrap interval "
+                         "over seeds (`ci`) and a t interval mean -/+ t_{0.975, n-1} s / sqrt(n) "
+                         "(`ci_t`); the per-seed differences are stored in seed order",
+    "bootstrap": "for each interval a fresh numpy.random.default_rng(rng_seed) draws "
+                 "rng.integers(0, n, size=(resamples, n)) over the n per-seed values in seed "
+                 "order; np.percentile(resampled means, [2.5, 97.5])",
+    "verdict": "from the bootstrap interval: 'higher' when both ends are > 0, 'lower' when both "
+               "are < 0, else 'not distinguishable'; fewer than 2 common seeds gives no "
+               "interval and 'not distinguishable'",
+    "versus_ppo / versus_control": "every arm other than the baseline against the baseline; "
+                                   "every macro arm also against its matched token-PPO control "
+                                   "(the plan row's `controls`)",
+    "steps_to_50 / steps_to_90": "on the seed-mean gold curves (trailing mean over `smoothing` "
+                                 "evaluation points): SFT = the baseline's curve at step 0, "
+                                 "gain = its last point - SFT; the first evaluation step where "
+                                 "the arm's curve >= SFT + 0.5 (0.9) x gain (null: not reached "
+                                 "by the last step; the entry is null when gain <= 0). Interval: "
+                                 "the seeds common to the arm and the baseline resampled "
+                                 "together (same indices as above), a resample that never "
+                                 "crosses or whose gain <= 0 counts as +inf, inverted-CDF "
+                                 "percentiles 2.5 / 97.5 (null = beyond the last step)",
+    "reward_hacking": "a run is flagged when (rm_up_gold_down) its final RM score is above its "
+                      "step-0 RM score while its final gold is below its step-0 gold, or "
+                      "(gold_off_peak_rm_at_max) its final gold is more than "
+                      f"{st.HACK_GOLD_DROP} below its peak gold while its final RM score is "
+                      "the highest of the run and above the RM score at the (first) gold peak",
+    "resolution": "ppo_gain = the baseline's paired gain_over_sft; half_widths = (hi - lo) / 2 "
+                  "of the bootstrap interval of the paired final-gold difference of every "
+                  "macro arm vs the baseline and vs its control; gain_over_max_half_width = "
+                  "ppo_gain / the largest half-width (the target is >= 5)",
+    "win_rate_vs_baseline": "over every (seed, held-out prompt), from the final rows: 1 when "
+                            "the arm's final response has higher gold than the baseline's for "
+                            f"the same prompt and seed, 0.5 on a tie (|difference| <= {TIE}), "
+                            "0 otherwise; averaged",
 }
 
 
-def trailing_mean(x: np.ndarray, window: int) -> np.ndarray:
-    window = max(int(window), 1)
-    c = np.cumsum(np.insert(np.asarray(x, float), 0, 0.0))
-    idx = np.arange(1, len(x) + 1)
-    lo = np.maximum(idx - window, 0)
-    return (c[idx] - c[lo]) / (idx - lo)
+# ---- what was run --------------------------------------------------------------------------------
+def study_plan(rows, *, beta=None, baseline=None, arms=None, controls=None,
+               macro_arms=None) -> dict:
+    """The plan of the study: the last plan row of `rows`, its missing fields (all of them for a
+    workdir without a plan row) taken from the arguments: arms (default: the arms of the eval
+    rows, in order), baseline (default "ppo"), beta, controls (macro arm -> its token-PPO
+    control; default none) and macro_arms (default: the arms that have a control)."""
+    plans = [r for r in rows if r.get("stage") == "plan"]
+    plan = dict(plans[-1]) if plans else {}
+    plan["source"] = "plan row" if plans else "report arguments"
+    fallbacks = {"beta": beta, "baseline": baseline or "ppo", "controls": dict(controls or {}),
+                 "arms": arms if arms is not None else dict.fromkeys(
+                     r["arm"] for r in rows if r.get("stage") == "eval")}
+    for key, value in fallbacks.items():
+        if plan.get(key) is None:
+            plan[key] = value
+    plan["arms"] = list(plan["arms"])
+    if plan.get("macro_arms") is None:
+        plan["macro_arms"] = macro_arms if macro_arms is not None else plan["controls"]
+    plan["macro_arms"] = list(plan["macro_arms"])
+    if plan["beta"] is None:
+        raise ValueError("metrics.jsonl has no plan row with 'beta' and no beta= was given: "
+                         "J = gold - beta * KL needs it")
+    plan["beta"] = float(plan["beta"])
+    named = {"baseline arm": [plan["baseline"]], "macro arm": plan["macro_arms"],
+             "control": [c for a, c in plan["controls"].items() if a in plan["arms"]]}
+    for role, names in named.items():
+        for name in names:
+            if name not in plan["arms"]:
+                raise ValueError(f"plan ({plan['source']}): {role} {name!r} is not among the "
+                                 f"arms {plan['arms']}")
+    return plan
 
 
-def first_step_reaching(steps, curve, target):
-    hit = np.nonzero(np.asarray(curve) >= target - 1e-12)[0]
-    return int(steps[hit[0]]) if len(hit) else None
-
-
-def _mean_std(values):
-    v = np.asarray(values, float)
-    std = float(v.std(ddof=1)) if len(v) > 1 else 0.0
-    return float(v.mean()), std
-
-
-def compute_report(rows, *, beta: float, smoothing: int, baseline: str, arms) -> dict:
-    """The report dict from metrics rows (see the module docstring for every definition)."""
+def _curves(rows, arms):
+    """Per arm: (seeds, gold, kl, rm_score) with the curves `[seeds, K]`; and the steps `[K]`
+    shared by every run."""
     evals = defaultdict(lambda: defaultdict(dict))  # arm -> seed -> step -> row
-    finals = defaultdict(dict)  # arm -> seed -> row
     for r in rows:
-        if r.get("stage") == "eval" and "arm" in r:
-            evals[r["arm"]][r["seed"]][int(r["step"])] = r
-        elif r.get("stage") == "final" and "arm" in r:
-            finals[r["arm"]][r["seed"]] = r
-    arms = [a for a in arms if a in evals]
-    if baseline not in evals:
-        raise ValueError(f"no evaluation rows for the baseline arm {baseline!r}")
-
-    def curves(arm, key):
-        seeds = sorted(evals[arm])
-        steps = sorted(set.intersection(*(set(evals[arm][s]) for s in seeds)))
-        per_seed = np.array([[evals[arm][s][t][key] for t in steps] for s in seeds], float)
-        return np.array(steps), seeds, per_seed
-
-    b_steps, _, b_gold = curves(baseline, "gold")
-    sft_gold = float(b_gold[:, 0].mean()) if b_steps[0] == 0 else float("nan")
-    b_curve = trailing_mean(b_gold.mean(axis=0), smoothing)
-    baseline_final = float(b_curve[-1])
-    gain = baseline_final - sft_gold
-    b_parity = first_step_reaching(b_steps, b_curve, baseline_final)
-
+        if r.get("stage") == "eval":
+            for key in ("arm", "seed", "gold", "kl", "rm_score"):
+                if key not in r:
+                    raise ValueError(f"eval row {r} has no {key!r} (the report needs arm, seed, "
+                                     "gold, kl and rm_score: a task with a gold reward)")
+            evals[r["arm"]][int(r["seed"])][int(r["step"])] = r
+    missing = [a for a in arms if a not in evals]
+    if missing:
+        raise ValueError(f"metrics.jsonl has no evaluation rows for the arms {missing}")
+    grids = {(a, s): tuple(sorted(by_step)) for a in arms for s, by_step in evals[a].items()}
+    steps = max(grids.values(), key=len)
+    short = {f"{a}/seed {s}": list(g) for (a, s), g in grids.items() if g != steps}
+    if short:
+        raise ValueError(f"runs evaluated at different steps: {short} vs {list(steps)} "
+                         "(every run of a study evaluates at the same steps)")
+    if steps[0] != 0 or len(steps) < 2:
+        raise ValueError(f"evaluation steps {list(steps)} must start at 0 (the SFT policy) "
+                         "and hold at least one later step")
     out = {}
     for arm in arms:
-        steps, seeds, gold = curves(arm, "gold")
-        _, _, kl = curves(arm, "kl")
-        _, _, rm = curves(arm, "rm_score")
-        curve = trailing_mean(gold.mean(axis=0), smoothing)
-        j_final = gold[:, -1] - beta * kl[:, -1]
-        entry = {
-            "seeds": [int(s) for s in seeds],
-            "final_step": int(steps[-1]),
-            "gold": _mean_std(gold[:, -1]),
-            "kl": _mean_std(kl[:, -1]),
-            "J": _mean_std(j_final),
-            "rm_score": _mean_std(rm[:, -1]),
-            "steps_to_50": None, "steps_to_90": None, "steps_to_parity": None,
-            "speedup_to_parity": None,
-        }
-        if gain > 0:
-            entry["steps_to_50"] = first_step_reaching(steps, curve, sft_gold + 0.5 * gain)
-            entry["steps_to_90"] = first_step_reaching(steps, curve, sft_gold + 0.9 * gain)
-            parity = first_step_reaching(steps, curve, baseline_final)
-            entry["steps_to_parity"] = parity
-            if parity and b_parity is not None:
-                entry["speedup_to_parity"] = b_parity / parity
-        entry["win_rate_vs_" + baseline] = _win_rate(finals.get(arm, {}), finals.get(baseline,
-                                                                                      {}))
-        entry["per_seed"] = {str(s): {"gold": float(gold[i, -1]), "kl": float(kl[i, -1]),
-                                      "J": float(j_final[i]), "rm_score": float(rm[i, -1])}
-                             for i, s in enumerate(seeds)}
-        out[arm] = entry
+        seeds = sorted(evals[arm])
+        table = {key: np.array([[evals[arm][s][t][key] for t in steps] for s in seeds], float)
+                 for key in ("gold", "kl", "rm_score")}
+        for key, values in table.items():
+            bad = [(seeds[i], steps[k]) for i, k in np.argwhere(~np.isfinite(values))]
+            if bad:
+                raise ValueError(f"arm {arm!r}: non-finite {key} at (seed, step) {bad}")
+        out[arm] = dict(seeds=seeds, **table)
+    return np.array(steps), out
+
+
+def _per_seed(curves, steps, beta) -> dict:
+    """metric (ARM_METRICS) -> per-seed values `[seeds]` of one arm."""
+    gold, kl = curves["gold"], curves["kl"]
+    return {"final_gold": gold[:, -1], "kl": kl[:, -1], "J": gold[:, -1] - beta * kl[:, -1],
+            "rm_score": curves["rm_score"][:, -1], "auc_gold": st.trapezoid_mean(steps, gold),
+            "gain_over_sft": gold[:, -1] - gold[:, 0]}
+
+
+def _gold_of(curves, seeds) -> np.ndarray:
+    """The gold curves `[len(seeds), K]` of one arm's `seeds`, in that order."""
+    return curves["gold"][[curves["seeds"].index(s) for s in seeds]]
+
+
+# ---- the report ----------------------------------------------------------------------------------
+def compute_report(rows, *, beta=None, smoothing: int = 1, baseline=None, arms=None,
+                   controls=None, macro_arms=None, resamples: int = st.RESAMPLES,
+                   rng_seed: int = st.RNG_SEED) -> dict:
+    """The report dict from metrics rows (`DEFINITIONS` defines every number). The plan row
+    decides arms, baseline, beta, controls and macro arms; the arguments are its fallbacks."""
+    plan = study_plan(rows, beta=beta, baseline=baseline, arms=arms, controls=controls,
+                      macro_arms=macro_arms)
+    arms, base, beta = plan["arms"], plan["baseline"], plan["beta"]
+    steps, curves = _curves(rows, arms)
+    boot = dict(resamples=resamples, rng_seed=rng_seed)
+    values = {a: {m: dict(zip(curves[a]["seeds"], v.tolist()))
+                  for m, v in _per_seed(curves[a], steps, beta).items()}
+              for a in arms}  # arm -> metric -> seed -> value
+
+    def paired(arm, versus, metric):
+        a, b = values[arm][metric], values[versus][metric]
+        seeds = sorted(set(a) & set(b))
+        if not seeds:
+            raise ValueError(f"arms {arm!r} and {versus!r} share no seed")
+        d = [a[s] - b[s] for s in seeds]
+        out = {"arm": arm, "versus": versus, "metric": metric, "seeds": seeds, "differences": d,
+               **st.interval(d, **boot)}
+        out["direction"] = st.direction(out["ci"])
+        out["verdict"] = {1: "higher", -1: "lower", 0: "not distinguishable"}[out["direction"]]
+        return out
+
+    finals = defaultdict(dict)
+    for r in rows:
+        if r.get("stage") == "final" and "gold_per_prompt" in r:
+            finals[r["arm"]][int(r["seed"])] = np.asarray(r["gold_per_prompt"], float)
+
+    report_arms = {}
+    for arm in arms:
+        c = curves[arm]
+        entry = {"seeds": c["seeds"], "final_step": int(steps[-1])}
+        for metric in ARM_METRICS:
+            per_seed = values[arm][metric]
+            entry[metric] = {**st.interval(list(per_seed.values()), **boot),
+                             "per_seed": {str(s): v for s, v in per_seed.items()}}
+        common = sorted(set(c["seeds"]) & set(curves[base]["seeds"]))
+        for name, fraction in FRACTIONS.items():
+            entry[name] = st.steps_to_fraction(
+                steps, _gold_of(curves[arm], common), _gold_of(curves[base], common), fraction,
+                smoothing=smoothing, **boot)
+        rules = {s: st.hacking_rules(c["gold"][i], c["rm_score"][i])
+                 for i, s in enumerate(c["seeds"])}
+        flagged = [s for s, r in rules.items() if r]
+        entry["reward_hacking"] = {"seeds": flagged, "count": len(flagged),
+                                   "n": len(c["seeds"]),
+                                   "rules": {str(s): r for s, r in rules.items() if r}}
+        entry["win_rate_vs_baseline"] = _win_rate(finals.get(arm, {}), finals.get(base, {}))
+        if arm in plan.get("runs", {}):
+            entry["ppo"] = plan["runs"][arm]
+        report_arms[arm] = entry
+
+    comparisons = {}
+    for arm in arms:
+        if arm == base:
+            continue
+        control = plan["controls"].get(arm)
+        comparisons[arm] = {
+            "macro": arm in plan["macro_arms"], "control": control,
+            "versus_ppo": {m: paired(arm, base, m) for m in METRICS},
+            "versus_control": ({m: paired(arm, control, m) for m in METRICS}
+                               if control else None)}
     report = {
-        "arms": out, "beta": beta, "baseline": baseline, "smoothing": smoothing,
-        "sft_gold": sft_gold, "baseline_final_gold": baseline_final, "gain": gain,
+        "plan": plan, "arms": report_arms, "comparisons": comparisons, "beta": beta,
+        "baseline": base, "smoothing": int(smoothing), "steps": [int(s) for s in steps],
+        "seeds": sorted({s for a in arms for s in curves[a]["seeds"]}),
+        "bootstrap": {"method": "percentile", "level": st.LEVEL, **boot},
+        "sft_gold": float(curves[base]["gold"][:, 0].mean()),
+        "ppo_gain": report_arms[base]["gain_over_sft"],
         "definitions": DEFINITIONS,
     }
-    ma = out.get("ma_ppo", {})
-    report["speedup_to_parity"] = ma.get("speedup_to_parity")
-    report["win_rate_ma_vs_ppo"] = ma.get("win_rate_vs_" + baseline)
-    report["verdict"] = verdicts(out, baseline)
+    report["resolution"] = _resolution(report)
+    report["verdict"] = verdict_lines(report)
+    report["claims"] = claims(report)
     return report
+
+
+def _resolution(report) -> dict:
+    halves = {}
+    for arm, c in report["comparisons"].items():
+        if not c["macro"]:
+            continue
+        for key in ("versus_ppo", "versus_control"):
+            if c[key] and c[key]["final_gold"]["ci"]:
+                lo, hi = c[key]["final_gold"]["ci"]
+                halves[f"{arm} vs {c[key]['final_gold']['versus']}"] = (hi - lo) / 2
+    gain = report["ppo_gain"]["mean"]
+    widest = max(halves.values()) if halves else None
+    return {"ppo_gain": gain, "ppo_gain_ci": report["ppo_gain"]["ci"], "half_widths": halves,
+            "max_half_width": widest,
+            "gain_over_max_half_width": gain / widest if widest else None}
 
 
 def _win_rate(arm_finals, base_finals):
     wins = []
-    for seed, row in arm_finals.items():
-        base = base_finals.get(seed)
-        if base is None or "gold_per_prompt" not in row:
-            continue
-        a, b = np.asarray(row["gold_per_prompt"]), np.asarray(base["gold_per_prompt"])
-        wins.append(np.where(np.abs(a - b) <= TIE, 0.5, (a > b).astype(float)))
+    for seed, a in arm_finals.items():
+        b = base_finals.get(seed)
+        if b is not None:
+            wins.append(np.where(np.abs(a - b) <= TIE, 0.5, (a > b).astype(float)))
     return float(np.concatenate(wins).mean()) if wins else None
 
 
-def paired_difference(arms: dict, a: str, b: str, key: str):
-    """Mean and standard error over seeds of the per-seed difference a - b of a final metric."""
-    seeds = sorted(set(arms[a]["per_seed"]) & set(arms[b]["per_seed"]))
-    d = np.array([arms[a]["per_seed"][s][key] - arms[b]["per_seed"][s][key] for s in seeds])
-    se = float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else float("inf")
-    return float(d.mean()), se
+def _comparisons(report):
+    """(arm, versus key, metric, comparison) for every paired comparison of the report."""
+    for arm, c in report["comparisons"].items():
+        for key in ("versus_ppo", "versus_control"):
+            for metric, cmp in (c[key] or {}).items():
+                yield arm, key, metric, cmp
 
 
-def compare(arms: dict, a: str, b: str, key: str) -> str:
-    mean, se = paired_difference(arms, a, b, key)
-    if mean - 2 * se > 0:
-        word = "beats"
-    elif mean + 2 * se < 0:
-        word = "is worse than"
-    else:
-        word = "is not distinguishable from"
-    return f"{a} {word} {b} on {key} (paired difference {mean:+.3f} +/- {se:.3f} s.e.)"
+def claims(report: dict, metrics=METRICS) -> list[dict]:
+    """Every paired comparison of `metrics` whose bootstrap interval excludes 0, as
+    {"arm", "versus", "metric", "direction"} (1: arm higher, -1: lower)."""
+    return [{"arm": arm, "versus": cmp["versus"], "metric": metric,
+             "direction": cmp["direction"]}
+            for arm, _, metric, cmp in _comparisons(report)
+            if metric in metrics and cmp["direction"] != 0]
 
 
-def verdicts(arms: dict, baseline: str) -> list[str]:
-    lines = []
-    if "ma_ppo" not in arms:
-        return lines
-    for other in (baseline, "ppo_matched"):
-        if other in arms:
-            lines.append(compare(arms, "ma_ppo", other, "gold"))
-            lines.append(compare(arms, "ma_ppo", other, "J"))
+def verdict_line(cmp: dict) -> str:
+    """"ma_ppo vs ppo, final gold: +0.012, 95% CI [-0.010, +0.035]: not distinguishable"."""
+    head = (f"{cmp['arm']} vs {cmp['versus']}, {METRIC_WORDS[cmp['metric']]}: "
+            f"{_number(cmp['mean'], '{:+.3f}')}")
+    if cmp["ci"] is None:
+        return f"{head}, no interval ({cmp['n']} common seed): not distinguishable"
+    return f"{head}, 95% CI {_pair(cmp['ci'])}: {cmp['verdict']}"
+
+
+def verdict_lines(report: dict) -> list[str]:
+    return [verdict_line(cmp) for *_, cmp in _comparisons(report)]
+
+
+# ---- text ----------------------------------------------------------------------------------------
+def _number(x, fmt) -> str:
+    text = fmt.format(x)
+    # A difference that rounds to zero reads as zero, whatever the sign of its round-off.
+    return fmt.format(0.0) if text.lstrip("+-").strip("0.") == "" else text
+
+
+def _pair(ci, fmt="{:+.3f}"):
+    return f"[{_number(ci[0], fmt)}, {_number(ci[1], fmt)}]"
+
+
+def format_interval(e: dict, fmt: str = "{:.3f}") -> str:
+    """"0.673 [0.650, 0.700]" (the mean alone when there is no interval)."""
+    mean = _number(e["mean"], fmt)
+    return mean if e["ci"] is None else f"{mean} {_pair(e['ci'], fmt)}"
+
+
+def format_difference(cmp: dict) -> str:
+    return format_interval(cmp, "{:+.3f}")
+
+
+def format_steps(entry, last_step: int) -> str:
+    """"25 [20, 35]", "25 [20, >60]"; "n/a" when undefined (the baseline gained nothing)."""
+    if entry is None:
+        return "n/a"
+    show = lambda s: f">{last_step}" if s is None else str(s)
+    return f"{show(entry['step'])} [{show(entry['ci'][0])}, {show(entry['ci'][1])}]"
+
+
+def format_seeds(seeds) -> str:
+    """"0-7" for a run of consecutive seeds, else "907, 911, 919"."""
+    seeds = sorted(int(s) for s in seeds)
+    if len(seeds) > 2 and seeds == list(range(seeds[0], seeds[-1] + 1)):
+        return f"{seeds[0]}-{seeds[-1]}"
+    return ", ".join(map(str, seeds))
+
+
+def _hacking(entry) -> str:
+    h = entry["reward_hacking"]
+    return f"hacks RM in {h['count']}/{h['n']} seeds" if h["count"] else "no"
+
+
+def arm_table(report: dict) -> list[str]:
+    """The per-arm markdown table: means over seeds with 95% bootstrap intervals."""
+    last = report["steps"][-1]
+    lines = ["| arm | gold | RM score | KL (nats) | J = gold - beta KL | mean gold over "
+             "training | steps to 50% | steps to 90% | reward hacking |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for arm, e in report["arms"].items():
+        lines.append(
+            f"| `{arm}` | {format_interval(e['final_gold'])} | {format_interval(e['rm_score'])} "
+            f"| {format_interval(e['kl'], '{:.2f}')} | {format_interval(e['J'])} | "
+            f"{format_interval(e['auc_gold'])} | {format_steps(e['steps_to_50'], last)} | "
+            f"{format_steps(e['steps_to_90'], last)} | {_hacking(e)} |")
     return lines
 
 
+def comparison_table(report: dict) -> list[str]:
+    """Paired differences arm - versus (mean over seeds, 95% bootstrap interval)."""
+    lines = ["| arm | versus | " + " | ".join(METRIC_WORDS[m] for m in METRICS) + " |",
+             "|---|---|" + "---|" * len(METRICS)]
+    for arm, c in report["comparisons"].items():
+        for key in ("versus_ppo", "versus_control"):
+            if c[key]:
+                versus = c[key][METRICS[0]]["versus"]
+                role = " (control)" if key == "versus_control" else ""
+                lines.append(f"| `{arm}` | `{versus}`{role} | " + " | ".join(
+                    format_difference(c[key][m]) for m in METRICS) + " |")
+    return lines
+
+
+def resolution_line(report: dict) -> str:
+    r = report["resolution"]
+    gain = f"{report['baseline']}'s gold gain over SFT: {format_interval(report['ppo_gain'])}"
+    if r["max_half_width"] is None:
+        return gain + " (no macro-arm comparison with an interval)."
+    widest = max(r["half_widths"], key=r["half_widths"].get)
+    ratio = r["gain_over_max_half_width"]
+    ratio = "unbounded (zero width)" if ratio is None else f"{ratio:.1f}"
+    return (f"{gain}; the widest paired half-width of final gold ({widest}): "
+            f"{r['max_half_width']:.3f}; gain / half-width = {ratio} (target: >= 5).")
+
+
+def markdown(report: dict) -> str:
+    b = report["bootstrap"]
+    lines = [
+        "# MA-PPO vs PPO: report", "",
+        f"Seeds {format_seeds(report['seeds'])}; evaluation steps {report['steps'][0]}.."
+        f"{report['steps'][-1]}; beta = {report['beta']} in J for every arm; SFT gold = "
+        f"{report['sft_gold']:.3f}. Means over seeds with 95% {b['method']} bootstrap intervals "
+        f"over seeds ({b['resamples']} resamples, rng seed {b['rng_seed']}).", "",
+        resolution_line(report), "",
+    ]
+    lines += arm_table(report)
+    lines += ["", "## Paired differences (same seed, same prompts)", ""]
+    lines += comparison_table(report)
+    missing = [a for a, c in report["comparisons"].items() if c["macro"] and not c["control"]]
+    if missing:
+        lines += ["", f"No matched control in this run for: {', '.join(missing)}."]
+    lines += ["", "## Verdict", ""]
+    lines += [f"- {v}" for v in report["verdict"]] or ["- (no arm besides the baseline)"]
+    lines += ["", "![curves](curves.png)", "", "![RM scores](rm_hist.png)", "",
+              "## Definitions", ""]
+    lines += [f"- **{k}**: {v}" for k, v in report["definitions"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def summary_text(report: dict) -> str:
+    last = report["steps"][-1]
+    out = [f"{'arm':<20}{'gold':>24}{'J':>24}{'RM score':>24}{'to 50%':>18}{'to 90%':>18}"]
+    for arm, e in report["arms"].items():
+        out.append(f"{arm:<20}{format_interval(e['final_gold']):>24}"
+                   f"{format_interval(e['J']):>24}{format_interval(e['rm_score']):>24}"
+                   f"{format_steps(e['steps_to_50'], last):>18}"
+                   f"{format_steps(e['steps_to_90'], last):>18}"
+                   + (f"  {_hacking(e)}" if e["reward_hacking"]["count"] else ""))
+    return "\n".join(out + ["", resolution_line(report), ""] + report["verdict"])
+
+
 # ---- files ---------------------------------------------------------------------------------------
-def write_report(workdir: str, *, beta: float, smoothing: int, baseline: str, arms) -> dict:
+def write_report(workdir: str, *, beta=None, smoothing: int = 1, baseline=None, arms=None,
+                 controls=None, macro_arms=None) -> dict:
+    """report.json, report.md, curves.png and rm_hist.png in `workdir`, from its metrics.jsonl
+    alone; the arguments stand in for a missing plan row. Returns the report dict."""
     rows = read_metrics(workdir)
-    report = compute_report(rows, beta=beta, smoothing=smoothing, baseline=baseline, arms=arms)
-    _atomic_write(os.path.join(workdir, "report.json"), json.dumps(report, indent=2))
+    if not any(r.get("stage") == "eval" for r in rows):
+        raise ValueError(f"{os.path.join(workdir, 'metrics.jsonl')} has no evaluation rows")
+    report = compute_report(rows, beta=beta, smoothing=smoothing, baseline=baseline, arms=arms,
+                            controls=controls, macro_arms=macro_arms)
+    _atomic_write(os.path.join(workdir, "report.json"),
+                  json.dumps(report, indent=2, allow_nan=False))
     plot_curves(rows, report, os.path.join(workdir, "curves.png"))
     plot_rm_histogram(rows, report, os.path.join(workdir, "rm_hist.png"))
     _atomic_write(os.path.join(workdir, "report.md"), markdown(report))
@@ -190,74 +437,34 @@ def _atomic_write(path, text):
     os.replace(tmp, path)
 
 
-def _fmt(ms):
-    return f"{ms[0]:.3f} ± {ms[1]:.3f}"
-
-
-def _opt(x, fmt="{}"):
-    return "—" if x is None else fmt.format(x)
-
-
-def markdown(report: dict) -> str:
-    b = report["baseline"]
-    lines = [
-        "# MA-PPO vs PPO: report", "",
-        f"beta = {report['beta']}, SFT gold = {report['sft_gold']:.3f}, {b} final gold "
-        f"(smoothed) = {report['baseline_final_gold']:.3f}; mean ± std over seeds.", "",
-        f"| arm | gold | KL (nats) | J = gold - beta KL | RM score | steps to 50% | "
-        f"steps to 90% | speedup to parity | win rate vs {b} |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for arm, e in report["arms"].items():
-        lines.append(
-            f"| {arm} | {_fmt(e['gold'])} | {_fmt(e['kl'])} | {_fmt(e['J'])} | "
-            f"{_fmt(e['rm_score'])} | {_opt(e['steps_to_50'])} | {_opt(e['steps_to_90'])} | "
-            f"{_opt(e['speedup_to_parity'], '{:.2f}x')} | "
-            f"{_opt(e['win_rate_vs_' + b], '{:.3f}')} |")
-    lines += ["", "![curves](curves.png)", "", "![RM scores](rm_hist.png)", "",
-              "## Definitions", ""]
-    lines += [f"- **{k}**: {v}" for k, v in report["definitions"].items()]
-    lines += ["", "## Verdict", ""]
-    lines += [f"- {v}" for v in report["verdict"]] or ["- (needs the ma_ppo arm)"]
-    return "\n".join(lines) + "\n"
-
-
-def summary_text(report: dict) -> str:
-    out = [f"{'arm':<20}{'gold':>16}{'KL':>16}{'J':>16}{'50%':>7}{'90%':>7}{'parity':>9}"]
-    for arm, e in report["arms"].items():
-        out.append(f"{arm:<20}{_fmt(e['gold']):>16}{_fmt(e['kl']):>16}{_fmt(e['J']):>16}"
-                   f"{_opt(e['steps_to_50']):>7}{_opt(e['steps_to_90']):>7}"
-                   f"{_opt(e['speedup_to_parity'], '{:.2f}x'):>9}")
-    out += [""] + report["verdict"]
-    return "\n".join(out)
-
-
 def plot_curves(rows, report, path):
+    """Gold, J and RM score over PPO steps per arm: seed means with a 95% t band over seeds."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     beta = report["beta"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for arm in report["arms"]:
-        by_seed = defaultdict(dict)
-        for r in rows:
-            if r.get("stage") == "eval" and r.get("arm") == arm:
-                by_seed[r["seed"]][int(r["step"])] = r
-        steps = sorted(set.intersection(*(set(v) for v in by_seed.values())))
-        gold = np.array([[by_seed[s][t]["gold"] for t in steps] for s in by_seed])
-        j = np.array([[by_seed[s][t]["gold"] - beta * by_seed[s][t]["kl"] for t in steps]
-                      for s in by_seed])
-        for ax, values in zip(axes, (gold, j)):
-            line, = ax.plot(steps, values.mean(axis=0), label=arm)
-            ax.fill_between(steps, values.min(axis=0), values.max(axis=0),
-                            color=line.get_color(), alpha=0.15)
+    steps, curves = _curves(rows, list(report["arms"]))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+    for arm, c in curves.items():
+        panels = (c["gold"], c["gold"] - beta * c["kl"], c["rm_score"])
+        n = len(c["seeds"])
+        for ax, values in zip(axes, panels):
+            mean = values.mean(axis=0)
+            line, = ax.plot(steps, mean, label=arm)
+            if n > 1:
+                half = st.t_quantile(st.LEVEL, n - 1) * values.std(axis=0, ddof=1) / np.sqrt(n)
+                ax.fill_between(steps, mean - half, mean + half, color=line.get_color(),
+                                alpha=0.15)
     axes[0].set_title("gold reward (held-out prompts)")
     axes[1].set_title(f"J = gold - {beta} x KL")
+    axes[2].set_title("reward-model score")
     for ax in axes:
         ax.set_xlabel("PPO step")
         ax.grid(alpha=0.3)
     axes[0].legend()
+    fig.suptitle(f"mean over seeds {format_seeds(report['seeds'])}, band: 95% t interval",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -270,12 +477,14 @@ def plot_rm_histogram(rows, report, path):
     for r in rows:
         if r.get("stage") == "final" and r.get("arm") in report["arms"]:
             scores[r["arm"]] += list(r["rm_score_per_prompt"])
-    plot_score_histogram({k: np.asarray(v) for k, v in scores.items()}, path)
+    if scores:
+        plot_score_histogram({k: np.asarray(v) for k, v in scores.items()}, path)
 
 
 def write_combined(workdir: str, reports: dict) -> None:
     """report.json / report.md gathering several experiments (e.g. one per horizon)."""
-    _atomic_write(os.path.join(workdir, "report.json"), json.dumps(reports, indent=2))
+    _atomic_write(os.path.join(workdir, "report.json"),
+                  json.dumps(reports, indent=2, allow_nan=False))
     parts = ["# Experiments", ""]
     for name, report in reports.items():
         body = markdown(report).replace("](curves.png)", f"]({name}/curves.png)").replace(

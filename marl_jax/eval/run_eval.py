@@ -11,7 +11,8 @@ with the PPO sampler (`config.ppo.temperature`, `top_k`, `top_p`, `response_leng
   logprobs as in training), the response length, the gold score (synthetic task); the pairwise
   win rate of the policy against SFT under `config.eval.judge` (ties count half); for APPS the
   unbiased pass@k (`config.eval.pass_at_k`) from `config.eval.num_samples` programs per problem
-  and the mean fraction of unit tests passed;
+  and the mean fraction of unit tests passed, with the sandbox's self-report (`isolation`:
+  which jail ran the programs, its namespaces, seccomp, ...);
 - `samples.jsonl`: per sample the prompt, the response (text and token ids), its scores, and the
   judge's preference for the policy;
 - `rm_scores.png`: the two RM-score histograms.
@@ -37,9 +38,9 @@ import numpy as np
 
 from marl_jax import models, sampling
 from marl_jax.data import batches
-from marl_jax.data.real_tasks import decode_responses, extract_code
+from marl_jax.data.real_tasks import decode_responses, extract_code, unit_test_options
 from marl_jax.eval import judges, scores
-from marl_jax.train import build, sharding
+from marl_jax.train import build, exports, sharding
 from marl_jax.train import ppo_core as core
 from marl_jax.train.metrics import summary_table
 
@@ -165,14 +166,14 @@ def eval_batch_size(config) -> int:
 
 # ---- models --------------------------------------------------------------------------------
 def _exported(pipeline, name: str) -> str:
-    return os.path.join(pipeline.workdir, "models", name)
+    return exports.export_dir(pipeline.workdir, name)
 
 
 def _load_export(pipeline, name: str, module, head: str):
     """Params of `<workdir>/models/<name>`, checked against the pipeline's module."""
     path = _exported(pipeline, name)
     _, params = models.load_pretrained(path, dtype=jnp.dtype(pipeline.config.model.param_dtype),
-                                       head=head)
+                                       head=head, scan_layers=module.config.scan_layers)
     expected = jax.eval_shape(lambda: models.init_params(module, jax.random.key(0)))
     if _signature(params) != _signature(expected):
         raise ValueError(f"{path} does not match the model of this config "
@@ -187,8 +188,10 @@ def _signature(tree):
 
 
 def trained_policy(pipeline, name: str):
-    """The `sft` or final PPO (`policy`) params of the workdir."""
+    """The `sft` or final PPO (`policy`) params of the workdir (an export older than its
+    stage's last checkpoint is refused)."""
     if os.path.isdir(_exported(pipeline, name)):
+        exports.check_export_current(pipeline.workdir, name)
         return _load_export(pipeline, name, pipeline.policy, "lm")
     if name == "sft":
         return pipeline.sft(needed_by="eval")
@@ -200,8 +203,9 @@ def trained_policy(pipeline, name: str):
 def trained_reward_model(pipeline):
     """(params, score statistics) of the workdir's reward model."""
     path = _exported(pipeline, "rm")
-    stats_file = os.path.join(path, "reward_stats.json")
+    stats_file = os.path.join(path, exports.REWARD_STATS)
     if os.path.isdir(path) and os.path.isfile(stats_file):
+        exports.check_export_current(pipeline.workdir, "rm")
         with open(stats_file) as f:
             return _load_export(pipeline, "rm", pipeline.reward_model, "scalar"), json.load(f)
     return pipeline.rm(needed_by="eval")
@@ -224,8 +228,8 @@ def rollout_batch(sampler: Sampler, policy, reward_model, gold_fn, params, ref_p
         eos_id=sampler.eos_id, pad_id=sampler.pad_id)
     ids, mask = sample.tokens, sample.mask.astype(jnp.int32)
     args = (prompt_ids, prompt_mask, ids, mask)
-    logp, _ = core.response_logprobs(policy, params, *args, sampler.temperature)
-    ref, _ = core.response_logprobs(policy, ref_params, *args, sampler.temperature)
+    logp, _ = core.token_logprobs(policy, params, *args, sampler.temperature)
+    ref, _ = core.token_logprobs(policy, ref_params, *args, sampler.temperature)
     out = {"response_ids": ids, "response_mask": mask, "kl": ((logp - ref) * mask).sum(axis=1),
            "length": mask.sum(axis=1).astype(jnp.float32)}
     if rm_params is not None:
@@ -362,17 +366,19 @@ def judge_pairs(config, results, prompts, texts):
 
 
 def apps_results(config, task, prompt_index, texts, samples_per_prompt):
-    """(per-sample fraction of tests passed per model, APPS summary with pass@k per model)."""
-    from marl_jax.eval import apps
+    """(per-sample fraction of tests passed per model, APPS summary with pass@k per model and
+    the `isolation` self-report of the sandbox the programs ran in)."""
+    from marl_jax.eval import apps, sandbox
 
+    options = unit_test_options(config)
     records = task.info["eval_records"]
     tests = [records[i]["input_output"] for i in prompt_index]
     passed, summary = {}, {"num_problems": len(prompt_index) // samples_per_prompt,
-                           "samples_per_problem": samples_per_prompt}
+                           "samples_per_problem": samples_per_prompt,
+                           "isolation": sandbox.describe_isolation(options["limits"],
+                                                                   options["sandbox"])}
     for name, model_texts in texts.items():
-        runs = apps.run_solutions([extract_code(t) for t in model_texts], tests,
-                                  float(config.task.unit_test_timeout_s),
-                                  max_workers=int(config.task.unit_test_workers) or None)
+        runs = apps.run_solutions([extract_code(t) for t in model_texts], tests, **options)
         per_problem = [runs[i:i + samples_per_prompt]
                        for i in range(0, len(runs), samples_per_prompt)]
         passed[name] = [apps.unit_test_reward(r) for r in runs]

@@ -186,7 +186,8 @@ def _randomized_ngram(key, response_mask, *, lengths, repeats, isolate_last):
 def _perplexity(ref_logprobs, response_mask, *, isolate_last):
     valid = response_mask != 0
     rises = ref_logprobs[:, 1:] < ref_logprobs[:, :-1]
-    starts = jnp.concatenate([jnp.ones_like(rises[:, :1]), rises], axis=1)
+    # Token 0 starts the first macro; built from the batch size, since `rises` is empty at T = 1.
+    starts = jnp.concatenate([jnp.ones((valid.shape[0], 1), bool), rises], axis=1)
     return _finish(starts, valid, isolate_last)
 
 

@@ -11,7 +11,7 @@ from marl_jax.models.heads import (
     reward_head_init_std,
 )
 from marl_jax.models.loading import build_model, load_pretrained
-from marl_jax.models.params import init_params, logical_axes
+from marl_jax.models.params import init_params, logical_axes, stack_layers, unstack_layers
 from marl_jax.models.saving import save_pretrained
 from marl_jax.models.tokenizer import load_tokenizer
 
@@ -33,4 +33,6 @@ __all__ = [
     "positions_from_mask",
     "reward_head_init_std",
     "save_pretrained",
+    "stack_layers",
+    "unstack_layers",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any
 
 import jax.numpy as jnp
@@ -84,6 +85,10 @@ class ModelConfig:
     `rope_scaling` is a sorted tuple of (key, value) pairs so the config stays hashable; read it
     as a dict with `rope_scaling_dict`.
     `dtype` is the compute dtype, `param_dtype` the storage dtype; logits are always float32.
+    `remat` recomputes each layer's activations in the backward pass; `scan_layers` runs the layers
+    as one `scan` over parameters stacked on a leading "layers" axis (compile time flat in
+    `num_layers`; params `backbone/layers/...` instead of `backbone/layers_{i}/...`, KV cache
+    stacked too). Neither changes the numbers.
     Direct construction defaults to Llama-style fields; `for_family` fills in a family's defaults
     and `from_hf` reads a transformers config.
     """
@@ -128,6 +133,7 @@ class ModelConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: bool = False
+    scan_layers: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", _dtype_name(self.dtype, "dtype"))
@@ -221,7 +227,9 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, config: dict[str, Any], **overrides) -> ModelConfig:
         """Reads a transformers `config.json` dictionary (legacy `rope_theta`/`rope_scaling` keys or
-        transformers-5 `rope_parameters`). `overrides` replace fields (e.g. dtype, remat)."""
+        transformers-5 `rope_parameters`). `overrides` replace fields (e.g. dtype, remat,
+        scan_layers). Token ids outside the vocabulary (some published configs carry e.g.
+        `pad_token_id=-1`) are left unset with a warning, as transformers loads them."""
         model_type = config.get("model_type")
         if model_type not in FAMILIES:
             raise ValueError(
@@ -229,9 +237,7 @@ class ModelConfig:
         reader = _gpt2_from_hf if model_type == "gpt2" else _llama_like_from_hf
         fields = reader(config)
         fields.update(
-            bos_token_id=config.get("bos_token_id"),
-            eos_token_id=_as_tuple_of_ints(config.get("eos_token_id")),
-            pad_token_id=config.get("pad_token_id"),
+            _token_ids_in_vocabulary(config, fields["vocab_size"]),
             initializer_range=float(config.get("initializer_range", 0.02)),
         )
         fields.update(overrides)
@@ -293,6 +299,26 @@ class ModelConfig:
                              for i in range(self.num_layers)],
             )
         return config
+
+
+def _token_ids_in_vocabulary(config: dict, vocab_size: int) -> dict[str, Any]:
+    """bos / eos / pad ids of a config.json; an id outside [0, vocab_size) is dropped with a
+    warning naming it (the model has no such token to emit or to pad with)."""
+
+    def inside(key: str, token_id: int, unset: str) -> bool:
+        if 0 <= token_id < vocab_size:
+            return True
+        warnings.warn(f"config.json {key}={token_id} lies outside the vocabulary [0, {vocab_size}); "
+                      f"{unset}", stacklevel=4)
+        return False
+
+    ids = {}
+    for key in ("bos_token_id", "pad_token_id"):
+        value = config.get(key)
+        ids[key] = value if value is None or inside(key, int(value), f"{key} is left unset") else None
+    ids["eos_token_id"] = tuple(i for i in _as_tuple_of_ints(config.get("eos_token_id"))
+                                if inside("eos_token_id", i, f"{i} is dropped from eos_token_id"))
+    return ids
 
 
 def _reject(config: dict, key: str, bad: Any, why: str) -> None:

@@ -4,12 +4,18 @@ Qwen2 families.
 Two call paths share every layer:
 - training / scoring: `Decoder(input_ids [B, T], attention_mask [B, T], positions [B, T])`, causal
   plus padding mask, no cache;
-- incremental decoding: the same call with `cache` (per layer `{"k", "v"}: [B, K, S, H]`) and a
-  scalar `cache_index`; the new keys/values are written at slots `[cache_index, cache_index + T)`
-  and the queries attend to the whole cache under `kv_mask [B, S]` and causality.
+- incremental decoding: the same call with `cache` (`init_cache`) and a scalar `cache_index`; the
+  new keys/values are written at slots `[cache_index, cache_index + T)` and the queries attend to
+  the whole cache under `kv_mask [B, S]` and causality.
+
+Layers run unrolled (params `layers_{i}`, cache a list of per-layer `{"k", "v"}: [B, K, S, H]`) or,
+with `config.scan_layers`, as one `nn.scan` over a stacked layer (params `layers` with a leading
+"layers" axis, cache `{"k", "v"}: [L, B, K, S, H]` carried through the scan and updated in place),
+so the compiled program holds one layer whatever the depth.
 
 Every parameter carries logical axis names ("vocab", "embed", "heads", "kv_heads", "head_dim",
-"mlp", "norm") and the major activations carry logical constraints, so a trainer shards by rules.
+"mlp", "norm"; "layers" first when scanned) and the major activations carry logical constraints, so
+a trainer shards by rules.
 """
 from __future__ import annotations
 
@@ -22,7 +28,8 @@ import numpy as np
 
 from marl_jax.models.config import ModelConfig, rope_attention_factor, rope_inverse_frequencies
 
-Cache = list  # per layer: {"k": [B, K, S, H], "v": [B, K, S, H]}
+# Unrolled: a list, per layer {"k": [B, K, S, H], "v": [B, K, S, H]}; scanned: {"k", "v"}: [L, B, K, S, H].
+Cache = list | dict
 
 # A large finite negative instead of -inf: a fully masked (padded) query row then gets a uniform
 # distribution rather than NaN.
@@ -140,13 +147,31 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, softcap: f
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, heads, head_dim)
 
 
+def _update_cache(cache: jax.Array, new: jax.Array, cache_index, layer) -> tuple[jax.Array, jax.Array]:
+    """Writes `new [B, K, T, H]` at slots `[cache_index, cache_index + T)` of a layer cache
+    `[B, K, S, H]` or, given `layer`, of that layer of a stacked cache `[L, B, K, S, H]`.
+    Returns (this layer's keys or values to attend to `[B, K, S, H]`, the updated cache)."""
+    new = new.astype(cache.dtype)
+    axes = ("activation_batch", "activation_kv_heads", None, None)
+    if layer is None:
+        updated = nn.with_logical_constraint(jax.lax.dynamic_update_slice(cache, new, (0, 0, cache_index, 0)), axes)
+        return updated, updated
+    # Write the new slots into the carried stack, then read the layer back: XLA then updates the
+    # stack in place at every decode step (reading the layer before the write, or scanning the
+    # cache in and out of the layer scan, costs copies of whole layers or of the whole stack).
+    stacked = nn.with_logical_constraint(
+        jax.lax.dynamic_update_slice(cache, new[None], (layer, 0, 0, cache_index, 0)), (None, *axes))
+    return jax.lax.dynamic_index_in_dim(stacked, layer, keepdims=False), stacked
+
+
 class Attention(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x, rotary, mask, cache=None, cache_index=None):
-        """x `[B, T, D]`; rotary (cos, sin) or None; mask bool `[B, T, S]`. Returns
-        (`[B, T, D]`, updated layer cache or None)."""
+    def __call__(self, x, rotary, mask, cache=None, cache_index=None, layer=None):
+        """x `[B, T, D]`; rotary (cos, sin) or None; mask bool `[B, T, S]`; cache: this layer's
+        `{"k", "v"}: [B, K, S, H]`, or with `layer` (traced index) the stacked `[L, B, K, S, H]`.
+        Returns (`[B, T, D]`, updated cache or None)."""
         cfg = self.config
         dense = dict(dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype, init_std=cfg.initializer_range)
         q = Dense((cfg.num_heads, cfg.head_dim), ("embed", "heads", "head_dim"), use_bias=cfg.qkv_bias,
@@ -165,14 +190,9 @@ class Attention(nn.Module):
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
         new_cache = None
         if cache is not None:
-            start = (0, 0, cache_index, 0)
-            new_cache = {
-                name: nn.with_logical_constraint(
-                    jax.lax.dynamic_update_slice(cache[name], new.astype(cache[name].dtype), start),
-                    ("activation_batch", "activation_kv_heads", None, None))
-                for name, new in (("k", k), ("v", v))
-            }
-            k, v = new_cache["k"].astype(q.dtype), new_cache["v"].astype(q.dtype)
+            (k, new_k), (v, new_v) = (_update_cache(cache[name], new, cache_index, layer)
+                                      for name, new in (("k", k), ("v", v)))
+            k, v, new_cache = k.astype(q.dtype), v.astype(q.dtype), {"k": new_k, "v": new_v}
         out = attend(q, k, v, mask, cfg.attn_logit_softcap)
         out = nn.with_logical_constraint(out, ("activation_batch", "activation_length", "activation_heads", None))
         out = Dense((cfg.hidden_size,), ("heads", "head_dim", "embed"), contract_dims=2, use_bias=cfg.out_bias,
@@ -203,10 +223,10 @@ class DecoderLayer(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x, rotary, mask, cache=None, cache_index=None):
+    def __call__(self, x, rotary, mask, cache=None, cache_index=None, layer=None):
         cfg = self.config
         attn_out, new_cache = Attention(cfg, name="attn")(Norm(cfg, name="attn_norm")(x), rotary, mask, cache,
-                                                          cache_index)
+                                                          cache_index, layer)
         if cfg.sandwich_norms:
             attn_out = Norm(cfg, name="post_attn_norm")(attn_out)
         x = x + attn_out
@@ -229,9 +249,27 @@ class Embedding(nn.Module):
     def __call__(self, input_ids: jax.Array) -> jax.Array:
         return jnp.take(self.embedding, input_ids, axis=0).astype(self.config.compute_dtype)
 
-    def attend(self, x: jax.Array) -> jax.Array:
-        """Tied LM head: `[B, T, D] -> [B, T, V]` float32."""
-        return jnp.einsum("btd,vd->btv", x, self.embedding.astype(x.dtype), preferred_element_type=jnp.float32)
+
+def _layer_class(cfg: ModelConfig):
+    if not cfg.remat:
+        return DecoderLayer
+    if cfg.scan_layers:
+        # MaxText's full remat: of each layer only its input (the scan carry) is kept for the
+        # backward pass, so activation memory is L x [B, T, D] plus one layer's intermediates. The
+        # scan's loop already keeps XLA from merging recomputation and forward pass, so no CSE
+        # barriers.
+        return nn.remat(DecoderLayer, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
+    return nn.remat(DecoderLayer)
+
+
+def _scanned_layer(layer: DecoderLayer, carry, index, sliding, rotary, mask, window_mask, cache_index):
+    """One step of the layer scan: carry (x `[B, T, D]`, stacked cache or None); per layer its
+    index and sliding-window flag."""
+    x, cache = carry
+    if window_mask is not None:
+        mask = jnp.where(sliding, window_mask, mask)
+    x, cache = layer(x, rotary, mask, cache, cache_index, None if cache is None else index)
+    return (x, cache), None
 
 
 class Decoder(nn.Module):
@@ -247,8 +285,11 @@ class Decoder(nn.Module):
             self.position_embed = partitioned_param(
                 self, "position_embedding", nn.initializers.normal(cfg.initializer_range),
                 (cfg.max_position_embeddings, cfg.hidden_size), (None, "embed"), cfg.weight_dtype)
-        layer = nn.remat(DecoderLayer) if cfg.remat else DecoderLayer
-        self.layers = [layer(cfg, name=f"layers_{i}") for i in range(cfg.num_layers)]
+        layer = _layer_class(cfg)
+        if cfg.scan_layers:
+            self.layers = layer(cfg)
+        else:
+            self.layers = [layer(cfg, name=f"layers_{i}") for i in range(cfg.num_layers)]
         self.final_norm = Norm(cfg)
 
     def __call__(self, input_ids, attention_mask, positions=None, cache: Cache | None = None, cache_index=None):
@@ -260,6 +301,9 @@ class Decoder(nn.Module):
             if cache is not None:
                 raise ValueError("positions are required when decoding with a cache")
             positions = positions_from_mask(attention_mask)
+        if cache is not None and isinstance(cache, dict) != cfg.scan_layers:
+            raise ValueError(f"the cache layout does not match config.scan_layers={cfg.scan_layers}; "
+                             "build the cache with init_cache(config, ...)")
         x = self.embed(input_ids)
         if cfg.scale_embeddings:
             x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
@@ -280,6 +324,14 @@ class Decoder(nn.Module):
         mask = (distance >= 0)[None] & key_valid[:, None, :]
         # Valid tokens of a row occupy contiguous slots, so slot distance is position distance.
         window_mask = mask & (distance < cfg.sliding_window)[None] if cfg.sliding_layers else None
+        if cfg.scan_layers:
+            sliding = np.isin(np.arange(cfg.num_layers), cfg.sliding_layers)
+            scan = nn.scan(_scanned_layer, variable_axes={"params": 0}, split_rngs={"params": True},
+                           in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+                           length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+            (x, new_cache), _ = scan(self.layers, (x, cache), jnp.arange(cfg.num_layers), jnp.asarray(sliding),
+                                     rotary, mask, window_mask, cache_index)
+            return self.final_norm(x), new_cache
         new_cache = [] if cache is not None else None
         for i, layer in enumerate(self.layers):
             layer_mask = window_mask if i in cfg.sliding_layers else mask
@@ -288,12 +340,13 @@ class Decoder(nn.Module):
                 new_cache.append(layer_cache)
         return self.final_norm(x), new_cache
 
-    def attend(self, x: jax.Array) -> jax.Array:
-        return self.embed.attend(x)
-
 
 def init_cache(config: ModelConfig, batch: int, length: int, dtype=None) -> Cache:
-    """Zero KV cache: per layer `{"k", "v"}: [B, K, S, H]` in the compute dtype."""
+    """Zero KV cache in the compute dtype: per layer `{"k", "v"}: [B, K, S, H]`, or with
+    `config.scan_layers` one stacked `{"k", "v"}: [L, B, K, S, H]`."""
     dtype = config.compute_dtype if dtype is None else dtype
     shape = (batch, config.num_kv_heads, length, config.head_dim)
+    if config.scan_layers:
+        shape = (config.num_layers, *shape)
+        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
     return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(config.num_layers)]

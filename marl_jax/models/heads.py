@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -45,17 +46,17 @@ class CausalLM(nn.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """`[B, T, D] -> [B, T, V]` float32."""
         if self.config.tie_word_embeddings:
-            logits = self.backbone.attend(hidden)
-        else:
-            logits = jnp.einsum("btd,dv->btv", hidden, self.lm_head.astype(hidden.dtype),
-                                preferred_element_type=jnp.float32)
-        if self.config.final_logit_softcap is not None:
-            logits = jnp.tanh(logits / self.config.final_logit_softcap) * self.config.final_logit_softcap
-        return nn.with_logical_constraint(logits, ("activation_batch", "activation_length", "activation_vocab"))
+            return vocab_logits(self.config, self.backbone.embed.embedding, hidden)
+        return vocab_logits(self.config, self.lm_head, hidden)
+
+    def hidden_states(self, input_ids, attention_mask, positions=None):
+        """The backbone's final hidden states `[B, T, D]` (what `logits` projects), for callers
+        that need the vocabulary only at some positions or in chunks (`token_scores`)."""
+        hidden, _ = self.backbone(input_ids, attention_mask, positions)
+        return hidden
 
     def __call__(self, input_ids, attention_mask, positions=None):
-        hidden, _ = self.backbone(input_ids, attention_mask, positions)
-        return self.logits(hidden)
+        return self.logits(self.hidden_states(input_ids, attention_mask, positions))
 
     def decode(self, input_ids, kv_mask, positions, cache: Cache, cache_index):
         """Incremental step: feeds `input_ids [B, T]` at cache slots `[cache_index, cache_index + T)`
@@ -65,31 +66,134 @@ class CausalLM(nn.Module):
         return self.logits(hidden[:, -1:])[:, 0], cache
 
 
+def vocab_logits(config: ModelConfig, weight: jax.Array, hidden: jax.Array) -> jax.Array:
+    """The LM head: hidden `[..., T, D]` -> logits `[..., T, V]` float32 (Gemma-2's final
+    soft-cap included). `weight` is the tied embedding `[V, D]` or the untied head `[D, V]`."""
+    spec = "...d,vd->...v" if config.tie_word_embeddings else "...d,dv->...v"
+    logits = jnp.einsum(spec, hidden, weight.astype(hidden.dtype),
+                        preferred_element_type=jnp.float32)
+    if config.final_logit_softcap is not None:
+        logits = jnp.tanh(logits / config.final_logit_softcap) * config.final_logit_softcap
+    return nn.with_logical_constraint(logits, ("activation_batch", "activation_length",
+                                               "activation_vocab"))
+
+
+def head_weight(config: ModelConfig, params) -> jax.Array:
+    """The LM head's weight in a CausalLM's params: `[V, D]` when tied, else `[D, V]`."""
+    if config.tie_word_embeddings:
+        return params["backbone"]["embed"]["embedding"]
+    return params["lm_head"]
+
+
+# Logits of one chunk hold at most this many (positions x vocabulary) float32 values per
+# sequence (32 MiB): 32 positions of Gemma's 256k vocabulary, the whole response of a small one.
+LOGITS_CHUNK_ELEMENTS = 2 ** 23
+
+
+class TokenScores(NamedTuple):
+    """Per-position statistics of target tokens under a LM head, all `[B, T]` float32."""
+
+    logprobs: jax.Array  # log p(target) under softmax(logits / temperature)
+    entropy: jax.Array  # entropy of softmax(logits / temperature)
+    base_logprobs: jax.Array  # log p(target) under softmax(logits) (temperature 1)
+    correct: jax.Array  # 1.0 where argmax(logits) == target
+
+
+def token_scores(config: ModelConfig, params, hidden, targets, temperature=1.0,
+                 chunk: int | None = None) -> TokenScores:
+    """Target-token statistics from hidden states without ever holding `[B, T, V]` logits.
+
+    The LM head runs over chunks of `chunk` positions (default: `LOGITS_CHUNK_ELEMENTS / V`) in
+    a scan whose body is rematerialised, so the forward pass keeps one chunk's logits and the
+    backward pass recomputes them chunk by chunk: memory is `[B, chunk, V]` instead of
+    `[B, T, V]` several times over. Differentiable with respect to `params` and `hidden`.
+
+    Args:
+      config: the CausalLM's ModelConfig; params: its params (for the head weight).
+      hidden: `[B, T, D]` hidden states; position t predicts `targets[:, t]`.
+      targets: `[B, T]` int token ids (any id on positions the caller masks out).
+      temperature: divides the logits for `logprobs` and `entropy` (traced or static).
+    """
+    weight = head_weight(config, params)
+    batch, length, _ = hidden.shape
+    vocab = config.vocab_size
+    if chunk is None:
+        chunk = max(1, LOGITS_CHUNK_ELEMENTS // vocab)
+    chunk = min(chunk, length)
+    num_chunks = -(-length // chunk)
+    chunk = -(-length // num_chunks)  # equal chunks, the least padding
+    pad = num_chunks * chunk - length
+    if pad:
+        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+        targets = jnp.pad(targets, ((0, 0), (0, pad)))
+    scale = 1.0 / jnp.maximum(jnp.asarray(temperature, jnp.float32), 1e-6)
+
+    @jax.checkpoint
+    def one_chunk(h, t):
+        logits = vocab_logits(config, weight, h)  # [B, chunk, V]
+        base = jax.nn.log_softmax(logits, axis=-1)
+        scaled = jax.nn.log_softmax(logits * scale, axis=-1)
+        pick = lambda logp: jnp.take_along_axis(logp, t[..., None], axis=-1)[..., 0]
+        probs = jnp.exp(scaled)
+        entropy = -jnp.sum(probs * jnp.where(probs > 0, scaled, 0.0), axis=-1)
+        correct = (jnp.argmax(logits, axis=-1) == t).astype(jnp.float32)
+        return TokenScores(pick(scaled), entropy, pick(base), correct)
+
+    chunks = lambda x: x.reshape((batch, num_chunks, chunk) + x.shape[2:]).swapaxes(0, 1)
+    out = jax.lax.map(lambda ht: one_chunk(*ht), (chunks(hidden), chunks(targets)))
+    return TokenScores(*(x.swapaxes(0, 1).reshape(batch, -1)[:, :length] for x in out))
+
+
+def continuation_scores(policy: "CausalLM", params, prompt_ids, prompt_mask, response_ids,
+                        response_mask, temperature=1.0) -> TokenScores:
+    """`TokenScores` `[B, R]` of the response tokens given the prompt, zero on padding.
+
+    The decoder runs over prompt + response; the LM head only over the positions that predict
+    a response token, in chunks (`token_scores`), so no `[B, P + R, V]` logits are ever built.
+    Prompts `[B, P]` are left-padded, responses `[B, R]` left-aligned.
+    """
+    ids = jnp.concatenate([prompt_ids, response_ids], axis=1)
+    mask = jnp.concatenate([prompt_mask, response_mask], axis=1)
+    hidden = policy.apply({"params": params}, ids, mask, method=CausalLM.hidden_states)
+    p = prompt_ids.shape[1]
+    out = token_scores(policy.config, params, hidden[:, p - 1:-1], response_ids, temperature)
+    m = response_mask.astype(jnp.float32)
+    return TokenScores(*(x * m for x in out))
+
+
 class ScalarHeadModel(nn.Module):
     """`apply({"params": p}, input_ids [B, T], attention_mask [B, T], positions=None)` ->
-    per-token scalars `[B, T]` float32. Params `{"backbone", "head": {"kernel": [D, 1]}}`."""
+    per-token scalars `[B, T]` float32. Params `{"backbone", "head": {"kernel": [D, 1]}}`, plus
+    `head.bias` `[1]` with `head_bias` (the critic: a reward model's head rescaled to normalised
+    scores needs an offset; the reward model itself stays bias-free, as HF `score`)."""
 
     config: ModelConfig
     head_init_std: float = VALUE_HEAD_INIT_STD
+    head_bias: bool = False
 
     @nn.compact
     def __call__(self, input_ids, attention_mask, positions=None):
         cfg = self.config
         hidden, _ = Decoder(cfg, name="backbone")(input_ids, attention_mask, positions)
-        return _ScalarHead(cfg, self.head_init_std, name="head")(hidden)
+        return _ScalarHead(cfg, self.head_init_std, self.head_bias, name="head")(hidden)
 
 
 class _ScalarHead(nn.Module):
-    """`[B, T, D] -> [B, T]` float32 through a bias-free `[D, 1]` kernel (as HF `score`)."""
+    """`[B, T, D] -> [B, T]` float32 through a `[D, 1]` kernel (and an optional bias)."""
 
     config: ModelConfig
     init_std: float
+    use_bias: bool = False
 
     @nn.compact
     def __call__(self, hidden):
         kernel = partitioned_param(self, "kernel", nn.initializers.normal(self.init_std),
                                    (self.config.hidden_size, 1), ("embed", None), self.config.weight_dtype)
         scores = jnp.einsum("btd,do->bto", hidden, kernel.astype(hidden.dtype), preferred_element_type=jnp.float32)
+        if self.use_bias:
+            bias = partitioned_param(self, "bias", nn.initializers.zeros, (1,), (None,),
+                                     self.config.weight_dtype)
+            scores = scores + bias.astype(jnp.float32)
         return scores[..., 0]
 
 

@@ -20,6 +20,7 @@ from flax import traverse_util
 from marl_jax.models import keymap
 from marl_jax.models.config import FAMILIES, ModelConfig
 from marl_jax.models.heads import CausalLM, ScalarHeadModel, reward_head_init_std
+from marl_jax.models.params import stack_layers
 
 HEADS = ("lm", "scalar")
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "gemma": "gemma", "gpt2": "gpt2"}
@@ -191,9 +192,12 @@ def _summarise(names: list[str], limit: int = 12) -> str:
 
 def params_from_state(model: nn.Module, state: dict[str, np.ndarray], *, head: str,
                       head_key: jax.Array | None = None) -> dict:
-    """Our param tree (float arrays of `config.param_dtype`) from an HF-named state dict.
-    Raises ValueError naming missing, unexpected or mis-shaped weights."""
+    """Our param tree (float arrays of `config.param_dtype`) from an HF-named state dict, stacked
+    when `config.scan_layers`. Raises ValueError naming missing, unexpected or mis-shaped weights."""
     cfg = model.config
+    if cfg.scan_layers:
+        # The key map names per-layer tensors: match and convert unrolled, stack at the end.
+        model = model.clone(config=cfg.replace(scan_layers=False))
     state = keymap.canonical_names(cfg.family, state)
     rules = keymap.backbone_rules(cfg)
     ignored = set()
@@ -234,7 +238,11 @@ def params_from_state(model: nn.Module, state: dict[str, np.ndarray], *, head: s
     if set(flat) != set(expected):
         raise ValueError(f"parameters not covered by the key map: {sorted(set(expected) - set(flat))}")
     dtype = cfg.weight_dtype
-    return traverse_util.unflatten_dict({path: jnp.asarray(value, dtype) for path, value in flat.items()})
+    if not cfg.scan_layers:
+        return traverse_util.unflatten_dict({path: jnp.asarray(value, dtype) for path, value in flat.items()})
+    # Cast on the host, so the device holds each weight once, in its final dtype and layout.
+    unrolled = traverse_util.unflatten_dict({path: np.asarray(value, dtype) for path, value in flat.items()})
+    return jax.tree.map(jnp.asarray, stack_layers(unrolled, cfg.num_layers))
 
 
 def build_model(config: ModelConfig, head: str = "lm", head_init_std: float | None = None) -> nn.Module:
@@ -247,10 +255,12 @@ def build_model(config: ModelConfig, head: str = "lm", head_init_std: float | No
 
 def load_pretrained(path: str | os.PathLike, dtype=jnp.float32, *, head: str = "lm", compute_dtype=None,
                     head_init_std: float | None = None, head_key: jax.Array | None = None,
-                    remat: bool = False):
+                    remat: bool = False, scan_layers: bool = False):
     """(model, params) from an HF directory or a `.gguf` file.
 
     `dtype`: parameter dtype, and the compute dtype unless `compute_dtype` is given.
+    `remat`, `scan_layers`: the `ModelConfig` fields; with `scan_layers` the params come stacked
+    (`backbone/layers/...`, leading axis L).
     `head="lm"`: `CausalLM`; `head="scalar"`: `ScalarHeadModel`, reading `score.weight` of a
     `*ForSequenceClassification` checkpoint when present, else initialising the head with std
     `head_init_std` (default 1/sqrt(D + 1), the reward-model init) from `head_key`.
@@ -268,6 +278,7 @@ def load_pretrained(path: str | os.PathLike, dtype=jnp.float32, *, head: str = "
         raise ValueError(f"{path}: model_type {hf_config.get('model_type')!r} is not supported; "
                          f"supported families: {FAMILIES}")
     config = ModelConfig.from_hf(hf_config, param_dtype=dtype,
-                                 dtype=dtype if compute_dtype is None else compute_dtype, remat=remat)
+                                 dtype=dtype if compute_dtype is None else compute_dtype, remat=remat,
+                                 scan_layers=scan_layers)
     model = build_model(config, head, head_init_std)
     return model, params_from_state(model, state, head=head, head_key=head_key)

@@ -1,9 +1,14 @@
-"""Parameter initialisation and logical sharding axes of a model, as plain pytrees."""
+"""Parameter initialisation, logical sharding axes, and conversion between the unrolled and the
+scanned layer layouts, as plain pytrees."""
 from __future__ import annotations
+
+import re
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+_LAYER_KEY = re.compile(r"layers_(\d+)$")
 
 
 def _boxed_init(model: nn.Module, key: jax.Array):
@@ -21,3 +26,39 @@ def logical_axes(model: nn.Module) -> dict:
     """`jax.sharding.PartitionSpec` of logical axis names for every parameter, same tree as
     `init_params`."""
     return nn.get_partition_spec(jax.eval_shape(lambda: _boxed_init(model, jax.random.key(0))))
+
+
+def _backbone(params: dict) -> dict:
+    if not isinstance(params, dict) or "backbone" not in params:
+        keys = sorted(params) if isinstance(params, dict) else type(params).__name__
+        raise ValueError(f"expected the params of a CausalLM or ScalarHeadModel (a dict with 'backbone'), got {keys}")
+    return dict(params["backbone"])
+
+
+def stack_layers(params: dict, num_layers: int) -> dict:
+    """Unrolled params (`backbone/layers_{i}/...`, i < num_layers) -> scanned params
+    (`backbone/layers/...`, every leaf stacked on a new leading axis `[L, ...]`). Other entries
+    (embeddings, final norm, LM or scalar head) are kept as they are. Jittable."""
+    backbone = _backbone(params)
+    found = sorted(int(m.group(1)) for key in backbone if (m := _LAYER_KEY.match(key)))
+    if "layers" in backbone or found != list(range(num_layers)):
+        raise ValueError(f"params['backbone'] must hold layers_0 .. layers_{num_layers - 1} (num_layers="
+                         f"{num_layers}), got {'a stacked layers entry' if 'layers' in backbone else found}")
+    layers = [backbone.pop(f"layers_{i}") for i in range(num_layers)]
+    backbone["layers"] = jax.tree.map(lambda *leaves: jnp.stack(leaves), *layers)
+    return {**params, "backbone": backbone}
+
+
+def unstack_layers(params: dict) -> dict:
+    """Scanned params (`backbone/layers/...` with a leading layer axis `[L, ...]`) -> unrolled
+    params (`backbone/layers_{i}/...`); the inverse of `stack_layers`. Jittable."""
+    backbone = _backbone(params)
+    if "layers" not in backbone:
+        raise ValueError("params['backbone'] has no stacked 'layers' entry (are they unrolled already?)")
+    stacked = backbone.pop("layers")
+    num_layers = {leaf.shape[0] for leaf in jax.tree.leaves(stacked)}
+    if len(num_layers) != 1:
+        raise ValueError(f"params['backbone']['layers'] leaves disagree on the layer count: {sorted(num_layers)}")
+    for i in range(num_layers.pop()):
+        backbone[f"layers_{i}"] = jax.tree.map(lambda leaf, i=i: leaf[i], stacked)
+    return {**params, "backbone": backbone}

@@ -15,6 +15,7 @@ from jax.experimental import multihost_utils
 from marl_jax.models import keymap
 from marl_jax.models.config import SEQUENCE_CLASSIFICATION_ARCHITECTURES
 from marl_jax.models.heads import CausalLM, ScalarHeadModel
+from marl_jax.models.params import unstack_layers
 
 
 def _to_numpy(params) -> dict:
@@ -27,9 +28,11 @@ def _to_numpy(params) -> dict:
 
 
 def hf_state_dict(model: nn.Module, params) -> dict[str, np.ndarray]:
-    """HF-named tensors (contiguous numpy arrays, parameter dtype) of `params`."""
+    """HF-named tensors (contiguous numpy arrays, parameter dtype) of `params` (unrolled or, with
+    `config.scan_layers`, stacked: the same checkpoint either way)."""
     cfg = model.config
-    flat = traverse_util.flatten_dict(_to_numpy(params))
+    params = _to_numpy(params)
+    flat = traverse_util.flatten_dict(unstack_layers(params) if cfg.scan_layers else params)
     rules = keymap.backbone_rules(cfg)
     if isinstance(model, ScalarHeadModel):
         rules.append(keymap.score_rule())

@@ -67,9 +67,11 @@ def _weights_key(config):
 
 
 def _read_pretrained(config):
-    """(ModelConfig, params) of `config.model.path`, parameters in `config.model.param_dtype`."""
+    """(ModelConfig, params) of `config.model.path`, parameters in `config.model.param_dtype`,
+    stacked when `config.model.scan_layers`."""
     path, dtype = _weights_key(config)
-    module, params = models.load_pretrained(path, dtype=jnp.dtype(dtype))
+    module, params = models.load_pretrained(path, dtype=jnp.dtype(dtype),
+                                            scan_layers=config.model.get("scan_layers", False))
     return module.config, params
 
 
@@ -104,7 +106,8 @@ def model_config(config, tokenizer) -> models.ModelConfig:
     if dtype == "auto":
         # bf16 matmuls run at full rate on TPUs and GPUs; CPUs emulate bf16, so stay in fp32.
         dtype = "bfloat16" if jax.default_backend() in ("gpu", "tpu") else "float32"
-    return dataclasses.replace(cfg, dtype=dtype, param_dtype=m.param_dtype, remat=m.remat)
+    return dataclasses.replace(cfg, dtype=dtype, param_dtype=m.param_dtype, remat=m.remat,
+                               scan_layers=m.get("scan_layers", False))
 
 
 def release_pretrained() -> None:
@@ -124,8 +127,9 @@ def reward_module(cfg: models.ModelConfig):
 
 
 def critic_module(cfg: models.ModelConfig):
-    """Critic: a near-zero head, so untrained values start near 0."""
-    return models.ScalarHeadModel(cfg, head_init_std=models.VALUE_HEAD_INIT_STD)
+    """Critic: a zero head with a bias, so untrained values start at 0, and a critic started
+    from the reward model can be put on the scale of normalised scores."""
+    return models.ScalarHeadModel(cfg, head_init_std=models.VALUE_HEAD_INIT_STD, head_bias=True)
 
 
 def initial_policy_params(config, module, key):

@@ -39,6 +39,27 @@ def checkpoint_dir(workdir: str | os.PathLike, stage: str) -> str:
     return f"{_absolute(workdir).rstrip('/')}/checkpoints/{stage}"
 
 
+def latest_step(directory: str | os.PathLike) -> int | None:
+    """The newest complete checkpoint step in `directory` (None: none, or no directory), read
+    from the directory listing alone: for looking at another stage's progress without opening
+    a manager on it."""
+    steps = ocp.path.step.checkpoint_steps(_absolute(directory))
+    return max(steps) if steps else None
+
+
+def commit_id(directory: str | os.PathLike, step: int) -> str:
+    """An identity of the checkpoint `step` in `directory`: its commit time in nanoseconds as
+    orbax records it (a checkpoint written again, e.g. by a retrained stage, gets a new one);
+    "" when there is none."""
+    from etils import epath
+
+    path = epath.Path(_absolute(directory)) / str(step) / "_CHECKPOINT_METADATA"
+    try:
+        return str(json.loads(path.read_text())["commit_timestamp_nsecs"])
+    except (OSError, ValueError, KeyError):
+        return ""
+
+
 def should_save(step: int, every: int, final_step: int) -> bool:
     """True at every `every`-th completed step (step > 0) and at `final_step`.
 

@@ -66,8 +66,10 @@ def run(stage: Stage, *, state, total_steps: int, step_fn: Callable, writer, met
         if shardings is None:
             shardings = jax.tree.map(lambda x: x.sharding, state)
         state, _ = stage.restore(abstract_state, shardings, step=start)
-        for name in truncate_stages or (stage.name,):
-            writer.truncate_after(name, start, **row_keys)
+    # Rows logged after the step we start from (also from a run killed before its first
+    # checkpoint) are logged again below.
+    for name in truncate_stages or (stage.name,):
+        writer.truncate_after(name, start, **row_keys)
     if start >= total_steps:
         return state, start
     bar = ProgressBar(total_steps, initial=start, desc=stage.name)

@@ -1,9 +1,9 @@
 """Training metrics: `<workdir>/metrics.jsonl`, TensorBoard scalars, progress bar, summary table.
 
 Each logged step is one JSON object on one line, with `stage` and `step` plus TRL-style names
-(`objective/kl`, `loss/policy_avg`, ...); values are scalars, strings, None, or lists of them
-(per-prompt results; arrays become nested lists). Rows are flushed and fsynced as they are written, so a
-killed run keeps every row it logged. Non-finite floats are written as the strings "NaN",
+(`objective/kl`, `loss/policy_avg`, ...); values are scalars, strings, None, or lists and dicts
+of them (per-prompt results, an experiment's plan; arrays become nested lists). Rows are flushed
+and fsynced as they are written, so a killed run keeps every row it logged. Non-finite floats are written as the strings "NaN",
 "Infinity" and "-Infinity" (the file stays strict JSON); `read_metrics` turns them back into
 floats. Only process 0 writes; on other processes every method is a no-op.
 
@@ -19,8 +19,9 @@ import numbers
 import os
 import sys
 import tempfile
+import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TextIO
 
 import jax
@@ -51,6 +52,8 @@ def _to_json_value(key: str, value: Any) -> Any:
         value = value.tolist()
     if isinstance(value, (list, tuple)):
         return [_to_json_value(key, item) for item in value]
+    if isinstance(value, Mapping):
+        return {str(k): _to_json_value(f"{key}.{k}", v) for k, v in value.items()}
     if isinstance(value, bool):
         return value
     if isinstance(value, numbers.Integral):
@@ -78,6 +81,8 @@ def _encode_row(row: Mapping[str, Any]) -> dict[str, Any]:
 def _decode_value(value: Any) -> Any:
     if isinstance(value, list):
         return [_decode_value(item) for item in value]
+    if isinstance(value, dict):
+        return {k: _decode_value(v) for k, v in value.items()}
     if isinstance(value, str):
         return _NON_FINITE.get(value, value)
     return value
@@ -181,7 +186,7 @@ class MetricsWriter:
             self._tb_writers[run] = writer
         skip = {"stage", "step", *self._run_keys}
         for key, value in row.items():
-            if key in skip or isinstance(value, (bool, list)) or value is None:
+            if key in skip or isinstance(value, (bool, list, dict)) or value is None:
                 continue
             if isinstance(value, str):
                 if value not in _NON_FINITE:
@@ -266,34 +271,80 @@ def _format_value(value: Any) -> str:
 
 
 class ProgressBar:
-    """tqdm bar over training steps showing a few live metrics.
+    """Training progress on process 0, with a few live metrics.
 
-    Silent on processes other than 0 and when `file` (default stderr) is not a terminal, so logs
-    of batch jobs are not flooded with carriage returns.
+    On a terminal, a tqdm bar. Elsewhere (batch jobs, TPU worker logs) one plain line, without
+    carriage returns, for a step reported with metrics at most every `interval_s` seconds, and
+    always for the last step:
+
+        [ppo] step 40/120 (33%)  1.52 steps/s  scores=0.412 kl=3.1  eta 0:00:52
+
+    (steps/s over the steps since the previous line). Silent on other processes.
+
+    Args:
+      total: the step the run ends at; initial: the step it starts (or resumes) from.
+      desc: the stage name shown first.
+      keys: the row values to show, in order; None = every value of the row (callers pass
+        only the metrics they want shown).
+      interval_s: the least time between two plain lines.
+      clock: seconds as a float, monotonic (injectable for tests).
     """
 
     def __init__(self, total: int, *, initial: int = 0, desc: str | None = None,
-                 keys: Sequence[str] = ("objective/scores", "objective/kl"),
-                 process_index: int | None = None, file: TextIO | None = None):
-        file = sys.stderr if file is None else file
+                 keys: Sequence[str] | None = None, process_index: int | None = None,
+                 file: TextIO | None = None, interval_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self._file = sys.stderr if file is None else file
         process_index = jax.process_index() if process_index is None else process_index
-        isatty = getattr(file, "isatty", None)
-        self.enabled = process_index == 0 and bool(isatty and isatty())
-        self._keys = tuple(keys)
-        self._bar = tqdm.tqdm(total=total, initial=initial, desc=desc, file=file,
-                              disable=not self.enabled, dynamic_ncols=True)
+        isatty = getattr(self._file, "isatty", None)
+        self.active = process_index == 0
+        self.terminal = self.active and bool(isatty and isatty())
+        self._keys = None if keys is None else tuple(keys)
+        self._total, self._desc = total, desc
+        self._interval_s, self._clock = interval_s, clock
+        self._shown = ""
+        self._last_step, self._last_time = initial, clock()
+        self._bar = tqdm.tqdm(total=total, initial=initial, desc=desc, file=self._file,
+                              disable=not self.terminal, dynamic_ncols=True)
 
     def update(self, step: int, row: Mapping[str, Any] | None = None) -> None:
-        """Moves the bar to `step` and shows `row`'s values for the chosen keys."""
-        if not self.enabled:
+        """Moves to `step`; a `row` (a logged step) updates the metrics shown."""
+        if not self.active:
             return
         if row is not None:
-            shown = [k for k in self._keys if k in row]
-            values = jax.device_get([row[k] for k in shown])
-            self._bar.set_postfix_str(
-                " ".join(f"{k.rsplit('/', 1)[-1]}={_format_value(_to_json_value(k, v))}"
-                         for k, v in zip(shown, values)), refresh=False)
-        self._bar.update(step - self._bar.n)
+            self._shown = self._format_metrics(row)
+        if self.terminal:
+            if row is not None:
+                self._bar.set_postfix_str(self._shown, refresh=False)
+            self._bar.update(step - self._bar.n)
+            return
+        now = self._clock()
+        due = step >= self._total or (row is not None
+                                      and now - self._last_time >= self._interval_s)
+        if due and step > self._last_step:
+            self._print_line(step, now)
+
+    def _format_metrics(self, row: Mapping[str, Any]) -> str:
+        shown = [k for k in (row if self._keys is None else self._keys) if k in row]
+        values = jax.device_get([row[k] for k in shown])
+        return " ".join(f"{k.rsplit('/', 1)[-1]}={_format_value(_to_json_value(k, v))}"
+                        for k, v in zip(shown, values))
+
+    def _print_line(self, step: int, now: float) -> None:
+        parts = [f"step {step}/{self._total} ({100 * step // max(self._total, 1)}%)"]
+        elapsed = now - self._last_time
+        rate = (step - self._last_step) / elapsed if elapsed > 0 else 0.0
+        if rate > 0:
+            parts.append(f"{rate:.3g} steps/s")
+        if self._shown:
+            parts.append(self._shown)
+        if rate > 0:
+            eta = round(max(self._total - step, 0) / rate)
+            parts.append(f"eta {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}")
+        prefix = f"[{self._desc}] " if self._desc else ""
+        self._file.write(prefix + "  ".join(parts) + "\n")
+        self._file.flush()
+        self._last_step, self._last_time = step, now
 
     def close(self) -> None:
         self._bar.close()

@@ -25,16 +25,68 @@ def learning_rate_schedule(cfg, total_steps: int) -> optax.Schedule:
         [optax.linear_schedule(0.0, peak, warmup), decay], boundaries=[warmup])
 
 
-def make_optimizer(cfg, total_steps: int, learning_rate: float | None = None):
-    """AdamW (b1, b2, weight_decay) after global-norm clipping, on the stage's schedule."""
+# Parameters without weight decay, by leaf name: norm scales and biases (as DeepSpeed-Chat's
+# `no_decay` list), whatever their rank (scanned layers stack them into [L, D]).
+NO_DECAY_NAMES = ("scale", "bias")
+
+
+def weight_decay_mask(params):
+    """A pytree of bools like `params`: True where AdamW applies weight decay."""
+    def decays(path, _):
+        last = path[-1]
+        name = getattr(last, "key", getattr(last, "name", None))
+        return name not in NO_DECAY_NAMES
+    return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def make_optimizer(cfg, total_updates: int, learning_rate: float | None = None):
+    """AdamW (b1, b2, weight_decay on matrices only) after global-norm clipping, on the stage's
+    schedule over `total_updates` optimizer updates."""
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity(),
+        optax.adamw(stage_schedule(cfg, total_updates, learning_rate), b1=cfg.b1, b2=cfg.b2,
+                    weight_decay=cfg.weight_decay, mask=weight_decay_mask),
+    )
+
+
+def stage_schedule(cfg, total_updates: int, learning_rate: float | None = None):
+    """The learning-rate schedule of a stage (`learning_rate` overrides the peak, e.g. the
+    critic's)."""
     if learning_rate is not None:
         cfg = cfg.copy_and_resolve_references()
         cfg.learning_rate = learning_rate
-    return optax.chain(
-        optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity(),
-        optax.adamw(learning_rate_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2,
-                    weight_decay=cfg.weight_decay),
-    )
+    return learning_rate_schedule(cfg, total_updates)
+
+
+def accumulate_gradients(loss_fn, params, batch, num_micro: int, weight_fn):
+    """`(loss, metrics), grads` of `loss_fn(params, batch)` computed over `num_micro`
+    micro-batches, one after another (a scan), so activation memory is a micro-batch's.
+
+    Micro-batch results are averaged with weights `weight_fn(micro_batch)` (e.g. its number of
+    valid tokens for a token-mean loss), so the result equals the whole-batch gradient exactly
+    for losses that are weighted means. Micro-batch j holds rows j, j + num_micro, ..., so each
+    keeps the batch's even spread over the devices of a data-sharded leading axis.
+    """
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if num_micro == 1:
+        return grad_fn(params, batch)
+    size = jax.tree.leaves(batch)[0].shape[0]
+    if size % num_micro:
+        raise ValueError(f"a batch of {size} rows does not split into {num_micro} micro-batches")
+    micro = jax.tree.map(
+        lambda x: x.reshape((size // num_micro, num_micro) + x.shape[1:]).swapaxes(0, 1), batch)
+    weights = jax.vmap(weight_fn)(micro).astype(jnp.float32)
+    fractions = weights / jnp.maximum(weights.sum(), 1e-12)
+
+    def body(total, xs):
+        mb, fraction = xs
+        out = grad_fn(params, mb)
+        return jax.tree.map(lambda t, x: t + fraction * x.astype(t.dtype), total, out), None
+
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                         jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro)))
+    total, _ = jax.lax.scan(body, zeros, (micro, fractions))
+    return total
 
 
 def apply_if_finite(loss, grads, params, opt_state, optimizer):

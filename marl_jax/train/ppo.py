@@ -16,9 +16,9 @@ from marl_jax import distributed
 from marl_jax import models as models_lib
 from marl_jax import sampling
 from marl_jax.data import batches
-from marl_jax.train import build, loop, sharding
+from marl_jax.train import build, loop, programs, sharding
 from marl_jax.train import ppo_core as core
-from marl_jax.train.optim import make_optimizer
+from marl_jax.train.optim import make_optimizer, stage_schedule
 
 
 def static_from_config(config, tokenizer, variants=None) -> core.PPOStatic:
@@ -33,6 +33,7 @@ def static_from_config(config, tokenizer, variants=None) -> core.PPOStatic:
         variants=tuple(variants), randomized_lengths=tuple(int(x) for x in p.randomized_lengths),
         randomized_repeats=int(p.randomized_repeats), isolate_last=bool(p.isolate_last),
         ppo_epochs=int(p.ppo_epochs), num_minibatches=int(p.num_minibatches),
+        grad_accum_steps=int(p.get("grad_accum_steps", 1)),
         cliprange=float(p.cliprange), cliprange_value=float(p.cliprange_value),
         vf_coef=float(p.vf_coef), kl_estimator=p.kl_estimator, reward_clip=float(p.reward_clip),
         normalize_reward=bool(p.normalize_reward),
@@ -52,19 +53,43 @@ def make_models(config, policy, critic, reward_model, gold_fn=None) -> core.Mode
     if p.reward_source == "gold" and gold_fn is None:
         raise ValueError("config.ppo.reward_source='gold' needs a task with a gold reward "
                          "(the synthetic task)")
+    updates = ppo_updates(p)
     return core.Models(
         policy=policy, critic=critic, reward=reward_model,
-        actor_optimizer=make_optimizer(p, p.steps),
-        critic_optimizer=make_optimizer(p, p.steps, learning_rate=p.critic_learning_rate),
-        gold_fn=gold_fn)
+        actor_optimizer=make_optimizer(p, updates),
+        critic_optimizer=make_optimizer(p, updates, learning_rate=p.critic_learning_rate),
+        gold_fn=gold_fn, actor_schedule=stage_schedule(p, updates),
+        critic_schedule=stage_schedule(p, updates, learning_rate=p.critic_learning_rate))
 
 
-def initial_critic_params(config, critic, sft_params, rm_params, key):
-    """The critic's starting point: the reward model (paper), the SFT backbone, or scratch."""
+def ppo_updates(p) -> int:
+    """Optimizer updates of a whole PPO run: every step makes `ppo_epochs x num_minibatches`
+    (gradient accumulation splits a minibatch, it adds no update)."""
+    return int(p.steps) * int(p.ppo_epochs) * int(p.num_minibatches)
+
+
+def initial_critic_params(config, critic, sft_params, rm_params, key, reward_stats=None):
+    """The critic's starting point: the reward model (paper), the SFT backbone, or scratch.
+
+    Started from the reward model while PPO normalises its scores, the head is rescaled so the
+    critic predicts normalised scores from the first step: kernel / std, bias -mean / std (the
+    reward model's raw scores would be off by the normalisation, and the critic's first updates
+    would go to undoing it).
+    """
     how = config.ppo.critic_init
-    if how == "rm":
-        return rm_params
     fresh = models_lib.init_params(critic, key)
+    if how == "rm":
+        kernel = rm_params["head"]["kernel"]
+        bias = jnp.zeros_like(fresh["head"]["bias"])
+        p = config.ppo
+        if p.normalize_reward and p.reward_source == "rm":
+            if reward_stats is None:
+                raise ValueError("a critic started from the reward model needs the reward "
+                                 "statistics to put it on the normalised scale")
+            std = jnp.float32(reward_stats["std"])
+            kernel = (kernel.astype(jnp.float32) / std).astype(kernel.dtype)
+            bias = (bias - jnp.float32(reward_stats["mean"]) / std).astype(bias.dtype)
+        return dict(rm_params, head=dict(kernel=kernel, bias=bias))
     if how == "sft":
         return dict(fresh, backbone=sft_params["backbone"])
     return fresh
@@ -102,8 +127,11 @@ def evaluate(static: core.PPOStatic, mods: core.Models, actor_params, frozen: co
         top_k=static.top_k, top_p=static.top_p, eos_id=static.eos_id, pad_id=static.pad_id)
     ids, mask = sample.tokens, sample.mask.astype(jnp.int32)
     args = (prompt_ids, prompt_mask, ids, mask)
-    logp, _ = core.response_logprobs(mods.policy, actor_params, *args, static.temperature)
-    ref, _ = core.response_logprobs(mods.policy, frozen.ref_params, *args, static.temperature)
+    if core.sampler_logprobs_are_exact(static):
+        logp = sample.logprobs * mask
+    else:
+        logp, _ = core.token_logprobs(mods.policy, actor_params, *args, static.temperature)
+    ref, _ = core.token_logprobs(mods.policy, frozen.ref_params, *args, static.temperature)
     kl = ((logp - ref) * mask).sum(axis=1)
     score = core.sequence_scores(mods.reward, frozen.rm_params, *args)
     if static.normalize_reward:
@@ -145,13 +173,9 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
     mods = make_models(config, policy, critic, reward_model, task.gold_fn)
     key = jax.random.key(config.seed)
     critic_params = initial_critic_params(config, critic, sft_params, rm_params,
-                                          jax.random.fold_in(key, 1))
+                                          jax.random.fold_in(key, 1), reward_stats)
     state_sh = state_shardings(mods, mesh, sft_params, critic_params)
-    frozen_sh = core.Frozen(ref_params=state_sh.actor_params,
-                            rm_params=build.param_shardings(reward_model, mesh,
-                                                            build.abstract(rm_params)),
-                            reward_mean=sharding.replicated(mesh),
-                            reward_std=sharding.replicated(mesh))
+    frozen_sh = programs.frozen_shardings(mods, mesh, state_sh, rm_params)
     rep, batch_sh = sharding.replicated(mesh), sharding.batch_sharding(mesh)
     hparams = jax.device_put(hparams_from_config(p), rep)
 
@@ -163,9 +187,7 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
     # the frozen reference and reward model they start from.
     state = jax.device_put(initial_state(config, mods, sft_params, critic_params, config.seed),
                            state_sh, may_alias=False)
-    step_fn = jax.jit(functools.partial(core.ppo_step, static, mods),
-                      in_shardings=(state_sh, frozen_sh, rep, batch_sh, batch_sh, batch_sh),
-                      out_shardings=(state_sh, rep), donate_argnums=0)
+    step_fn = programs.ppo_step_program(static, mods, state_sh, frozen_sh, mesh).fn
     eval_fn = jax.jit(functools.partial(evaluate_from_key_data, static, mods,
                                         gold_fn=task.gold_fn))
     num_prompts = len(task.rl["ids"])

@@ -24,7 +24,8 @@ import optax
 from marl_jax import losses, sampling
 from marl_jax.macro import advantage, termination
 from marl_jax.models import last_token_score
-from marl_jax.train.optim import apply_if_finite
+from marl_jax.models.heads import continuation_scores
+from marl_jax.train.optim import accumulate_gradients, apply_if_finite
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +47,7 @@ class PPOStatic:
     isolate_last: bool = True
     ppo_epochs: int = 1
     num_minibatches: int = 1
+    grad_accum_steps: int = 1  # micro-batches per optimizer update (per minibatch)
     cliprange: float = 0.2
     cliprange_value: float = 0.2
     vf_coef: float = 0.5
@@ -104,7 +106,8 @@ class Experience:
     response_ids: jax.Array  # [B, R]
     response_mask: jax.Array  # [B, R]
     old_logprobs: jax.Array  # [B, R]
-    ref_logprobs: jax.Array  # [B, R]
+    ref_logprobs: jax.Array  # [B, R] at the sampling temperature (the KL penalty)
+    ref_base_logprobs: jax.Array  # [B, R] at temperature 1 (perplexity termination)
     values: jax.Array  # [B, R]
     scores: jax.Array  # [B] normalised RM score (before clipping)
     rewards: jax.Array  # [B, R]
@@ -119,35 +122,47 @@ class Models:
     actor_optimizer: Any
     critic_optimizer: Any
     gold_fn: Any = None  # gold_fn(documents [B, D], ids [B, R], mask [B, R]) -> [B]
+    # Learning rate of optimizer update i (for the `lr` metrics); counts updates, not steps.
+    actor_schedule: Any = None
+    critic_schedule: Any = None
 
 
 # ---- rollout -------------------------------------------------------------------------------------
-def response_logprobs(policy, params, prompt_ids, prompt_mask, response_ids, response_mask,
-                      temperature):
-    """Logprobs `[B, R]` of the response tokens under `policy`, and the response logits."""
-    ids = jnp.concatenate([prompt_ids, response_ids], axis=1)
-    mask = jnp.concatenate([prompt_mask, response_mask], axis=1)
-    logits = policy.apply({"params": params}, ids, mask)
+def _concat(prompt_ids, prompt_mask, response_ids, response_mask):
+    return (jnp.concatenate([prompt_ids, response_ids], axis=1),
+            jnp.concatenate([prompt_mask, response_mask], axis=1))
+
+
+def token_logprobs(policy, params, prompt_ids, prompt_mask, response_ids, response_mask,
+                   temperature):
+    """(logprobs `[B, R]`, entropy `[B, R]`): the logprob of each response token and the entropy
+    of the temperature-scaled next-token distribution it was sampled from, 0 on padding,
+    differentiable with respect to `params`. The one scoring path for old, reference and new
+    logprobs."""
+    out = continuation_scores(policy, params, prompt_ids, prompt_mask, response_ids,
+                              response_mask, temperature)
+    return out.logprobs, out.entropy
+
+
+def critic_outputs(critic, params, prompt_ids, prompt_mask, response_ids, response_mask):
+    """(values `[B, R]`, final `[B]`): the value of the state in which each response token is
+    chosen (zero on padding), and the critic's output at the last valid token of prompt +
+    response, where the reward model reads its score."""
+    ids, mask = _concat(prompt_ids, prompt_mask, response_ids, response_mask)
+    per_token = critic.apply({"params": params}, ids, mask)
     p = prompt_ids.shape[1]
-    logits = logits[:, p - 1:-1] / jnp.maximum(temperature, 1e-6)
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    token_logp = jnp.take_along_axis(logp, response_ids[..., None], axis=-1)[..., 0]
-    return token_logp * response_mask, logits
+    return per_token[:, p - 1:-1] * response_mask, last_token_score(per_token, mask)
 
 
 def response_values(critic, params, prompt_ids, prompt_mask, response_ids, response_mask):
     """Critic values `[B, R]`: the value of the state in which each response token is chosen."""
-    ids = jnp.concatenate([prompt_ids, response_ids], axis=1)
-    mask = jnp.concatenate([prompt_mask, response_mask], axis=1)
-    per_token = critic.apply({"params": params}, ids, mask)
-    p = prompt_ids.shape[1]
-    return per_token[:, p - 1:-1] * response_mask
+    return critic_outputs(critic, params, prompt_ids, prompt_mask, response_ids,
+                          response_mask)[0]
 
 
 def sequence_scores(reward_model, params, prompt_ids, prompt_mask, response_ids, response_mask):
     """Reward-model score `[B]` read at the last valid token of prompt + response."""
-    ids = jnp.concatenate([prompt_ids, response_ids], axis=1)
-    mask = jnp.concatenate([prompt_mask, response_mask], axis=1)
+    ids, mask = _concat(prompt_ids, prompt_mask, response_ids, response_mask)
     return last_token_score(reward_model.apply({"params": params}, ids, mask), mask)
 
 
@@ -183,11 +198,10 @@ def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, pr
     if sampled_logprobs is not None and sampler_logprobs_are_exact(static):
         old_logprobs = sampled_logprobs * response_mask
     else:
-        old_logprobs, _ = response_logprobs(models.policy, state.actor_params, *args,
-                                            static.temperature)
-    ref_logprobs, _ = response_logprobs(models.policy, frozen.ref_params, *args,
-                                        static.temperature)
-    values = response_values(models.critic, state.critic_params, *args)
+        old_logprobs, _ = token_logprobs(models.policy, state.actor_params, *args,
+                                         static.temperature)
+    ref = continuation_scores(models.policy, frozen.ref_params, *args, static.temperature)
+    values, final_values = critic_outputs(models.critic, state.critic_params, *args)
     if static.reward_source == "host":
         raw_scores = scores = jnp.asarray(host_scores, jnp.float32)
     elif static.reward_source == "gold":
@@ -198,12 +212,12 @@ def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, pr
             scores = (raw_scores - frozen.reward_mean) / frozen.reward_std
     ended_with_eos = _ended_with_eos(response_ids, response_mask, static.eos_id)
     rewards, reward_metrics = losses.assemble_rewards(
-        old_logprobs, ref_logprobs, scores, response_mask, kl_coef=state.kl_coef,
+        old_logprobs, ref.logprobs, scores, response_mask, kl_coef=state.kl_coef,
         kl_estimator=static.kl_estimator, reward_clip=static.reward_clip,
         missing_eos_penalty=static.missing_eos_penalty or None, ended_with_eos=ended_with_eos)
     exp = Experience(prompt_ids, prompt_mask, response_ids, response_mask, old_logprobs,
-                     ref_logprobs, values, scores, rewards, ended_with_eos)
-    seq_kl = (losses.kl_per_token(old_logprobs, ref_logprobs, "k1") * response_mask).sum(axis=1)
+                     ref.logprobs, ref.base_logprobs, values, scores, rewards, ended_with_eos)
+    seq_kl = (losses.kl_per_token(old_logprobs, ref.logprobs, "k1") * response_mask).sum(axis=1)
     metrics = {
         "objective/kl": seq_kl.mean(),
         "objective/entropy": (-old_logprobs * response_mask).sum(axis=1).mean(),
@@ -213,6 +227,9 @@ def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, pr
         "objective/rlhf_reward": reward_metrics["rlhf_reward"],
         "val/num_eos_tokens": ended_with_eos.sum().astype(jnp.float32),
         "val/response_length": response_mask.sum(axis=1).mean().astype(jnp.float32),
+        # How far the critic is from the reward's scale where the score is read (0 at the first
+        # step when the critic starts from the reward model, rescaled to normalised scores).
+        "critic/score_value_error": jnp.abs(final_values - scores).mean(),
     }
     return exp, metrics
 
@@ -241,8 +258,8 @@ def segment_ids_for(static: PPOStatic, hparams: RunHparams, exp: Experience, key
         if name == "parsing":
             continue
         by_name[name] = termination.segment(
-            name, exp.response_mask, key=key, ref_logprobs=exp.ref_logprobs, n=hparams.ngram,
-            lengths=static.randomized_lengths, repeats=static.randomized_repeats,
+            name, exp.response_mask, key=key, ref_logprobs=exp.ref_base_logprobs,
+            n=hparams.ngram, lengths=static.randomized_lengths, repeats=static.randomized_repeats,
             isolate_last=static.isolate_last)
     return by_name
 
@@ -266,7 +283,9 @@ def advantages_and_returns(static: PPOStatic, hparams: RunHparams, exp: Experien
     return adv, ret
 
 
-def _segment_stats(segments, variant, static, mask):
+def segment_stats(segments, variant, static, mask):
+    """`macro/num_macros_avg` (per response) and `macro/len_avg` (tokens per macro) of the
+    run's variant."""
     names = [v[0] for v in static.variants]
     seg = jnp.stack([segments[n] for n in names])[variant]
     num = jnp.where(mask.sum(axis=1) > 0, seg.max(axis=1) + 1, 0).astype(jnp.float32)
@@ -287,14 +306,13 @@ def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, 
                 returns=ret)
 
     def actor_loss(params, batch):
-        logprobs, logits = response_logprobs(
+        logprobs, entropy = token_logprobs(
             models.policy, params, batch["prompt_ids"], batch["prompt_mask"],
             batch["response_ids"], batch["response_mask"], static.temperature)
         loss, m = losses.ppo_policy_loss(logprobs, batch["old_logprobs"], batch["advantages"],
                                          batch["response_mask"], cliprange=static.cliprange,
                                          aggregation=static.loss_aggregation)
-        entropy, _ = losses.entropy_from_logits(logits, batch["response_mask"])
-        return loss, dict(m, entropy=entropy)
+        return loss, dict(m, entropy=_masked_mean(entropy, batch["response_mask"]))
 
     def critic_loss(params, batch):
         values = response_values(models.critic, params, batch["prompt_ids"],
@@ -305,13 +323,23 @@ def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, 
                                         cliprange_value=static.cliprange_value)
         return static.vf_coef * loss, dict(m, value_loss=loss)
 
+    def token_count(batch):
+        return batch["response_mask"].sum()
+
+    def sequence_count(batch):
+        return (batch["response_mask"].sum(axis=1) > 0).sum()
+
+    actor_weight = token_count if static.loss_aggregation == "token_mean" else sequence_count
+    k = static.grad_accum_steps
+
     def minibatch_step(carry, batch):
         actor_params, actor_opt, critic_params, critic_opt, skipped = carry
-        (a_loss, a_m), a_grads = jax.value_and_grad(actor_loss, has_aux=True)(actor_params, batch)
+        (a_loss, a_m), a_grads = accumulate_gradients(actor_loss, actor_params, batch, k,
+                                                      actor_weight)
         actor_params, actor_opt, a_skip = apply_if_finite(
             a_loss, a_grads, actor_params, actor_opt, models.actor_optimizer)
-        (c_loss, c_m), c_grads = jax.value_and_grad(critic_loss, has_aux=True)(critic_params,
-                                                                              batch)
+        (c_loss, c_m), c_grads = accumulate_gradients(critic_loss, critic_params, batch, k,
+                                                      token_count)
         critic_params, critic_opt, c_skip = apply_if_finite(
             c_loss, c_grads, critic_params, critic_opt, models.critic_optimizer)
         metrics = {
@@ -340,6 +368,11 @@ def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, 
     metrics["objective/advantage_avg"] = _masked_mean(adv, exp.response_mask)
     metrics["objective/return_avg"] = _masked_mean(ret, exp.response_mask)
     metrics["train/skipped_updates"] = skipped
+    first_update = state.step * static.ppo_epochs * static.num_minibatches
+    if models.actor_schedule is not None:
+        metrics["lr"] = models.actor_schedule(first_update)
+    if models.critic_schedule is not None:
+        metrics["lr_critic"] = models.critic_schedule(first_update)
     new_state = state.replace(actor_params=actor_params, actor_opt_state=actor_opt,
                               critic_params=critic_params, critic_opt_state=critic_opt,
                               skipped_updates=skipped)
@@ -409,7 +442,7 @@ def update_phase(static: PPOStatic, models: Models, state: PPOState, exp: Experi
         step=state.step + 1,
         kl_coef=adapt_kl_coef(static, state.kl_coef, roll_metrics["objective/kl"]))
     metrics = {**roll_metrics, **upd_metrics,
-               **_segment_stats(segments, hparams.variant, static, exp.response_mask),
+               **segment_stats(segments, hparams.variant, static, exp.response_mask),
                "objective/kl_coef": state.kl_coef}
     return new_state, metrics
 

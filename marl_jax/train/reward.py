@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from marl_jax import distributed, losses
 from marl_jax.models import last_token_score
@@ -49,6 +50,46 @@ def reward_stats(reward_model, params, data, *, batch_size: int, max_rows: int =
     # One fetch at the end: the batches run back to back, without a host round trip each.
     s = distributed.global_to_host(jnp.concatenate(all_scores))
     return {"mean": float(s.mean()), "std": float(max(s.std(), 1e-6))}
+
+
+def sample_policy_pairs(policy, params, prompts: dict, label_pairs, *, key, sampler: dict,
+                        batch_size: int) -> dict:
+    """Preference pairs on what the policy produces: two responses per prompt sampled from
+    `policy` (the SFT model PPO starts from), labelled by `label_pairs` (the task's annotator).
+
+    Args:
+      prompts: `ids` / `mask` `[K, P]` and `documents` `[K, D]` (host arrays).
+      sampler: `sampling.generate` settings (max_new_tokens, temperature, top_k, top_p, eos_id,
+        pad_id).
+    Returns the `TaskData.rm` arrays of the K pairs (prompts, chosen and rejected `[K, R]`).
+    """
+    from marl_jax import sampling
+
+    mesh = _mesh_of(params)
+
+    @jax.jit
+    def generate(p, ids, mask, k):
+        out = sampling.generate(policy, p, ids, mask, key=k, **sampler)
+        return out.tokens, out.mask
+
+    n = len(prompts["ids"])
+    samples = []
+    for start in range(0, n, batch_size):
+        # Whole batches (the last one padded with its final row), each prompt twice in a row.
+        rows = np.minimum(np.arange(start, start + batch_size), n - 1)
+        ids = np.repeat(prompts["ids"][rows], 2, axis=0)
+        mask = np.repeat(prompts["mask"][rows], 2, axis=0)
+        if mesh is not None:
+            ids, mask = sharding.put_global((ids, mask), mesh)
+        samples.append(generate(params, ids, mask, jax.random.fold_in(key, start)))
+    tokens, masks = (np.concatenate(x)[:2 * n]
+                     for x in zip(*distributed.global_to_host(samples)))
+    ids_a, ids_b, mask_a, mask_b = tokens[0::2], tokens[1::2], masks[0::2], masks[1::2]
+    a_wins = np.asarray(label_pairs(prompts["documents"], ids_a, mask_a, ids_b, mask_b), bool)
+    pick = lambda a, b: np.where(a_wins[:, None], a, b).astype(np.int32)
+    return dict(prompt_ids=prompts["ids"], prompt_mask=prompts["mask"],
+                chosen_ids=pick(ids_a, ids_b), chosen_mask=pick(mask_a, mask_b),
+                rejected_ids=pick(ids_b, ids_a), rejected_mask=pick(mask_b, mask_a))
 
 
 def _mesh_of(params):

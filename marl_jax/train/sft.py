@@ -1,21 +1,17 @@
 """Stage 1: supervised fine-tuning on demonstrations (masked cross-entropy on responses)."""
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 from marl_jax import losses
+from marl_jax.models.heads import continuation_scores
 from marl_jax.train import supervised
 
 
 def sft_loss(policy, params, batch):
     """Cross-entropy of the response tokens given the prompt; batch holds `[B, P]` prompt and
-    `[B, R]` response ids and masks."""
-    ids = jnp.concatenate([batch["prompt_ids"], batch["response_ids"]], axis=1)
-    mask = jnp.concatenate([batch["prompt_mask"], batch["response_mask"]], axis=1)
-    logits = policy.apply({"params": params}, ids, mask)
-    p = batch["prompt_ids"].shape[1]
-    return losses.sft_cross_entropy(logits[:, p - 1:-1], batch["response_ids"],
-                                    batch["response_mask"])
+    `[B, R]` response ids and masks. The LM head runs over response positions only, in chunks."""
+    out = continuation_scores(policy, params, batch["prompt_ids"], batch["prompt_mask"],
+                              batch["response_ids"], batch["response_mask"])
+    return losses.token_cross_entropy(out.base_logprobs, out.correct, batch["response_mask"])
 
 
 def run_sft(config, task, policy, init_params, *, mesh, writer, workdir):
@@ -25,4 +21,5 @@ def run_sft(config, task, policy, init_params, *, mesh, writer, workdir):
         loss_fn=lambda params, batch: sft_loss(policy, params, batch), data=task.sft, mesh=mesh,
         writer=writer, workdir=workdir, checkpoint_every=config.checkpoint_every,
         log_every=config.log_every, max_to_keep=config.max_to_keep,
-        metadata=dict(stage="sft", config=config.to_dict()), progress_keys=("loss",))
+        metadata=dict(stage="sft", config=config.to_dict()), progress_keys=("loss",),
+        weight_fn=lambda batch: batch["response_mask"].sum())

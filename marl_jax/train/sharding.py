@@ -41,6 +41,8 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("mlp", "tensor"),
     ("head_dim", None),
     ("norm", None),
+    # The stacked-layer axis of scanned params: each scan step reads one whole layer.
+    ("layers", None),
     # Activations.
     ("activation_batch", BATCH_AXES),
     ("activation_length", None),

@@ -7,19 +7,34 @@ import jax
 import jax.numpy as jnp
 
 from marl_jax.data import batches
-from marl_jax.train import build, loop, sharding
-from marl_jax.train.optim import apply_if_finite, make_optimizer
+from marl_jax.train import build, loop, programs, sharding
+from marl_jax.train.optim import (
+    accumulate_gradients,
+    apply_if_finite,
+    make_optimizer,
+    stage_schedule,
+)
 
 
-def make_train_step(loss_fn: Callable, optimizer):
-    """`(state, batch) -> (state, metrics)`; a non-finite loss skips the update and is counted."""
+def make_train_step(loss_fn: Callable, optimizer, *, schedule=None, grad_accum_steps: int = 1,
+                    weight_fn: Callable | None = None):
+    """`(state, batch) -> (state, metrics)`; a non-finite loss skips the update and is counted.
+
+    With `grad_accum_steps` > 1 the batch is split into micro-batches whose gradients are
+    averaged with `weight_fn(micro_batch)` weights (default: equal) before the one update.
+    `schedule` (the optimizer's learning rate per update) adds the `lr` metric.
+    """
+    weight_fn = weight_fn or (lambda batch: jnp.float32(1.0))
 
     def train_step(state: build.TrainState, batch):
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
+        (loss, metrics), grads = accumulate_gradients(loss_fn, state.params, batch,
+                                                      grad_accum_steps, weight_fn)
         params, opt_state, skipped = apply_if_finite(loss, grads, state.params, state.opt_state,
                                                      optimizer)
         total_skipped = state.skipped_updates + skipped
         metrics = dict(metrics, loss=loss, skipped_updates=total_skipped)
+        if schedule is not None:
+            metrics["lr"] = schedule(state.step)
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                              skipped_updates=total_skipped), metrics
 
@@ -28,13 +43,14 @@ def make_train_step(loss_fn: Callable, optimizer):
 
 def train(*, name: str, cfg, seed: int, module, init_params, loss_fn: Callable, data: dict,
           mesh, writer, workdir: str, checkpoint_every: int, log_every: int, max_to_keep: int,
-          metadata: dict, progress_keys=()) -> Any:
+          metadata: dict, progress_keys=(), weight_fn: Callable | None = None) -> Any:
     """Trains `module` from `init_params` for `cfg.steps` steps; returns the final params.
 
     Args:
-      cfg: the stage's config section (steps, batch_size, optimizer fields).
+      cfg: the stage's config section (steps, batch_size, grad_accum_steps, optimizer fields).
       loss_fn: `(params, batch) -> (loss, metrics)`.
       data: dict of host arrays with a common leading axis; batches are rows of it.
+      weight_fn: a micro-batch's weight in gradient accumulation (see `make_train_step`).
     """
     if cfg.steps == 0:
         return init_params
@@ -42,10 +58,10 @@ def train(*, name: str, cfg, seed: int, module, init_params, loss_fn: Callable, 
     optimizer = make_optimizer(cfg, cfg.steps)
     shardings = build.train_state_shardings(module, optimizer, mesh, init_params)
     batch_sh = sharding.batch_sharding(mesh)
-    step_fn = jax.jit(make_train_step(loss_fn, optimizer),
-                      in_shardings=(shardings, batch_sh),
-                      out_shardings=(shardings, sharding.replicated(mesh)),
-                      donate_argnums=0)
+    step_fn = programs.supervised_program(
+        make_train_step(loss_fn, optimizer, schedule=stage_schedule(cfg, cfg.steps),
+                        grad_accum_steps=int(cfg.get("grad_accum_steps", 1)),
+                        weight_fn=weight_fn), shardings, mesh).fn
     num_examples = len(next(iter(data.values())))
     stage = loop.Stage(name, workdir, max_to_keep=max_to_keep)
 

@@ -1,0 +1,453 @@
+"""Per-device memory of every stage's programs, compiled for a target but never run.
+
+    python experiments/bench.py memory --config=configs/tldr_gemma2b_tpu.py [--topology=v4-16]
+        [--programs=sft,rm,rollout,update,ppo_step] [--json=FILE] [--capacity_gib=G]
+        [--config.<section>.<field>=<value> ...]
+
+Targets (`--topology`, default `config.tpu_topology`):
+  Cloud TPU slices: v2-N, v3-N, v4-N, v5p-N (N TensorCores, two per chip), v5e-N (also
+    v5litepod-N), v6e-N (N chips). The real TPU compiler (libtpu, `pip install -e ".[memory]"`)
+    compiles for every chip of the slice, multi-host slices included, on a machine without TPUs.
+  cpu:N: N host-platform CPU devices (the bench re-runs itself with
+    XLA_FLAGS=--xla_force_host_platform_device_count=N); capacity `--capacity_gib` per device,
+    default the host's RAM / N.
+The mesh is `config.mesh` over the target's devices; `config.model.dtype=auto` computes in
+bfloat16 on TPUs and float32 on CPUs, as the trainers do there.
+
+Programs, each jitted as the trainers jit it (`marl_jax.train.programs`: same in / out
+shardings and donation) and lowered with abstract arguments (nothing is allocated, a 7B model
+included): sft and rm (the train steps), and for ppo the step `run_ppo` runs (`ppo_step`) and
+its two halves, `rollout` (generation and scoring) and `update` (termination, macro GAE, the
+actor and critic updates), to show which half sets the peak. Stages with 0 steps are skipped.
+
+The model: `config.model.path` is a local HF directory (its config.json), a .gguf file (read
+in full to learn its config), or a hub name: its config.json from the hub cache, else from
+`marl_jax.models.architectures.HUB_CONFIGS`; empty, the fields of `config.model.config`.
+
+Memory per device, from the compiler's `compiled.memory_analysis()`:
+  args      the program's argument buffers (parameters, optimizer states, batch)
+  out       its results;  alias: results that reuse donated argument buffers (held once)
+  temp      temporaries (activations, gradients, KV cache, collective buffers): the sum of the
+            temporary allocations, whether or not they are live at the same time
+  code      the generated executable
+  xla peak  `peak_memory_in_bytes`: the compiler's simulation of the buffers live at the worst
+            point of the program, arguments and outputs included
+  peak      TPU: xla peak + code + resident. The TPU compiler's peak is the number it checks
+            against HBM (it refuses to compile a program above it); its `temp` can overstate
+            (allocations that are never live together) or understate (0 for temporaries it
+            keeps in its heap) what the program needs.
+            CPU: args + out - alias + temp + code + resident. The CPU compiler's peak leaves
+            the temporaries out; its `temp` is the one block they share.
+  resident  state on the devices that the program does not take: arguments it never reads
+            (jit drops them: the rollout reads no optimizer state) and, while `update` runs,
+            the frozen reference and reward model
+A program the TPU compiler rejects as too large (above what the TPU runtime leaves it, e.g.
+30.75 of a v4 chip's 32 GiB) reports the size from the compiler's message instead.
+`weights` counts what the state arguments must hold (trained weights, optimizer states,
+frozen weights: the sum of their per-device shard bytes), a lower bound of every peak.
+Headroom = 1 - peak / capacity; the configs ask for at least 10%. The last line is
+`devices=N peak_gib=X capacity_gib=Y fits=True|False` (X the largest peak, fits = X <= Y).
+"""
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import re
+import sys
+import time
+import types
+import typing
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from absl import flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+PROGRAMS = ("sft", "rm", "rollout", "update", "ppo_step")
+STAGE_OF = {"sft": "sft", "rm": "rm", "rollout": "ppo", "update": "ppo", "ppo_step": "ppo"}
+GIB = 2 ** 30
+HEADROOM_NEEDED = 0.10
+
+FLAGS = flags.FlagValues()
+config_flags.DEFINE_config_file("config", None, "Config file.", flag_values=FLAGS)
+flags.DEFINE_string("topology", None, "v4-16, v5e-16, v5p-32, v6e-8, ... or cpu:N "
+                    "(default: config.tpu_topology)", flag_values=FLAGS)
+flags.DEFINE_list("programs", list(PROGRAMS), f"Programs to compile, of {PROGRAMS}.",
+                  flag_values=FLAGS)
+flags.DEFINE_string("json", None, "Write the numbers to this JSON file.", flag_values=FLAGS)
+flags.DEFINE_float("capacity_gib", None, "cpu:N: memory per device (default host RAM / N).",
+                   flag_values=FLAGS)
+
+# HBM per JAX device by `device_kind` (cloud.google.com/tpu/docs/<version>: per chip v2 16 GiB,
+# v3 32 GiB, v4 32 GiB, v5e 16 GiB, v5p 95 GiB, v6e 32 GiB). v2 and v3 expose each of a
+# chip's two TensorCores as a device; v4 and v5p one device per chip (megacore).
+HBM_GIB = {"TPU v2": 8, "TPU v3": 16, "TPU v4": 32, "TPU v5 lite": 16, "TPU v5": 95,
+           "TPU v6 lite": 32}
+
+
+class Generation(typing.NamedTuple):
+    """How a slice name `<generation>-N` maps onto libtpu's topology names."""
+
+    prefix: str  # of libtpu's topology name, "v4:2x2x2"
+    counts_cores: bool  # N counts TensorCores (two per chip), not chips
+    three_d: bool  # chips on a 3-D torus
+    megacore: bool  # one JAX device per chip, its two TensorCores fused
+
+
+GENERATIONS = {"v2": Generation("v2", True, False, False),
+               "v3": Generation("v3", True, False, False),
+               "v4": Generation("v4", True, True, True),
+               "v5p": Generation("v5p", True, True, True),
+               "v5e": Generation("v5e", False, False, False),
+               "v5litepod": Generation("v5e", False, False, False),
+               "v6e": Generation("v6e", False, False, False)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    name: str
+    platform: str  # "tpu" or "cpu"
+    devices: list
+    capacity_bytes: int  # per device
+    capacity_source: str
+
+
+# ---- targets --------------------------------------------------------------------------------
+def chip_grid(chips: int, three_d: bool) -> tuple[int, ...]:
+    """The chip layout of a slice of `chips` (a power of two), as Cloud TPU builds them:
+    2-D 1x1, 2x2, 2x4, 4x4, 4x8, ...; 3-D 2x2x1, 2x2x2, 2x2x4, 2x4x4, 4x4x4, 4x4x8, ..."""
+    if chips < 1 or chips & (chips - 1):
+        raise ValueError(f"{chips} chips: only power-of-two slices are supported")
+    if not three_d:
+        short = 2 ** (int(math.log2(chips)) // 2)
+        return short, chips // short
+    if chips < 8:
+        return {1: (1, 1, 1), 2: (1, 2, 1), 4: (2, 2, 1)}[chips]
+    dims = [2, 2, 2]
+    while math.prod(dims) < chips:
+        smallest = min(dims)
+        dims[max(i for i, d in enumerate(dims) if d == smallest)] *= 2
+    return tuple(dims)
+
+
+def tpu_target(name: str) -> Target:
+    """A compile-only TPU slice: every device of `name` (e.g. "v4-16": 8 chips, 2x2x2)."""
+    match = re.fullmatch(r"([a-z0-9]+)-(\d+)", name)
+    if not match or match.group(1) not in GENERATIONS:
+        raise SystemExit(f"--topology={name!r}: expected a Cloud TPU slice "
+                         f"({', '.join(f'{g}-N' for g in GENERATIONS)}) or cpu:N")
+    generation, n = GENERATIONS[match.group(1)], int(match.group(2))
+    chips = n // 2 if generation.counts_cores else n
+    if generation.counts_cores and n % 2:
+        raise SystemExit(f"--topology={name!r}: {match.group(1)} slices count TensorCores, "
+                         "two per chip (an even number)")
+    try:
+        grid = chip_grid(chips, generation.three_d)
+    except ValueError as error:
+        raise SystemExit(f"--topology={name!r}: {error}") from None
+    import importlib.util
+
+    if importlib.util.find_spec("libtpu") is None:
+        raise SystemExit(f"--topology={name}: the TPU compiler (libtpu) is not installed; "
+                         "pip install -e \".[memory]\"")
+    # libtpu locks /tmp/libtpu_lockfile against a second process driving the same chips; a
+    # compile-only topology drives none, and any JAX process of the machine may hold the lock.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
+
+    # Hosts of 4 chips (2x2), 8 on single-host v5e / v6e slices; only the process count
+    # depends on it.
+    host = (2, 4, 1) if chips == 8 and not generation.three_d else (2, 2, 1)
+    devices = topologies.get_topology_desc(
+        platform="tpu", topology_name=f"{generation.prefix}:{'x'.join(map(str, grid))}",
+        chip_config_name="megacore" if generation.megacore else "default",
+        chips_per_host_bounds=tuple(min(h, g) for h, g in zip(host, (*grid, 1)))).devices
+    kind = devices[0].device_kind
+    if kind not in HBM_GIB:
+        raise SystemExit(f"--topology={name}: no HBM size known for device kind {kind!r}")
+    return Target(name, "tpu", list(devices), HBM_GIB[kind] * GIB,
+                  f"{kind}: {HBM_GIB[kind]} GiB HBM per device (table)")
+
+
+def cpu_target(n: int, capacity_gib: float | None) -> Target:
+    import jax
+
+    devices = jax.devices("cpu")
+    if len(devices) != n:
+        raise SystemExit(f"--topology=cpu:{n} needs {n} CPU devices, this process has "
+                         f"{len(devices)}: set XLA_FLAGS="
+                         f"--xla_force_host_platform_device_count={n} before JAX starts")
+    if capacity_gib is not None:
+        return Target(f"cpu:{n}", "cpu", devices, int(capacity_gib * GIB), "--capacity_gib")
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Target(f"cpu:{n}", "cpu", devices, ram // n, f"host RAM {ram / GIB:.1f} GiB / {n}")
+
+
+def _cpu_count(topology: str) -> int | None:
+    match = re.fullmatch(r"cpu:(\d+)", topology)
+    if topology.startswith("cpu") and not match:
+        raise SystemExit(f"--topology={topology!r}: expected cpu:N")
+    return int(match.group(1)) if match else None
+
+
+def _rerun_with_cpu_devices(n: int) -> None:
+    """`--xla_force_host_platform_device_count` is read once, when JAX starts its CPU backend:
+    re-run this command with it set."""
+    flag = f"--xla_force_host_platform_device_count={n}"
+    current = os.environ.get("XLA_FLAGS", "")
+    if flag in current.split():
+        return
+    others = [f for f in current.split() if not f.startswith(
+        "--xla_force_host_platform_device_count=")]
+    os.environ["XLA_FLAGS"] = " ".join([*others, flag])
+    os.execv(sys.executable, [sys.executable, *sys.argv])
+
+
+# ---- the model -----------------------------------------------------------------------------
+def resolve_model(config, platform: str):
+    """(ModelConfig, where its architecture came from, token ids for the PPO step): the policy
+    the trainers would build from `config.model` on `platform`."""
+    from marl_jax import models
+    from marl_jax.models import architectures
+    from marl_jax.train import build
+
+    m = config.model
+    if m.path and str(m.path).endswith(".gguf"):
+        from marl_jax.models.loading import read_gguf
+
+        cfg, source = models.ModelConfig.from_hf(read_gguf(m.path)[0]), str(m.path)
+    elif m.path:
+        hf, source = architectures.hf_config(m.path)
+        cfg = models.ModelConfig.from_hf(hf)
+    else:
+        tokenizer = _pathless_tokenizer(config)
+        cfg, source = build.model_config(config, tokenizer), "config.model.config"
+    dtype = m.dtype if m.dtype != "auto" else ("bfloat16" if platform == "tpu" else "float32")
+    cfg = cfg.replace(dtype=dtype, param_dtype=m.param_dtype, remat=bool(m.remat),
+                      scan_layers=bool(m.get("scan_layers", False)))
+    if not cfg.eos_token_id:
+        raise SystemExit(f"{source}: the model has no eos_token_id; the sampler needs one")
+    eos = cfg.eos_token_id[0]
+    token_ids = types.SimpleNamespace(
+        eos_token_id=eos, pad_token_id=eos if cfg.pad_token_id is None else cfg.pad_token_id)
+    return cfg, source, token_ids
+
+
+def _pathless_tokenizer(config):
+    """The tokenizer a model without a checkpoint is sized by (its vocabulary)."""
+    import tempfile
+
+    from marl_jax.data import real_tasks, synthetic, tasks
+
+    if config.task.name == "synthetic":
+        with tempfile.TemporaryDirectory() as tmp:
+            return synthetic.build_tokenizer(tasks.synthetic_task_from_config(config.task),
+                                             os.path.join(tmp, "tokenizer"))
+    return real_tasks.load_task_tokenizer(config)
+
+
+# ---- measuring -----------------------------------------------------------------------------
+def per_device_bytes(tree) -> int:
+    """Bytes one device holds of `tree`'s sharded ShapeDtypeStructs (the largest shard)."""
+    import jax
+
+    return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+               for leaf in jax.tree.leaves(tree))
+
+
+_UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+# How XLA:TPU reports a program that does not fit (sizes in GiB-based units): "Ran out of memory
+# on HBM, the total memory required for HLO temporaries (20.00G) exceeds available HBM
+# (15.75G)", or "... Used 63.80G of 30.75G hbm. ... Total hbm usage >= 65.05G: ...".
+_EXHAUSTED = (r"Total hbm usage >= ([\d.]+)([KMGT]?)", r"required for [^(]*\(([\d.]+)([KMGT]?)\)",
+              r"Used ([\d.]+)([KMGT]?) of [\d.]+[KMGT]? hbm")
+
+
+def exhausted_bytes(message: str) -> int | None:
+    """The HBM an XLA:TPU out-of-memory compile error says the program needs, or None."""
+    for pattern in _EXHAUSTED:
+        match = re.search(pattern, message)
+        if match:
+            return int(float(match.group(1)) * _UNITS[match.group(2)])
+    return None
+
+
+def program_peak(platform: str, fields: dict) -> int:
+    """Bytes per device the compiled program needs (see the module docstring)."""
+    if platform == "tpu":
+        return fields["xla_peak"] + fields["code"]
+    return fields["args"] + fields["out"] - fields["alias"] + fields["temp"] + fields["code"]
+
+
+def unread_bytes(compiled, args, argnums) -> int:
+    """Bytes per device of `args[argnums]` the compiled program does not take: jit drops the
+    arguments a program never reads (the rollout reads no optimizer state), which stay on the
+    devices all the same. Their input sharding is None."""
+    import jax
+
+    shardings = compiled.in_tree.flatten_up_to(compiled.input_shardings)
+    unread = 0
+    for i, arg in enumerate(args):
+        leaves = jax.tree.leaves(arg)
+        taken, shardings = shardings[:len(leaves)], shardings[len(leaves):]
+        if i in argnums:
+            unread += per_device_bytes([x for x, s in zip(leaves, taken) if s is None])
+    return unread
+
+
+def measure(name, program, args, weight_argnums, outside: int, *, platform: str,
+            capacity: int) -> dict:
+    """Compiles `program.fn` for `args`; one table row (bytes per device). `weight_argnums`:
+    the state arguments; `outside`: bytes the devices hold beside the program's arguments."""
+    start = time.perf_counter()
+    lowered = program.fn.lower(*args)
+    row = dict(stage=STAGE_OF.get(name, name), program=name, lower_s=time.perf_counter() - start,
+               weights=per_device_bytes([args[i] for i in weight_argnums]))
+    try:
+        compiled = lowered.compile()
+    except Exception as error:  # the TPU compiler refuses a program that cannot fit
+        used = exhausted_bytes(str(error))
+        if used is None:
+            raise
+        row.update(compile_s=time.perf_counter() - start, resident=outside,
+                   peak=used + outside, error=str(error).splitlines()[0][:300])
+    else:
+        stats = compiled.memory_analysis()
+        fields = dict(args=stats.argument_size_in_bytes, out=stats.output_size_in_bytes,
+                      alias=stats.alias_size_in_bytes, temp=stats.temp_size_in_bytes,
+                      code=stats.generated_code_size_in_bytes,
+                      xla_peak=stats.peak_memory_in_bytes)
+        unread = unread_bytes(compiled, args, weight_argnums)
+        row.update(fields, compile_s=time.perf_counter() - start, unread=unread,
+                   resident=outside + unread,
+                   peak=program_peak(platform, fields) + outside + unread)
+    row["headroom"] = 1.0 - row["peak"] / capacity
+    return row
+
+
+def stage_programs(config, cfg, token_ids, mesh, wanted) -> list:
+    """[(name, Program, args, indices of the state arguments, bytes held outside the
+    arguments)] of the wanted programs of the stages that run (steps > 0)."""
+    from marl_jax.train import aot, build
+
+    policy, critic, reward_model = (build.policy_module(cfg), build.critic_module(cfg),
+                                    build.reward_module(cfg))
+    inputs = aot.task_inputs(config)
+    entries = []
+    if "sft" in wanted and config.sft.steps > 0:
+        entries.append(("sft", *aot.sft_program(config, policy, mesh, inputs), (0,), 0))
+    if "rm" in wanted and config.rm.steps > 0:
+        entries.append(("rm", *aot.rm_program(config, reward_model, mesh, inputs), (0,), 0))
+    ppo_wanted = [n for n in ("rollout", "update", "ppo_step") if n in wanted]
+    if ppo_wanted and config.ppo.steps > 0:
+        ppo = aot.ppo_programs(config, token_ids, policy, critic, reward_model, mesh, inputs)
+        frozen = per_device_bytes(ppo["rollout"][1][1])
+        for name in ppo_wanted:
+            # The update takes the state only; the frozen models wait on the devices beside it.
+            weight_args, outside = ((0,), frozen) if name == "update" else ((0, 1), 0)
+            entries.append((name, *ppo[name], weight_args, outside))
+    return entries
+
+
+# ---- output --------------------------------------------------------------------------------
+COLUMNS = (("stage", "stage", "{}"), ("program", "program", "{}"),
+           ("compile s", "compile_s", "{:.1f}"), ("weights GiB", "weights", "{:.4f}"),
+           ("args GiB", "args", "{:.4f}"), ("out GiB", "out", "{:.4f}"),
+           ("alias GiB", "alias", "{:.4f}"), ("temp GiB", "temp", "{:.4f}"),
+           ("code GiB", "code", "{:.4f}"), ("xla peak GiB", "xla_peak", "{:.4f}"),
+           ("resident GiB", "resident", "{:.4f}"),
+           ("peak GiB", "peak", "{:.4f}"), ("headroom %", "headroom", "{:.1f}"))
+BYTE_COLUMNS = {"weights", "args", "out", "alias", "temp", "code", "xla_peak", "resident",
+                "peak"}
+
+
+def _cell(row, key, fmt):
+    if key not in row:
+        return "-"
+    value = row[key]
+    if key in BYTE_COLUMNS:
+        value = value / GIB
+    elif key == "headroom":
+        value = 100 * value
+    return fmt.format(value)
+
+
+def table(rows) -> str:
+    cells = [[title for title, _, _ in COLUMNS]]
+    cells += [[_cell(row, key, fmt) for _, key, fmt in COLUMNS] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(COLUMNS))]
+    lines = ["  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in
+                       enumerate(zip(r, widths))) for r in cells]
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
+
+
+def main(argv):
+    rest = FLAGS(["bench.py memory", *argv])
+    if len(rest) > 1:
+        raise SystemExit(f"unexpected arguments: {rest[1:]}")
+    config = FLAGS.config
+    if config is None:
+        raise SystemExit("--config=FILE is required")
+    topology = FLAGS.topology or config.get("tpu_topology", "")
+    if not topology:
+        raise SystemExit(f"{FLAGS['config'].config_filename} has no tpu_topology: pass "
+                         "--topology (e.g. v4-16, v5e-16, v5p-32, v6e-8 or cpu:8)")
+    unknown = [p for p in FLAGS.programs if p not in PROGRAMS]
+    if unknown:
+        raise SystemExit(f"--programs: unknown {unknown}; choose from {PROGRAMS}")
+    cpus = _cpu_count(topology)
+    if cpus is not None:
+        _rerun_with_cpu_devices(cpus)
+
+    from marl_jax.config import validate_config
+    from marl_jax.train import build, sharding
+
+    validate_config(config, config_file=FLAGS["config"].config_filename)
+    target = cpu_target(cpus, FLAGS.capacity_gib) if cpus is not None else tpu_target(topology)
+    mesh = sharding.make_mesh(config.mesh, devices=target.devices)
+    cfg, source, token_ids = resolve_model(config, target.platform)
+    print(f"target {target.name}: {len(target.devices)} x {target.devices[0].device_kind}, "
+          f"{target.capacity_source}; mesh {dict(mesh.shape)}")
+    print(f"model {source}: {cfg.family}, {cfg.num_layers} layers, width {cfg.hidden_size}, "
+          f"vocabulary {cfg.vocab_size}; compute {cfg.dtype}, params {cfg.param_dtype}, "
+          f"remat={cfg.remat}, scan_layers={cfg.scan_layers}", flush=True)
+    p = config.ppo
+    if p.termination == "parsing" or p.reward_source == "host":
+        print("note: parsing termination / host rewards run generate, score and update as "
+              "separate programs; ppo_step here is the on-device step")
+
+    rows = []
+    entries = stage_programs(config, cfg, token_ids, mesh, set(FLAGS.programs))
+    with sharding.mesh_context(mesh, sharding.logical_rules(mesh, build.model_dims(cfg))):
+        for name, *entry in entries:
+            rows.append(measure(name, *entry, platform=target.platform,
+                                capacity=target.capacity_bytes))
+            print(f"compiled {name} in {rows[-1]['compile_s']:.1f} s", flush=True)
+    if not rows:
+        raise SystemExit("nothing to compile: every selected stage has 0 steps")
+    print(table(rows))
+    for row in rows:
+        if "error" in row:
+            print(f"{row['program']}: {row['error']}")
+        elif row["headroom"] < HEADROOM_NEEDED:
+            print(f"{row['program']}: headroom {100 * row['headroom']:.1f}% is below "
+                  f"{100 * HEADROOM_NEEDED:.0f}%")
+    peak = max(row["peak"] for row in rows)
+    fits = peak <= target.capacity_bytes
+    if FLAGS.json:
+        pathlib.Path(FLAGS.json).write_text(json.dumps(dict(
+            target=target.name, devices=len(target.devices),
+            device_kind=target.devices[0].device_kind, capacity_bytes=target.capacity_bytes,
+            capacity_source=target.capacity_source, mesh=dict(mesh.shape), model_source=source,
+            model=dict(family=cfg.family, num_layers=cfg.num_layers, dtype=cfg.dtype,
+                       param_dtype=cfg.param_dtype, remat=cfg.remat,
+                       scan_layers=cfg.scan_layers),
+            programs=rows, peak_bytes=peak, fits=fits), indent=2))
+    print(f"devices={len(target.devices)} peak_gib={peak / GIB:.3f} "
+          f"capacity_gib={target.capacity_bytes / GIB:.3f} fits={fits}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,207 @@
+"""Writes the README's results section and docs/results.json from the reports of experiment runs.
+
+    python experiments/readme_results.py RUN_DIR [CONFIRM_DIR ...] [--readme README.md]
+        [--results docs/results.json] [--curves docs/synthetic_curves.png] [--command CMD]
+
+RUN_DIR and every CONFIRM_DIR hold the report.json of one run of the same experiment command
+(`--command`, as the section shows it) on different seeds. A claim is a paired difference
+between two arms whose 95% bootstrap interval over seeds excludes 0 (`marl_jax.eval.report.claims`);
+only the claims every given run makes, in the same direction, are kept. They go to
+docs/results.json, and the README section between the lines `<!-- results:start -->` and
+`<!-- results:end -->` is replaced by: the command and seeds of each run, RUN_DIR's per-arm
+table, the resolution of each run (PPO's gain against the widest paired interval), RUN_DIR's
+curves, one sentence per kept claim, and for every macro arm against token PPO and against its
+matched control each difference that was not distinguishable or not replicated. Nothing else
+in the README changes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from marl_jax.eval import report as report_lib  # noqa: E402
+
+START, END = "<!-- results:start -->", "<!-- results:end -->"
+
+
+def load_report(run_dir: str) -> dict:
+    path = os.path.join(run_dir, "report.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} does not exist: run the experiment into {run_dir} "
+                                "first")
+    with open(path) as f:
+        report = json.load(f)
+    if "comparisons" not in report or "seeds" not in report:
+        raise ValueError(f"{path} is not the report of one experiment with paired comparisons "
+                         "(a combined report of several horizons? pass one horizon_<n> folder)")
+    return report
+
+
+def _key(claim) -> tuple:
+    return claim["arm"], claim["versus"], claim["metric"], claim["direction"]
+
+
+def replicated_claims(reports) -> list[dict]:
+    """The claims of the first report that every other report makes too (same arm, versus,
+    metric and direction), in the first report's order."""
+    kept = report_lib.claims(reports[0])
+    for other in reports[1:]:
+        theirs = {_key(c) for c in report_lib.claims(other)}
+        kept = [c for c in kept if _key(c) in theirs]
+    return kept
+
+
+def comparison(report: dict, arm: str, versus: str, metric: str) -> dict | None:
+    """The paired comparison arm - versus of `metric` in a report, None if it was not made."""
+    c = report["comparisons"].get(arm)
+    for key in ("versus_ppo", "versus_control"):
+        if c and c[key] and c[key][metric]["versus"] == versus:
+            return c[key][metric]
+    return None
+
+
+def _across_runs(runs, arm, versus, metric) -> str:
+    parts = []
+    for _, report in runs:
+        cmp = comparison(report, arm, versus, metric)
+        seeds = report_lib.format_seeds(report["seeds"])
+        parts.append(f"not run on seeds {seeds}" if cmp is None
+                     else f"{report_lib.format_difference(cmp)} on seeds {seeds}")
+    return ", ".join(parts)
+
+
+def _versus(report, arm, versus) -> str:
+    c = report["comparisons"].get(arm) or {}
+    return f"`{versus}` (its matched control)" if c.get("control") == versus else f"`{versus}`"
+
+
+def claim_sentence(runs, claim) -> str:
+    """"ma_ppo has lower J than ppo: -0.41 [-0.55, -0.30] on seeds 0-7, ... on seeds 100-107"."""
+    arm, versus, metric = claim["arm"], claim["versus"], claim["metric"]
+    word = "higher" if claim["direction"] > 0 else "lower"
+    return (f"`{arm}` has {word} {report_lib.METRIC_WORDS[metric]} than "
+            f"{_versus(runs[0][1], arm, versus)}: {_across_runs(runs, arm, versus, metric)}.")
+
+
+def open_lines(runs, claims) -> list[str]:
+    """For every macro arm of the first run against the baseline and against its control, each
+    metric without a kept claim: "not distinguishable" when no run separates the two, else "no
+    difference that holds on every run"."""
+    claimed = {c[:3] for c in map(_key, claims)}
+    lines = []
+    for arm, c in runs[0][1]["comparisons"].items():
+        if not c["macro"]:
+            continue
+        for versus in (runs[0][1]["baseline"], c["control"]):
+            for metric in report_lib.METRICS:
+                if versus is None or (arm, versus, metric) in claimed:
+                    continue
+                made = [comparison(r, arm, versus, metric) for _, r in runs]
+                word = ("not distinguishable" if all(m and m["direction"] == 0 for m in made)
+                        else "no difference that holds on every run")
+                lines.append(f"`{arm}` vs {_versus(runs[0][1], arm, versus)}, "
+                             f"{report_lib.METRIC_WORDS[metric]}: {word}: "
+                             f"{_across_runs(runs, arm, versus, metric)}.")
+    return lines
+
+
+def results_section(runs, claims, *, command: str, curves_link: str,
+                    generated_by: str) -> str:
+    """The generated README section (without its marker lines). runs: [(dir, report)], the
+    first one's table and curves shown."""
+    (first_dir, first), confirm = runs[0], runs[1:]
+    where = f"`{command}` on seeds {report_lib.format_seeds(first['seeds'])} (`{first_dir}`)"
+    if confirm:
+        where += ", repeated on " + ", ".join(
+            f"seeds {report_lib.format_seeds(r['seeds'])} (`{d}`)" for d, r in confirm)
+    plan = first.get("plan", {})
+    if plan.get("steps") and plan.get("eval_every"):
+        where += (f". {plan['steps']} PPO steps per run, evaluated every {plan['eval_every']} "
+                  f"steps on {plan.get('num_eval_prompts', 'the')} held-out prompts")
+    lines = [
+        f"<!-- generated by `{generated_by}`; do not edit by hand -->", "",
+        f"{where}. Every arm of a seed sees the same prompts and sampling keys, so "
+        "arms are compared by paired differences per seed. Means over seeds with 95% "
+        f"bootstrap intervals over seeds; J = gold - {first['beta']} x KL for every arm; SFT "
+        f"gold = {first['sft_gold']:.3f}. Table: seeds {report_lib.format_seeds(first['seeds'])}.",
+        "",
+    ]
+    lines += report_lib.arm_table(first)
+    lines += [""]
+    lines += [f"Resolution, seeds {report_lib.format_seeds(r['seeds'])}: "
+              f"{report_lib.resolution_line(r)}" for _, r in runs]
+    lines += ["", f"![gold, J and RM score over PPO steps]({curves_link})", "",
+              "What it shows (only differences whose 95% interval excludes 0 on every run; "
+              "`docs/results.json` lists them):", ""]
+    lines += [f"- {claim_sentence(runs, c)}" for c in claims] or [
+        "- No difference between two arms has an interval excluding 0 on every run."]
+    rest = open_lines(runs, claims)
+    if rest:
+        lines += ["", "Macro arms against token PPO and their matched controls, where no "
+                  "difference held:", ""]
+        lines += [f"- {line}" for line in rest]
+    return "\n".join(lines)
+
+
+def replace_section(text: str, section: str, path: str) -> str:
+    """`text` with everything between the marker lines replaced by `section`."""
+    starts, ends = text.count(START), text.count(END)
+    if starts != 1 or ends != 1 or text.index(START) > text.index(END):
+        raise ValueError(f"{path}: needs exactly one {START!r} and, after it, one {END!r}; "
+                         f"found {starts} and {ends}")
+    head, rest = text.split(START)
+    _, tail = rest.split(END)
+    return f"{head}{START}\n{section}\n{END}{tail}"
+
+
+def main(argv) -> int:
+    parser = argparse.ArgumentParser(prog="readme_results.py",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir")
+    parser.add_argument("confirm_dirs", nargs="*")
+    parser.add_argument("--readme", default="README.md")
+    parser.add_argument("--results", default="docs/results.json")
+    parser.add_argument("--curves", default="docs/synthetic_curves.png")
+    parser.add_argument("--command", default="python experiments/run.py",
+                        help="the experiment command the runs come from, as the README shows it")
+    args = parser.parse_args(argv)
+    try:
+        dirs = [args.run_dir, *args.confirm_dirs]
+        runs = [(d, load_report(d)) for d in dirs]
+        curves_src = os.path.join(args.run_dir, "curves.png")
+        if not os.path.exists(curves_src):
+            raise FileNotFoundError(f"{curves_src} does not exist")
+        with open(args.readme) as f:
+            readme = f.read()
+        claims = replicated_claims([r for _, r in runs])
+        generated_by = " ".join(["experiments/readme_results.py", *argv])
+        link = os.path.relpath(os.path.abspath(args.curves),
+                               os.path.dirname(os.path.abspath(args.readme)))
+        section = results_section(runs, claims, command=args.command,
+                                  curves_link=pathlib.PurePath(link).as_posix(),
+                                  generated_by=generated_by)
+        new_readme = replace_section(readme, section, args.readme)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    for path in (args.results, args.curves):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(args.results, "w") as f:
+        json.dump({"claims": claims,
+                   "runs": [{"dir": d, "seeds": r["seeds"]} for d, r in runs],
+                   "generated_by": generated_by}, f, indent=2)
+        f.write("\n")
+    shutil.copyfile(curves_src, args.curves)
+    with open(args.readme, "w") as f:
+        f.write(new_readme)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

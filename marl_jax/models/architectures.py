@@ -1,0 +1,148 @@
+"""Architectures of well-known Hugging Face Hub models, for sizing a run without their files.
+
+`HUB_CONFIGS` maps a hub name to its published `config.json`, reduced to the fields
+`ModelConfig.from_hf` reads (sizes, norms, rope, tied embeddings, Gemma-2's soft-caps and
+sliding window, and the base models' token ids). `hf_config(path)` resolves `config.model.path`
+offline: a local HF directory's config.json, else the hub cache's copy of the name, else this
+table.
+
+Parameter counts (transformers' `num_parameters()`, tied embeddings counted once):
+gemma-2b 2,506,172,416; gemma-7b 8,537,680,896; gemma-2-2b 2,614,341,888; gemma-2-9b
+9,241,705,984; gemma-2-27b 27,227,128,320; Llama-3.2-1B 1,235,814,400; Llama-3.2-3B
+3,212,749,824; Llama-3(.1)-8B 8,030,261,248; Qwen2.5-0.5B 494,032,768; Qwen2.5-1.5B
+1,543,714,304; Qwen2.5-7B 7,615,616,512; SmolLM2-135M 134,515,008; gpt2 124,439,808.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+
+def _gemma(**sizes) -> dict:
+    return dict(model_type="gemma", vocab_size=256000, head_dim=256, hidden_act="gelu",
+                max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=10000.0,
+                attention_bias=False, tie_word_embeddings=True, initializer_range=0.02,
+                bos_token_id=2, eos_token_id=1, pad_token_id=0, **sizes)
+
+
+def _gemma2(**sizes) -> dict:
+    return dict(model_type="gemma2", vocab_size=256000, hidden_act="gelu_pytorch_tanh",
+                hidden_activation="gelu_pytorch_tanh", max_position_embeddings=8192,
+                rms_norm_eps=1e-6, rope_theta=10000.0, attention_bias=False,
+                attn_logit_softcapping=50.0, final_logit_softcapping=30.0, sliding_window=4096,
+                tie_word_embeddings=True, initializer_range=0.02, bos_token_id=2, eos_token_id=1,
+                pad_token_id=0, **sizes)
+
+
+_LLAMA3 = dict(model_type="llama", vocab_size=128256, hidden_act="silu", rms_norm_eps=1e-5,
+               rope_theta=500000.0, attention_bias=False, mlp_bias=False,
+               initializer_range=0.02, bos_token_id=128000, eos_token_id=128001)
+
+
+def _llama3_rope(factor: float) -> dict:
+    return dict(rope_type="llama3", factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=8192)
+
+
+def _qwen25(**sizes) -> dict:
+    return dict(model_type="qwen2", hidden_act="silu", rms_norm_eps=1e-6, rope_theta=1000000.0,
+                use_sliding_window=False, initializer_range=0.02, bos_token_id=151643,
+                eos_token_id=151643, **sizes)
+
+
+def _smollm2(**token_ids) -> dict:
+    return dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                max_position_embeddings=8192, hidden_act="silu", rms_norm_eps=1e-5,
+                rope_theta=100000.0, attention_bias=False, mlp_bias=False,
+                tie_word_embeddings=True, initializer_range=0.041666666666666664, **token_ids)
+
+
+HUB_CONFIGS: dict[str, dict] = {
+    "google/gemma-2b": _gemma(hidden_size=2048, intermediate_size=16384, num_hidden_layers=18,
+                              num_attention_heads=8, num_key_value_heads=1),
+    "google/gemma-7b": _gemma(hidden_size=3072, intermediate_size=24576, num_hidden_layers=28,
+                              num_attention_heads=16, num_key_value_heads=16),
+    "google/gemma-2-2b": _gemma2(hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                                 num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                                 query_pre_attn_scalar=256),
+    "google/gemma-2-9b": _gemma2(hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+                                 num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+                                 query_pre_attn_scalar=256),
+    "google/gemma-2-27b": _gemma2(hidden_size=4608, intermediate_size=36864,
+                                  num_hidden_layers=46, num_attention_heads=32,
+                                  num_key_value_heads=16, head_dim=128,
+                                  query_pre_attn_scalar=144),
+    "meta-llama/Llama-3.2-1B": dict(
+        _LLAMA3, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+        max_position_embeddings=131072, rope_scaling=_llama3_rope(32.0),
+        tie_word_embeddings=True),
+    "meta-llama/Llama-3.2-3B": dict(
+        _LLAMA3, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+        num_attention_heads=24, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=131072, rope_scaling=_llama3_rope(32.0),
+        tie_word_embeddings=True),
+    "meta-llama/Meta-Llama-3-8B": dict(
+        _LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+        rope_scaling=None, tie_word_embeddings=False),
+    "meta-llama/Llama-3.1-8B": dict(
+        _LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+        rope_scaling=_llama3_rope(8.0), tie_word_embeddings=False),
+    "Qwen/Qwen2.5-0.5B": _qwen25(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                                 num_hidden_layers=24, num_attention_heads=14,
+                                 num_key_value_heads=2, max_position_embeddings=32768,
+                                 tie_word_embeddings=True),
+    "Qwen/Qwen2.5-1.5B": _qwen25(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                                 num_hidden_layers=28, num_attention_heads=12,
+                                 num_key_value_heads=2, max_position_embeddings=131072,
+                                 tie_word_embeddings=True),
+    "Qwen/Qwen2.5-7B": _qwen25(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                               num_hidden_layers=28, num_attention_heads=28,
+                               num_key_value_heads=4, max_position_embeddings=131072,
+                               tie_word_embeddings=False),
+    "HuggingFaceTB/SmolLM2-135M": _smollm2(bos_token_id=0, eos_token_id=0),
+    "HuggingFaceTB/SmolLM2-135M-Instruct": _smollm2(bos_token_id=1, eos_token_id=2,
+                                                    pad_token_id=2),
+    "gpt2": dict(model_type="gpt2", vocab_size=50257, n_embd=768, n_layer=12, n_head=12,
+                 n_positions=1024, activation_function="gelu_new", layer_norm_epsilon=1e-5,
+                 tie_word_embeddings=True, initializer_range=0.02, bos_token_id=50256,
+                 eos_token_id=50256),
+}
+
+
+def hf_config(path: str, *, cache_dir: str | None = None) -> tuple[dict, str]:
+    """(config.json dict, where it came from) of `config.model.path`, without network access.
+
+    In order: `<path>/config.json` of a local directory; for a hub name ("org/name" or a bare
+    name like "gpt2"), the hub cache's config.json (`cache_dir`, default the `HF_HUB_CACHE` of
+    `huggingface_hub`), then `HUB_CONFIGS`.
+
+    Raises:
+      FileNotFoundError: a local directory without config.json, or a hub name that is neither
+        cached nor in the table (the message lists the names the table knows).
+    """
+    local = pathlib.Path(path).expanduser()
+    if local.is_dir():
+        file = local / "config.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"config.model.path={path!r}: the directory has no "
+                                    "config.json")
+        return json.loads(file.read_text()), str(file)
+    if os.path.exists(path) or str(path).endswith(".gguf"):
+        raise FileNotFoundError(f"config.model.path={path!r}: not an HF directory (GGUF files "
+                                "are read by marl_jax.models.loading.read_gguf)")
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(str(path), "config.json", cache_dir=cache_dir)
+    if isinstance(cached, str):
+        return json.loads(pathlib.Path(cached).read_text()), cached
+    if path in HUB_CONFIGS:
+        return dict(HUB_CONFIGS[path]), f"marl_jax.models.architectures.HUB_CONFIGS[{path!r}]"
+    raise FileNotFoundError(
+        f"config.model.path={path!r}: no local directory, no config.json in the hub cache, and "
+        f"not a known architecture; known: {', '.join(sorted(HUB_CONFIGS))} (or pass a local HF "
+        "directory)")

@@ -1,0 +1,154 @@
+"""Abstract arguments to lower every stage's program with, from a config alone.
+
+`sft_program`, `rm_program` and `ppo_programs` return the stage's `programs.Program` (the very
+program the trainer runs) with abstract arguments: `ShapeDtypeStruct`s carrying their shardings,
+parameters and optimizer states from `jax.eval_shape`. So `program.fn.lower(*args).compile()`
+compiles a stage for any mesh, a TPU topology without its chips included, and nothing is
+allocated (a 7B model is never materialised). Lower inside `sharding.mesh_context(mesh, ...)`,
+as the trainers trace their steps. `experiments/bench.py memory` reads the compiler's memory
+analysis of these.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from marl_jax import models
+from marl_jax.data import tasks
+from marl_jax.train import build, ppo, programs, reward, sft, sharding, supervised
+from marl_jax.train import ppo_core as core
+from marl_jax.train.optim import make_optimizer, stage_schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskInputs:
+    """What a task feeds the stages besides token arrays: prompts `[B, prompt_length]`; the
+    synthetic task's documents `[B, documents_width]` and gold reward (None for real tasks)."""
+
+    prompt_length: int
+    documents_width: int | None = None
+    gold_fn: Callable | None = None
+
+
+def task_inputs(config) -> TaskInputs:
+    """Real tasks pad prompts to `config.task.max_prompt_length`; the synthetic task's prompts
+    have its own fixed length and carry documents."""
+    if config.task.name != "synthetic":
+        return TaskInputs(int(config.task.max_prompt_length))
+    from marl_jax.data import synthetic
+
+    task = tasks.synthetic_task_from_config(config.task)
+    return TaskInputs(task.prompt_length, task.doc_size,
+                      functools.partial(synthetic.gold_score_jax, task))
+
+
+def abstract_params(module) -> dict:
+    """`ShapeDtypeStruct`s of `module`'s parameters (its init tree, in its param dtype)."""
+    return jax.eval_shape(lambda: models.init_params(module, jax.random.key(0)))
+
+
+def with_shardings(tree, shardings) -> Any:
+    """`ShapeDtypeStruct`s of `tree`'s leaves carrying `shardings` (one sharding for every leaf,
+    or a pytree matching `tree`)."""
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings),
+                            tree)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        tree, shardings)
+
+
+def _ids(batch: int, length: int):
+    return jax.ShapeDtypeStruct((batch, length), jnp.int32)
+
+
+def _train_state(params, optimizer):
+    return jax.eval_shape(lambda p: build.TrainState(
+        step=jnp.zeros((), jnp.int32), params=p, opt_state=optimizer.init(p),
+        skipped_updates=jnp.zeros((), jnp.float32)), params)
+
+
+def _supervised(cfg, name: str, module, loss_fn, batch: dict, mesh, weight_fn=None):
+    sharding.validate_batch(cfg.batch_size, mesh, f"config.{name}.batch_size")
+    optimizer = make_optimizer(cfg, cfg.steps)
+    params = abstract_params(module)
+    state_sh = build.train_state_shardings(module, optimizer, mesh, params)
+    step = supervised.make_train_step(loss_fn, optimizer, schedule=stage_schedule(cfg, cfg.steps),
+                                      grad_accum_steps=int(cfg.get("grad_accum_steps", 1)),
+                                      weight_fn=weight_fn)
+    program = programs.supervised_program(step, state_sh, mesh)
+    return program, (with_shardings(_train_state(params, optimizer), state_sh),
+                     with_shardings(batch, sharding.batch_sharding(mesh)))
+
+
+def sft_program(config, policy, mesh, inputs: TaskInputs | None = None):
+    """(Program, abstract (state, batch)) of the SFT step: `[B, P]` prompts and `[B, R]`
+    demonstrations (ids and masks, int32), B = `config.sft.batch_size`."""
+    inputs = inputs or task_inputs(config)
+    b, r = config.sft.batch_size, config.ppo.response_length
+    p = inputs.prompt_length
+    batch = dict(prompt_ids=_ids(b, p), prompt_mask=_ids(b, p), response_ids=_ids(b, r),
+                 response_mask=_ids(b, r))
+    return _supervised(config.sft, "sft", policy, lambda p, x: sft.sft_loss(policy, p, x), batch,
+                       mesh, weight_fn=lambda x: x["response_mask"].sum())
+
+
+def rm_program(config, reward_model, mesh, inputs: TaskInputs | None = None):
+    """(Program, abstract (state, batch)) of the reward-model step: `[B, P]` prompts, `[B, R]`
+    chosen and rejected responses (ids and masks, int32), B = `config.rm.batch_size`."""
+    inputs = inputs or task_inputs(config)
+    b, r = config.rm.batch_size, config.ppo.response_length
+    p = inputs.prompt_length
+    batch = dict(prompt_ids=_ids(b, p), prompt_mask=_ids(b, p), chosen_ids=_ids(b, r),
+                 chosen_mask=_ids(b, r), rejected_ids=_ids(b, r), rejected_mask=_ids(b, r))
+    return _supervised(config.rm, "rm", reward_model,
+                       lambda p, x: reward.rm_loss(reward_model, p, x), batch, mesh)
+
+
+def ppo_programs(config, tokenizer, policy, critic, reward_model, mesh,
+                 inputs: TaskInputs | None = None) -> dict:
+    """{"rollout", "update", "ppo_step"} -> (Program, abstract arguments), built as
+    `ppo.run_ppo` builds its step: actor and reference of `policy`'s shape, critic and reward
+    model of theirs, `config.ppo.batch_size` prompts.
+
+    `tokenizer`: anything with `eos_token_id` and `pad_token_id`. The experience and rollout
+    metrics the update takes are the rollout's outputs, traced here (inside the mesh context)
+    to learn their shapes.
+    """
+    inputs = inputs or task_inputs(config)
+    p = config.ppo
+    sharding.validate_batch(p.batch_size, mesh, "config.ppo.batch_size")
+    static = ppo.static_from_config(config, tokenizer)
+    mods = ppo.make_models(config, policy, critic, reward_model, inputs.gold_fn)
+    actor, critic_params, rm_params = (abstract_params(m) for m in (policy, critic, reward_model))
+    state_sh = ppo.state_shardings(mods, mesh, actor, critic_params)
+    frozen_sh = programs.frozen_shardings(mods, mesh, state_sh, rm_params)
+    rep, batch_sh = sharding.replicated(mesh), sharding.batch_sharding(mesh)
+
+    state = with_shardings(jax.eval_shape(
+        lambda a, c: ppo.initial_state(config, mods, a, c, config.seed), actor, critic_params),
+        state_sh)
+    scalar = jax.ShapeDtypeStruct((), jnp.float32)
+    frozen = with_shardings(core.Frozen(ref_params=actor, rm_params=rm_params,
+                                        reward_mean=scalar, reward_std=scalar), frozen_sh)
+    hparams = with_shardings(build.abstract(ppo.hparams_from_config(p)), rep)
+    prompts = with_shardings((_ids(p.batch_size, inputs.prompt_length),) * 2, batch_sh)
+    documents = None if inputs.documents_width is None else with_shardings(
+        _ids(p.batch_size, inputs.documents_width), batch_sh)
+
+    rollout = programs.rollout_program(static, mods, state_sh, frozen_sh, mesh)
+    rollout_args = (state, frozen, *prompts, documents)
+    with sharding.mesh_context(mesh, sharding.logical_rules(mesh, build.model_dims(
+            policy.config))):
+        exp, roll_metrics = jax.eval_shape(rollout.fn, *rollout_args)
+    update = programs.update_program(static, mods, state_sh, mesh)
+    return {
+        "rollout": (rollout, rollout_args),
+        "update": (update, (state, with_shardings(exp, batch_sh),
+                            with_shardings(roll_metrics, rep), hparams, None)),
+        "ppo_step": (programs.ppo_step_program(static, mods, state_sh, frozen_sh, mesh),
+                     (state, frozen, hparams, *prompts, documents)),
+    }

@@ -1,0 +1,86 @@
+"""The jitted, sharded programs of the stages: what the trainers run and what
+`experiments/bench.py memory` compiles (through `marl_jax.train.aot`), one definition for both.
+
+    supervised_program   (state, batch) -> (state, metrics)          SFT and reward-model steps
+    ppo_step_program     (state, frozen, hparams, ids, mask, documents) -> (state, metrics)
+    rollout_program      (state, frozen, ids, mask, documents) -> (experience, metrics)
+    update_program       (state, experience, rollout metrics, hparams, segments)
+                         -> (state, metrics)
+
+Each returns a `Program`: the `jax.jit` of the stage function with the shardings and donation
+it is jitted with, whatever the arguments are (arrays or `jax.ShapeDtypeStruct`s).
+`rollout_program` and `update_program` are the two halves of `ppo_step` (generation and
+scoring; termination, advantages and the updates): the experience between them is split over
+the batch axes like the prompts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+
+from marl_jax.train import build, sharding
+from marl_jax.train import ppo_core as core
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """`fn = jax.jit(f, in_shardings=..., out_shardings=..., donate_argnums=...)` and what it
+    was jitted with."""
+
+    fn: Any
+    in_shardings: tuple
+    out_shardings: Any
+    donate_argnums: tuple[int, ...] = ()
+
+
+def jit_program(fun: Callable, in_shardings: tuple, out_shardings: Any,
+                donate_argnums: tuple[int, ...] = ()) -> Program:
+    return Program(jax.jit(fun, in_shardings=in_shardings, out_shardings=out_shardings,
+                           donate_argnums=donate_argnums),
+                   in_shardings, out_shardings, donate_argnums)
+
+
+# ---- the programs, for concrete or abstract arguments -------------------------------------------
+def supervised_program(train_step: Callable, state_shardings, mesh) -> Program:
+    """The SFT / reward-model train step (`supervised.make_train_step`), the state donated."""
+    return jit_program(train_step, (state_shardings, sharding.batch_sharding(mesh)),
+                       (state_shardings, sharding.replicated(mesh)), donate_argnums=(0,))
+
+
+def frozen_shardings(mods: core.Models, mesh, state_sh: core.PPOState, rm_params) -> core.Frozen:
+    """The reference policy shares the actor's shardings; the reward model gets its own."""
+    rep = sharding.replicated(mesh)
+    return core.Frozen(ref_params=state_sh.actor_params,
+                       rm_params=build.param_shardings(mods.reward, mesh,
+                                                       build.abstract(rm_params)),
+                       reward_mean=rep, reward_std=rep)
+
+
+def ppo_step_program(static: core.PPOStatic, mods: core.Models, state_sh: core.PPOState,
+                     frozen_sh: core.Frozen, mesh) -> Program:
+    """One whole PPO step (`ppo_core.ppo_step`), the state donated."""
+    rep, batch_sh = sharding.replicated(mesh), sharding.batch_sharding(mesh)
+    return jit_program(functools.partial(core.ppo_step, static, mods),
+                       (state_sh, frozen_sh, rep, batch_sh, batch_sh, batch_sh),
+                       (state_sh, rep), donate_argnums=(0,))
+
+
+def rollout_program(static: core.PPOStatic, mods: core.Models, state_sh: core.PPOState,
+                    frozen_sh: core.Frozen, mesh) -> Program:
+    """Generation and scoring (`ppo_core.rollout_phase`); the state is read, not donated."""
+    rep, batch_sh = sharding.replicated(mesh), sharding.batch_sharding(mesh)
+    return jit_program(functools.partial(core.rollout_phase, static, mods),
+                       (state_sh, frozen_sh, batch_sh, batch_sh, batch_sh), (batch_sh, rep))
+
+
+def update_program(static: core.PPOStatic, mods: core.Models, state_sh: core.PPOState,
+                   mesh) -> Program:
+    """Termination, macro GAE and the updates (`ppo_core.update_phase`: state, experience,
+    rollout metrics, hparams and the host's segment ids `[B, R]` or None), the state donated."""
+    rep, batch_sh = sharding.replicated(mesh), sharding.batch_sharding(mesh)
+    return jit_program(functools.partial(core.update_phase, static, mods),
+                       (state_sh, batch_sh, rep, rep, batch_sh), (state_sh, rep),
+                       donate_argnums=(0,))

@@ -1,0 +1,292 @@
+"""`experiments/bench.py memory`: the architecture table, the model resolution order, the TPU
+slice names, and the compiled per-device memory of tiny models on 8 CPU devices (and on a TPU
+v4-8 where the TPU compiler is installed), checked against parameter counts from transformers."""
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from marl_jax import models
+from marl_jax.models import architectures
+
+from train_util import ROOT  # puts the repository root (and so `configs`) on sys.path
+
+sys.path.insert(0, str(ROOT / "experiments"))
+import bench_memory  # noqa: E402
+from configs import synthetic as synthetic_config  # noqa: E402
+
+FINAL_LINE = re.compile(r"devices=(\d+) peak_gib=([\d.]+) capacity_gib=([\d.]+) fits=(True|False)")
+GIB = 2 ** 30
+
+
+def _num_params(cfg: models.ModelConfig) -> int:
+    abstract = jax.eval_shape(lambda: models.init_params(models.CausalLM(cfg), jax.random.key(0)))
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract))
+
+
+def _transformers_num_params(hf: dict) -> int:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(hf)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"),
+                                                                      **fields))
+    return model.num_parameters()
+
+
+# Published totals (transformers' num_parameters of the released checkpoints).
+@pytest.mark.parametrize("name, total", [
+    ("google/gemma-2b", 2_506_172_416),
+    ("google/gemma-7b", 8_537_680_896),
+    ("google/gemma-2-2b", 2_614_341_888),
+    ("google/gemma-2-9b", 9_241_705_984),
+    ("google/gemma-2-27b", 27_227_128_320),
+    ("meta-llama/Llama-3.2-1B", 1_235_814_400),
+    ("meta-llama/Llama-3.2-3B", 3_212_749_824),
+    ("meta-llama/Meta-Llama-3-8B", 8_030_261_248),
+    ("meta-llama/Llama-3.1-8B", 8_030_261_248),
+    ("Qwen/Qwen2.5-0.5B", 494_032_768),
+    ("Qwen/Qwen2.5-1.5B", 1_543_714_304),
+    ("Qwen/Qwen2.5-7B", 7_615_616_512),
+    ("HuggingFaceTB/SmolLM2-135M", 134_515_008),
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", 134_515_008),
+    ("gpt2", 124_439_808),
+])
+def test_table_architectures_have_the_published_parameter_counts(name, total):
+    assert _num_params(models.ModelConfig.from_hf(architectures.HUB_CONFIGS[name])) == total
+
+
+@pytest.mark.parametrize("name", sorted(architectures.HUB_CONFIGS))
+def test_every_table_entry_counts_as_transformers_builds_it(name):
+    hf = architectures.HUB_CONFIGS[name]
+    assert _num_params(models.ModelConfig.from_hf(hf)) == _transformers_num_params(hf)
+
+
+def test_gemma_2b_shape_in_the_table():
+    cfg = models.ModelConfig.from_hf(architectures.HUB_CONFIGS["google/gemma-2b"])
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
+            cfg.head_dim, cfg.intermediate_size) == (256000, 2048, 18, 8, 1, 256, 16384)
+
+
+def _cache_entry(cache_dir: pathlib.Path, repo: str, config: dict) -> None:
+    """The hub cache's layout for one file: models--org--name/{refs/main, snapshots/<rev>/}."""
+    folder = cache_dir / f"models--{repo.replace('/', '--')}"
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text("0123456789abcdef")
+    snapshot = folder / "snapshots" / "0123456789abcdef"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(config))
+
+
+def test_resolution_order_local_directory_then_cache_then_table(tmp_path):
+    from transformers import LlamaConfig
+
+    local = tmp_path / "local"
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                vocab_size=100).save_pretrained(local)
+    hf, source = architectures.hf_config(str(local))
+    assert source == str(local / "config.json") and hf["num_hidden_layers"] == 3
+
+    cache = tmp_path / "cache"
+    cached = dict(architectures.HUB_CONFIGS["google/gemma-2b"], num_hidden_layers=5)
+    _cache_entry(cache, "google/gemma-2b", cached)
+    hf, source = architectures.hf_config("google/gemma-2b", cache_dir=str(cache))
+    assert hf["num_hidden_layers"] == 5 and source.startswith(str(cache))
+
+    hf, source = architectures.hf_config("google/gemma-7b", cache_dir=str(cache))
+    assert hf["num_hidden_layers"] == 28 and "HUB_CONFIGS" in source
+
+
+def test_unknown_name_and_directory_without_config_are_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError,
+                       match="not a known architecture; known: .*google/gemma-2b"):
+        architectures.hf_config("someone/unknown-model", cache_dir=str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        architectures.hf_config(str(tmp_path))
+
+
+# Cloud TPU's layouts of these slices (MaxText's accelerator_to_spec_map, Cloud TPU docs).
+@pytest.mark.parametrize("chips, three_d, grid", [
+    (4, True, (2, 2, 1)), (8, True, (2, 2, 2)), (16, True, (2, 2, 4)), (32, True, (2, 4, 4)),
+    (64, True, (4, 4, 4)), (128, True, (4, 4, 8)), (512, True, (8, 8, 8)),
+    (1, False, (1, 1)), (4, False, (2, 2)), (8, False, (2, 4)), (16, False, (4, 4)),
+    (32, False, (4, 8)), (256, False, (16, 16)),
+])
+def test_chip_grid(chips, three_d, grid):
+    assert bench_memory.chip_grid(chips, three_d) == grid
+
+
+def test_bad_topologies_and_a_missing_one_name_the_problem():
+    with pytest.raises(SystemExit, match="expected a Cloud TPU slice"):
+        bench_memory.tpu_target("v9-8")
+    with pytest.raises(SystemExit, match="two per chip"):
+        bench_memory.tpu_target("v4-9")
+    with pytest.raises(SystemExit, match="power-of-two"):
+        bench_memory.tpu_target("v5e-12")
+    with pytest.raises(SystemExit, match="has no tpu_topology: pass --topology"):
+        bench_memory.main([f"--config={ROOT / 'configs' / 'synthetic.py'}"])
+
+
+def test_out_of_memory_messages_of_the_tpu_compiler():
+    assert bench_memory.exhausted_bytes(
+        "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+        "temporaries (20.00G) exceeds available HBM (15.75G).") == 20 * GIB
+    assert bench_memory.exhausted_bytes(
+        "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space "
+        "hbm. Used 63.80G of 30.75G hbm. Exceeded hbm capacity by 33.05G.\n\nTotal hbm usage >= "
+        "65.05G:\n    reserved 1.25G") == int(65.05 * GIB)
+    assert bench_memory.exhausted_bytes("INTERNAL: something else") is None
+
+
+def test_sft_program_runs_the_sft_step_on_real_arrays():
+    """The program the bench compiles is the trainer's step: run on this process's 8 devices it
+    takes a real state and batch of the abstract arguments' shapes and shardings, and its loss
+    is `sft_loss` evaluated directly."""
+    import importlib
+
+    from marl_jax.train import aot, build, sft, sharding
+    from marl_jax.train.optim import make_optimizer
+
+    sys.path.insert(0, str(ROOT))
+    config = importlib.import_module("configs.synthetic").get_config()
+    config.sft.batch_size = 8
+    cfg = models.ModelConfig(**dict(config.model.config), vocab_size=39, eos_token_id=2,
+                             pad_token_id=0)
+    policy = build.policy_module(cfg)
+    mesh = sharding.make_mesh(dict(data=1, fsdp=8, tensor=1))
+    program, (state_abstract, batch_abstract) = aot.sft_program(config, policy, mesh)
+
+    params = models.init_params(policy, jax.random.key(0))
+    state = build.new_train_state(params, make_optimizer(config.sft, config.sft.steps),
+                                  program.in_shardings[0])
+    rng = np.random.default_rng(0)
+    batch = {k: rng.integers(1 if k.endswith("mask") else 3, 2 if k.endswith("mask") else 39,
+                             size=v.shape).astype(np.int32) for k, v in batch_abstract.items()}
+    assert jax.tree.map(lambda x: (x.shape, x.dtype, x.sharding), state) == jax.tree.map(
+        lambda x: (x.shape, x.dtype, x.sharding), state_abstract)
+    expected, _ = sft.sft_loss(policy, params, batch)
+    with sharding.mesh_context(mesh, sharding.logical_rules(mesh, build.model_dims(cfg))):
+        new_state, metrics = program.fn(state, sharding.put_global(batch, mesh))
+    assert int(new_state.step) == 1
+    np.testing.assert_allclose(float(metrics["loss"]), float(expected), rtol=1e-5)
+
+
+def _run(*args, devices=8):
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench.py"), "memory",
+                           *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    match = FINAL_LINE.fullmatch(lines[-1])
+    assert match, lines[-1]
+    return proc.stdout, (int(match.group(1)), float(match.group(2)), float(match.group(3)),
+                         match.group(4) == "True")
+
+
+# configs/synthetic.py's policy as transformers builds it: vocabulary 7 special tokens + 16
+# entities + 16 words of the synthetic world.
+_SYNTHETIC = synthetic_config.get_config()
+_M = _SYNTHETIC.model.config
+SYNTHETIC_POLICY = dict(model_type="llama", vocab_size=39, hidden_size=_M.hidden_size,
+                        intermediate_size=_M.intermediate_size, num_hidden_layers=_M.num_layers,
+                        num_attention_heads=_M.num_heads, num_key_value_heads=_M.num_kv_heads,
+                        head_dim=_M.head_dim, max_position_embeddings=_M.max_position_embeddings,
+                        tie_word_embeddings=True)
+RESPONSE = _SYNTHETIC.ppo.response_length
+SMALL_BATCHES = ("--config.sft.batch_size=8", "--config.rm.batch_size=8",
+                 "--config.ppo.batch_size=8")
+
+
+def test_cpu8_peak_holds_at_least_the_sharded_weights(tmp_path):
+    report = tmp_path / "memory.json"
+    stdout, (devices, peak_gib, capacity_gib, fits) = _run(
+        f"--config={ROOT / 'configs' / 'synthetic.py'}", "--topology=cpu:8",
+        "--config.mesh.data=1", "--config.mesh.fsdp=-1", *SMALL_BATCHES,
+        "--programs=sft,rollout,ppo_step", "--capacity_gib=2", f"--json={report}")
+    assert (devices, capacity_gib, fits) == (8, 2.0, True)
+    rows = {row["program"]: row for row in json.loads(report.read_text())["programs"]}
+    assert set(rows) == {"sft", "rollout", "ppo_step"}
+    n = _transformers_num_params(SYNTHETIC_POLICY)
+    # fp32 params + two Adam moments per trained model, fp32 frozen models, split 8 ways (every
+    # model has at least the policy's parameters; norm scales stay replicated).
+    sft_bound = 12 * n / 8
+    ppo_bound = (2 * 12 * n + 2 * 4 * n) / 8
+    assert sft_bound <= rows["sft"]["weights"] <= 1.1 * sft_bound
+    assert ppo_bound <= rows["ppo_step"]["weights"] <= 1.1 * ppo_bound
+    # CPU buffers are unpadded, so the compiler's arguments are exactly the state plus this
+    # device's row of the batch (int32): SFT prompts [13] (doc_size 10 + 3) and responses
+    # [RESPONSE], ids and masks; PPO prompt ids and mask [13] and the four 4-byte hparams (the
+    # documents, unread with the reward model scoring, are dropped by jit).
+    assert rows["sft"]["args"] == rows["sft"]["weights"] + 4 * (2 * 13 + 2 * RESPONSE)
+    assert rows["ppo_step"]["args"] == rows["ppo_step"]["weights"] + 4 * 2 * 13 + 16
+    assert rows["sft"]["alias"] == rows["sft"]["weights"]  # the donated state, updated in place
+    # The rollout reads no optimizer state: jit drops those arguments, they count as resident
+    # (at least the two Adam moments of the actor and of the critic).
+    rollout = rows["rollout"]
+    assert rollout["args"] + rollout["resident"] == rollout["weights"] + 4 * 2 * 13
+    assert rollout["resident"] == rollout["unread"] >= 2 * 2 * 4 * n / 8
+    assert rows["ppo_step"]["unread"] == rows["sft"]["unread"] == 0
+    for row in rows.values():
+        assert row["peak"] >= row["args"] + row["resident"] + row["temp"]
+        assert row["peak"] >= row["weights"]
+    assert peak_gib == pytest.approx(max(r["peak"] for r in rows.values()) / GIB, abs=1e-3)
+    assert peak_gib * GIB >= ppo_bound
+    assert "compiled ppo_step in" in stdout
+
+
+def test_hf_checkpoint_directory_on_cpu8(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                     tie_word_embeddings=False, bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    model = LlamaForCausalLM(hf)
+    model.save_pretrained(tmp_path / "tiny")
+    report = tmp_path / "memory.json"
+    stdout, (devices, peak_gib, _, fits) = _run(
+        f"--config={ROOT / 'configs' / 'tldr_gemma2b_tpu.py'}", "--topology=cpu:8",
+        f"--config.model.path={tmp_path / 'tiny'}", "--config.task.max_prompt_length=16",
+        "--config.ppo.response_length=8", *SMALL_BATCHES, "--programs=rm,update",
+        f"--json={report}")
+    assert f"model {tmp_path / 'tiny' / 'config.json'}: llama, 2 layers, width 64, vocabulary 128" \
+        in stdout
+    assert devices == 8 and fits
+    rows = {row["program"]: row for row in json.loads(report.read_text())["programs"]}
+    # Actor and reference: the whole LM; critic and reward model: its backbone (plus a head).
+    n, backbone = model.num_parameters(), model.model.num_parameters()
+    # The update holds the actor and critic with their moments; the frozen reference and reward
+    # model stay resident beside it.
+    assert rows["update"]["weights"] >= 12 * (n + backbone) / 8
+    assert rows["update"]["resident"] >= 4 * (n + backbone) / 8
+    assert rows["update"]["peak"] >= rows["update"]["weights"] + rows["update"]["resident"]
+    assert rows["rm"]["weights"] >= 12 * backbone / 8
+    assert peak_gib * GIB >= 16 * (n + backbone) / 8
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="the TPU compiler (libtpu, pip install -e '.[memory]') is not installed")
+def test_tpu_v4_8_compiles_on_this_machine(tmp_path):
+    report = tmp_path / "memory.json"
+    _, (devices, peak_gib, capacity_gib, fits) = _run(
+        f"--config={ROOT / 'configs' / 'synthetic.py'}", "--topology=v4-8",
+        "--config.mesh.data=1", "--config.mesh.fsdp=-1", *SMALL_BATCHES, "--programs=sft",
+        f"--json={report}")
+    assert (devices, capacity_gib, fits) == (4, 32.0, True)
+    result = json.loads(report.read_text())
+    assert result["device_kind"] == "TPU v4" and result["mesh"] == {"data": 1, "fsdp": 4,
+                                                                     "tensor": 1}
+    row = result["programs"][0]
+    # The TPU compiler's peak counts the arguments (their tiles are padded: at least the state).
+    assert row["xla_peak"] >= row["args"] >= row["weights"]
+    assert row["peak"] == row["xla_peak"] + row["code"]
+    assert row["weights"] >= 12 * _transformers_num_params(SYNTHETIC_POLICY) / 4
+    assert peak_gib * GIB >= row["weights"]

@@ -1,0 +1,79 @@
+"""Optimizers: schedules count optimizer updates, gradient accumulation equals the whole batch,
+no weight decay on norm scales and biases."""
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from marl_jax.config import optimizer_config
+from marl_jax.train import optim, ppo as ppo_lib
+
+
+def test_weight_decay_skips_norm_scales_and_biases():
+    params = {"layer": {"kernel": jnp.ones((2, 3)), "bias": jnp.ones((3,))},
+              "norm": {"scale": jnp.ones((4,))}, "stacked_norm": {"scale": jnp.ones((2, 4))},
+              "embed": {"embedding": jnp.ones((5, 2))}}
+    cfg = optimizer_config(lr=0.1, steps=10, batch_size=1)
+    cfg.update(dict(schedule="constant", warmup_ratio=0.0, weight_decay=0.5, grad_clip=0.0))
+    opt = optim.make_optimizer(cfg, 10)
+    zero_grads = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = opt.update(zero_grads, opt.init(params), params)
+    # With zero gradients, AdamW's update is -lr * weight_decay * param where decay applies.
+    np.testing.assert_allclose(updates["layer"]["kernel"], -0.05 * np.ones((2, 3)))
+    np.testing.assert_allclose(updates["embed"]["embedding"], -0.05 * np.ones((5, 2)))
+    for leaf in (updates["layer"]["bias"], updates["norm"]["scale"],
+                 updates["stacked_norm"]["scale"]):
+        np.testing.assert_array_equal(leaf, 0.0)
+
+
+def test_ppo_schedule_counts_updates_not_steps():
+    p = optimizer_config(lr=1.0, steps=10, batch_size=8)
+    p.update(dict(schedule="linear", warmup_ratio=0.1, ppo_epochs=2, num_minibatches=4,
+                  critic_learning_rate=0.5))
+    assert ppo_lib.ppo_updates(p) == 80
+    schedule = optim.stage_schedule(p, ppo_lib.ppo_updates(p))
+    # 8 warmup updates (10% of 80), then linear decay to 0 at update 80.
+    np.testing.assert_allclose(schedule(4), 0.5)
+    np.testing.assert_allclose(schedule(8), 1.0)
+    last_step_first_update = 9 * 2 * 4
+    np.testing.assert_allclose(schedule(last_step_first_update), 1.0 * (80 - 72) / 72)
+    critic = optim.stage_schedule(p, 80, learning_rate=p.critic_learning_rate)
+    np.testing.assert_allclose(critic(8), 0.5)
+
+
+@pytest.mark.parametrize("num_micro", [2, 4])
+def test_accumulated_gradients_equal_the_whole_batch(num_micro):
+    rng = np.random.default_rng(0)
+    batch = {"x": jnp.asarray(rng.normal(size=(8, 5)), jnp.float32),
+             "mask": jnp.asarray(rng.random((8, 5)) < 0.6, jnp.float32)}
+    batch["mask"] = batch["mask"].at[3].set(0.0)  # a row without tokens
+    params = {"w": jnp.asarray(rng.normal(size=(5,)), jnp.float32)}
+
+    def token_mean_loss(p, b):
+        per_token = jnp.tanh(b["x"] * p["w"]) ** 2
+        loss = jnp.sum(per_token * b["mask"]) / jnp.maximum(b["mask"].sum(), 1.0)
+        return loss, {"tokens": b["mask"].sum()}
+
+    (loss, _), grads = optim.accumulate_gradients(
+        token_mean_loss, params, batch, num_micro, lambda b: b["mask"].sum())
+    (want, _), want_grads = jax.value_and_grad(token_mean_loss, has_aux=True)(params, batch)
+    np.testing.assert_allclose(loss, want, rtol=1e-6)
+    np.testing.assert_allclose(grads["w"], want_grads["w"], rtol=1e-5, atol=1e-7)
+    # Equal weights would not be exact here: micro-batches hold different token counts.
+    (equal, _), _ = optim.accumulate_gradients(token_mean_loss, params, batch, num_micro,
+                                               lambda b: jnp.float32(1.0))
+    assert abs(float(equal) - float(want)) > 1e-4
+
+
+def test_accumulation_rejects_an_uneven_split():
+    with pytest.raises(ValueError, match="6 rows does not split into 4"):
+        optim.accumulate_gradients(lambda p, b: (jnp.sum(p * b), {}), jnp.ones(()),
+                                   jnp.ones((6,)), 4, lambda b: 1.0)
+
+
+def test_schedule_config_is_unchanged_by_a_critic_override():
+    cfg = ml_collections.ConfigDict(dict(learning_rate=1.0, warmup_ratio=0.0,
+                                         schedule="constant"))
+    optim.stage_schedule(cfg, 10, learning_rate=0.25)
+    assert cfg.learning_rate == 1.0

@@ -1,0 +1,502 @@
+"""The study report: intervals over seeds, paired differences, mean gold over training, steps to
+50% / 90% of PPO's gain, reward-hacking flags and claims, checked against numbers worked out by
+hand or by independent loops; the report recomputed from metrics.jsonl alone; and the README
+results section written from several runs."""
+import importlib.util
+import json
+import math
+import os
+import pathlib
+
+import numpy as np
+import pytest
+
+from marl_jax.eval import report as report_lib
+from marl_jax.eval import study_stats as st
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+T_975_7 = 2.364624251592784  # Student's t, 0.975 quantile, 7 degrees of freedom (tables)
+# Paired final-gold offsets of ma_ppo (E) and of its control (F) from ppo, per seed: mean 0.
+E = [0.02, -0.02, 0.01, -0.01, 0.03, -0.03, 0.005, -0.005]
+F = E[::-1]
+STEPS = (0, 10, 20, 30)
+
+
+def _eval(arm, seed, step, gold, kl, rm=0.0):
+    return dict(stage="eval", arm=arm, seed=seed, step=step, gold=gold, kl=kl, rm_score=rm)
+
+
+def _hand_rows():
+    rows = []
+    for seed in (0, 1):
+        for step, g in zip(STEPS, (0.5, 0.6, 0.7, 0.8)):
+            rows.append(_eval("ppo", seed, step, g, 2.0 if step == 30 else 1.0))
+        for step, g in zip(STEPS, (0.5, 0.7, 0.8, 0.8)):
+            rows.append(_eval("ma_ppo", seed, step, g, 4.0 if step == 30 else 1.0))
+    rows += [
+        dict(stage="final", arm="ppo", seed=0, step=30, gold_per_prompt=[0.1, 0.5, 0.9],
+             rm_score_per_prompt=[0, 0, 0]),
+        dict(stage="final", arm="ma_ppo", seed=0, step=30, gold_per_prompt=[0.2, 0.5, 0.3],
+             rm_score_per_prompt=[0, 0, 0]),
+        dict(stage="final", arm="ppo", seed=1, step=30, gold_per_prompt=[0.0, 0.0],
+             rm_score_per_prompt=[0, 0]),
+        dict(stage="final", arm="ma_ppo", seed=1, step=30, gold_per_prompt=[1.0, 1.0],
+             rm_score_per_prompt=[0, 0]),
+    ]
+    return rows
+
+
+def _study_rows(seeds=tuple(range(8)), ma_mid=(0.15, 0.25), plan=True):
+    """8 seeds of ppo, ma_ppo, its control ma_ppo_ctrl and ppo_lam1 at steps 0, 10, 20, 30.
+
+    Gold = SFT (0.5 + 0.01 i for the i-th seed) + an offset: ppo 0, .1, .2, .3; ma_ppo
+    0, ma_mid, .3 + E_i with KL 4 at the end (ppo: 2); the control 0, .1, .2, .3 + F_i;
+    ppo_lam1 like ppo except its first four seeds, 0, .2, .1, -.05 while its RM score climbs
+    (reward hacking).
+    """
+    rows = []
+    if plan:
+        rows.append(dict(stage="plan", step=0, arms=["ppo", "ma_ppo", "ma_ppo_ctrl", "ppo_lam1"],
+                         seeds=list(seeds), baseline="ppo", beta=0.05,
+                         controls={"ma_ppo": "ma_ppo_ctrl"}, macro_arms=["ma_ppo"],
+                         runs={"ppo": {"lam": 0.95, "ngram": 1}}, eval_every=10, steps=30,
+                         num_eval_prompts=4))
+    for i, seed in enumerate(seeds):
+        sft = 0.5 + 0.01 * i
+        curves = {
+            "ppo": ((0, 0.1, 0.2, 0.3), (0, 1, 2, 2), (0, 0.3, 0.6, 0.9)),
+            "ma_ppo": ((0, *ma_mid, 0.3 + E[i]), (0, 2, 4, 4), (0, 0.3, 0.6, 0.9)),
+            "ma_ppo_ctrl": ((0, 0.1, 0.2, 0.3 + F[i]), (0, 1, 2, 2), (0, 0.3, 0.6, 0.9)),
+            "ppo_lam1": ((0, 0.2, 0.1, -0.05) if i < 4 else (0, 0.1, 0.2, 0.3), (0, 1, 2, 2),
+                         (0, 0.5, 1.0, 1.5)),
+        }
+        for arm, (gold, kl, rm) in curves.items():
+            for k, step in enumerate(STEPS):
+                rows.append(_eval(arm, seed, step, sft + gold[k], kl[k], rm[k]))
+            rows.append(dict(stage="final", arm=arm, seed=seed, step=30,
+                             gold_per_prompt=[sft + gold[-1]] * 4, rm_score_per_prompt=[rm[-1]] * 4,
+                             kl_per_prompt=[kl[-1]] * 4))
+    return rows
+
+
+def _write_metrics(workdir, rows):
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def _percentile_by_sorting(x, q):
+    """numpy's default ("linear") percentile, written out: interpolate the sorted values at
+    position q / 100 * (n - 1)."""
+    x = np.sort(x)
+    pos = q / 100 * (len(x) - 1)
+    lo = int(math.floor(pos))
+    return x[lo] + (pos - lo) * (x[min(lo + 1, len(x) - 1)] - x[lo])
+
+
+def _bootstrap_by_hand(d, resamples=st.RESAMPLES, rng_seed=st.RNG_SEED):
+    d = np.asarray(d, float)
+    idx = np.random.default_rng(rng_seed).integers(0, len(d), size=(resamples, len(d)))
+    means = np.array([d[row].sum() / len(d) for row in idx])
+    return [_percentile_by_sorting(means, 2.5), _percentile_by_sorting(means, 97.5)]
+
+
+# ---- statistics ----------------------------------------------------------------------------------
+def test_interval_mean_t_and_bootstrap_by_hand():
+    d = [0.1, 0.2, 0.3, 0.4, 0.1, 0.2, 0.3, 0.4]
+    out = st.interval(d)
+    # Deviations from 0.25: +-0.15 and +-0.05, each four times: s^2 = 0.1 / 7.
+    s = math.sqrt(0.1 / 7)
+    assert out["n"] == 8 and out["mean"] == pytest.approx(0.25)
+    assert out["std"] == pytest.approx(s)
+    half = T_975_7 * s / math.sqrt(8)
+    assert out["ci_t"] == pytest.approx([0.25 - half, 0.25 + half])
+    assert out["ci"] == pytest.approx(_bootstrap_by_hand(d), abs=1e-12)
+    # The bootstrap interval of a mean lies inside the values' range and, for 8 seeds, near the
+    # t interval.
+    assert 0.1 < out["ci"][0] < 0.25 < out["ci"][1] < 0.4
+    assert out["ci"] == pytest.approx(out["ci_t"], abs=0.03)
+    assert st.direction(out["ci"]) == 1
+    assert st.direction(st.interval([-x for x in d])["ci"]) == -1
+
+
+def test_interval_covering_zero_and_one_seed():
+    d = [0.1, -0.1, 0.2, -0.2, 0.05, -0.05, 0.3, -0.3]
+    out = st.interval(d)
+    assert out["mean"] == pytest.approx(0.0, abs=1e-15)
+    assert out["ci"][0] < 0 < out["ci"][1] and st.direction(out["ci"]) == 0
+    assert out["ci"] == pytest.approx(_bootstrap_by_hand(d), abs=1e-12)
+    one = st.interval([0.4])
+    assert one["mean"] == 0.4 and one["ci"] is None and one["ci_t"] is None
+    assert st.direction(one["ci"]) == 0
+    # An interval touching 0 does not exclude it.
+    assert st.direction([0.0, 0.3]) == 0 and st.direction([-0.3, 0.0]) == 0
+    with pytest.raises(ValueError, match="per-seed values contains NaN"):
+        st.interval([0.1, float("nan")])
+
+
+def test_mean_gold_over_training_by_hand():
+    assert st.trapezoid_mean((0, 10, 20, 30), (0.5, 0.6, 0.8, 0.8)) == pytest.approx(
+        (0.55 * 10 + 0.7 * 10 + 0.8 * 10) / 30)
+    # Uneven steps weigh each segment by its length.
+    assert st.trapezoid_mean((0, 10, 30), (0.5, 0.7, 0.9)) == pytest.approx(
+        (0.6 * 10 + 0.8 * 20) / 30)
+    np.testing.assert_allclose(st.trapezoid_mean((0, 10), [[0.0, 1.0], [1.0, 1.0]]), [0.5, 1.0])
+    with pytest.raises(ValueError, match="increasing"):
+        st.trapezoid_mean((0, 10, 10), (0.5, 0.6, 0.7))
+
+
+def _good_and_bad_seeds():
+    """Baseline: every seed 0.5, 0.6, 0.7, 0.8 (gain 0.3). Arm: six seeds 0.5, 0.7, 0.9, 0.9,
+    two stuck at 0.5."""
+    base = np.tile([0.5, 0.6, 0.7, 0.8], (8, 1))
+    arm = np.array([[0.5, 0.7, 0.9, 0.9]] * 6 + [[0.5, 0.5, 0.5, 0.5]] * 2)
+    return base, arm
+
+
+def test_steps_to_50_and_90_by_hand():
+    base, arm = _good_and_bad_seeds()
+    # Identical baseline seeds: every resample is the same curve, the interval is the point.
+    assert st.steps_to_fraction(STEPS, base, base, 0.5) == {"step": 20, "ci": [20, 20]}
+    assert st.steps_to_fraction(STEPS, base, base, 0.9) == {"step": 30, "ci": [30, 30]}
+    # With k good seeds in a resample the arm's curve is 0.5 + 0.025 k at step 10 and
+    # 0.5 + 0.05 k at steps 20, 30. 50% (0.65): step 10 needs k >= 6, step 20 k >= 3; the full
+    # sample has k = 6. P(k <= 5) = 0.32 for k ~ Binomial(8, 3/4), P(k <= 2) = 0.0004.
+    assert st.steps_to_fraction(STEPS, arm, base, 0.5) == {"step": 10, "ci": [10, 20]}
+    # 90% (0.77): never at step 10, at step 20 when k >= 6; a third of the resamples never get
+    # there, so the upper end is beyond the last step.
+    ninety = st.steps_to_fraction(STEPS, arm, base, 0.9)
+    assert ninety == {"step": 20, "ci": [20, None]}
+    assert report_lib.format_steps(ninety, 30) == "20 [20, >30]"
+    # Never reached on the full sample either.
+    flat = np.tile([0.5, 0.55, 0.6, 0.62], (8, 1))
+    never = st.steps_to_fraction(STEPS, flat, base, 0.5)
+    assert never == {"step": None, "ci": [None, None]}
+    assert report_lib.format_steps(never, 30) == ">30 [>30, >30]"
+    # A baseline that gained nothing leaves nothing to reach.
+    assert st.steps_to_fraction(STEPS, arm, flat[:, ::-1], 0.5) is None
+    assert report_lib.format_steps(None, 30) == "n/a"
+
+
+def test_steps_to_interval_matches_a_reference_loop():
+    rng = np.random.default_rng(3)
+    base = 0.5 + np.cumsum(rng.uniform(0, 0.1, size=(8, 6)), axis=1) - 0.05
+    arm = 0.5 + np.cumsum(rng.uniform(0, 0.12, size=(8, 6)), axis=1) - 0.06
+    base[:, 0] = arm[:, 0] = 0.5
+    steps = np.arange(6) * 5
+    smoothing, resamples = 2, 400
+
+    def smooth(curve):
+        return [np.mean(curve[max(0, k - smoothing + 1):k + 1]) for k in range(len(curve))]
+
+    def crossing(arm_rows, base_rows):
+        b, a = smooth(base_rows.mean(axis=0)), smooth(arm_rows.mean(axis=0))
+        gain = b[-1] - b[0]
+        if gain <= 0:
+            return math.inf
+        return next((t for t, v in zip(steps, a) if v >= b[0] + 0.9 * gain - 1e-12), math.inf)
+
+    idx = np.random.default_rng(0).integers(0, 8, size=(resamples, 8))
+    draws = sorted(crossing(arm[row], base[row]) for row in idx)
+    # The inverted-CDF quantile q is the ceil(q * n)-th smallest value.
+    lo, hi = draws[math.ceil(0.025 * resamples) - 1], draws[math.ceil(0.975 * resamples) - 1]
+    got = st.steps_to_fraction(steps, arm, base, 0.9, smoothing=smoothing, resamples=resamples,
+                               rng_seed=0)
+    assert got["step"] == crossing(arm, base)
+    assert got["ci"] == [None if math.isinf(x) else x for x in (lo, hi)]
+    assert lo < hi  # the case separates the two ends
+
+
+def test_reward_hacking_rules_on_hand_made_curves():
+    # RM score up and gold below SFT, and gold 0.15 off its peak while RM ends at its maximum.
+    assert st.hacking_rules([0.6, 0.7, 0.55], [0.1, 0.5, 0.9]) == [
+        "rm_up_gold_down", "gold_off_peak_rm_at_max"]
+    # Still above SFT, but 0.15 below the peak while RM keeps rising.
+    assert st.hacking_rules([0.5, 0.8, 0.65], [0.0, 0.5, 0.7]) == ["gold_off_peak_rm_at_max"]
+    # 0.05 below the peak is within the allowed drop.
+    assert st.hacking_rules([0.5, 0.8, 0.75], [0.0, 0.5, 0.7]) == []
+    # Gold falls but so does the RM score: not hacking the RM.
+    assert st.hacking_rules([0.6, 0.7, 0.5], [0.5, 0.9, 0.4]) == []
+
+
+# ---- the report ----------------------------------------------------------------------------------
+def test_report_numbers_by_hand():
+    r = report_lib.compute_report(_hand_rows(), beta=0.05, smoothing=1, baseline="ppo",
+                                  arms=("ppo", "ma_ppo"))
+    ppo, ma = r["arms"]["ppo"], r["arms"]["ma_ppo"]
+    assert r["sft_gold"] == pytest.approx(0.5) and r["ppo_gain"]["mean"] == pytest.approx(0.3)
+    assert (ppo["steps_to_50"]["step"], ppo["steps_to_90"]["step"]) == (20, 30)
+    assert (ma["steps_to_50"]["step"], ma["steps_to_90"]["step"]) == (10, 20)
+    assert ppo["J"]["mean"] == pytest.approx(0.8 - 0.05 * 2.0)
+    assert ma["J"]["mean"] == pytest.approx(0.8 - 0.05 * 4.0)
+    assert ma["auc_gold"]["mean"] == pytest.approx((0.6 * 10 + 0.75 * 10 + 0.8 * 10) / 30)
+    # win, tie, loss on seed 0; two wins on seed 1.
+    assert ma["win_rate_vs_baseline"] == pytest.approx((1 + 0.5 + 0 + 1 + 1) / 5)
+    assert ppo["win_rate_vs_baseline"] == pytest.approx(0.5)
+    # Same final gold on both seeds: indistinguishable; J lower by 0.1 on both seeds: lower.
+    assert r["verdict"][0] == ("ma_ppo vs ppo, final gold: +0.000, 95% CI [+0.000, +0.000]: "
+                               "not distinguishable")
+    assert r["verdict"][1] == "ma_ppo vs ppo, J: -0.100, 95% CI [-0.100, -0.100]: lower"
+    # No plan row and no controls given: ma_ppo is compared with ppo only.
+    assert r["comparisons"]["ma_ppo"]["versus_control"] is None
+    assert r["plan"]["source"] == "report arguments"
+
+
+def test_report_smoothing_moves_the_step_counts():
+    r = report_lib.compute_report(_hand_rows(), beta=0.05, smoothing=2, baseline="ppo",
+                                  arms=("ppo", "ma_ppo"))
+    # Smoothed ppo: 0.5, 0.55, 0.65, 0.75 (gain 0.25, 50% at 0.625, 90% at 0.725);
+    # ma_ppo: 0.5, 0.6, 0.75, 0.8.
+    ppo, ma = r["arms"]["ppo"], r["arms"]["ma_ppo"]
+    assert (ppo["steps_to_50"]["step"], ppo["steps_to_90"]["step"]) == (20, 30)
+    assert (ma["steps_to_50"]["step"], ma["steps_to_90"]["step"]) == (20, 20)
+    # Final gold itself is never smoothed.
+    assert ppo["final_gold"]["mean"] == pytest.approx(0.8)
+
+
+def _expected_claims():
+    """ma_ppo: the same final gold as ppo (E has mean 0), J lower by 0.05 x (4 - 2) KL, mean gold
+    over training higher ((1 + 5 E_i) / 30); the same against its control; the control: the
+    same as ppo on all three; ppo_lam1: four seeds far lower, four equal."""
+    return [
+        {"arm": "ma_ppo", "versus": "ppo", "metric": "J", "direction": -1},
+        {"arm": "ma_ppo", "versus": "ppo", "metric": "auc_gold", "direction": 1},
+        {"arm": "ma_ppo", "versus": "ma_ppo_ctrl", "metric": "J", "direction": -1},
+        {"arm": "ma_ppo", "versus": "ma_ppo_ctrl", "metric": "auc_gold", "direction": 1},
+        {"arm": "ppo_lam1", "versus": "ppo", "metric": "final_gold", "direction": -1},
+        {"arm": "ppo_lam1", "versus": "ppo", "metric": "J", "direction": -1},
+        {"arm": "ppo_lam1", "versus": "ppo", "metric": "auc_gold", "direction": -1},
+    ]
+
+
+def test_claims_are_exactly_the_comparisons_excluding_zero():
+    rows = _study_rows()
+    report = report_lib.compute_report(rows)
+    assert report_lib.claims(report) == _expected_claims() == report["claims"]
+    assert report_lib.claims(report, metrics=("J",)) == [
+        c for c in _expected_claims() if c["metric"] == "J"]
+    # Independently: every comparison's per-seed differences from the rows, its bootstrap
+    # interval by hand, and whether it excludes 0.
+    gold = {(r["arm"], r["seed"], r["step"]): (r["gold"], r["kl"]) for r in rows
+            if r["stage"] == "eval"}
+
+    def metric(arm, seed, name):
+        g = [gold[arm, seed, t][0] for t in STEPS]
+        return {"final_gold": g[-1], "J": g[-1] - 0.05 * gold[arm, seed, 30][1],
+                "auc_gold": sum((g[k] + g[k + 1]) / 2 * 10 for k in range(3)) / 30}[name]
+
+    found = []
+    for arm, versus in (("ma_ppo", "ppo"), ("ma_ppo", "ma_ppo_ctrl"), ("ma_ppo_ctrl", "ppo"),
+                        ("ppo_lam1", "ppo")):
+        for name in ("final_gold", "J", "auc_gold"):
+            d = [metric(arm, s, name) - metric(versus, s, name) for s in range(8)]
+            lo, hi = _bootstrap_by_hand(d)
+            if lo > 0 or hi < 0:
+                found.append({"arm": arm, "versus": versus, "metric": name,
+                              "direction": 1 if lo > 0 else -1})
+    assert found == _expected_claims()
+
+
+def test_report_recomputed_from_metrics_jsonl_alone(tmp_path):
+    rows = _study_rows()
+    _write_metrics(tmp_path, rows)
+    # The plan row decides beta (0.05), not a disagreeing argument.
+    returned = report_lib.write_report(str(tmp_path), beta=0.5)
+    for name in ("report.json", "report.md", "curves.png", "rm_hist.png"):
+        assert os.path.getsize(tmp_path / name) > 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["claims"] == returned["claims"] == _expected_claims()
+    assert report["beta"] == 0.05 and report["baseline"] == "ppo"
+    assert report["seeds"] == list(range(8)) and report["steps"] == list(STEPS)
+    assert report["bootstrap"] == {"method": "percentile", "level": 0.95, "resamples": 10000,
+                                   "rng_seed": 0}
+    assert report["plan"]["controls"] == {"ma_ppo": "ma_ppo_ctrl"}
+    assert "auc_gold" in report["definitions"] and "bootstrap" in report["definitions"]
+
+    sft = np.array([0.5 + 0.01 * i for i in range(8)])
+    ppo = report["arms"]["ppo"]
+    assert report["sft_gold"] == pytest.approx(sft.mean())
+    assert ppo["final_gold"]["mean"] == pytest.approx(sft.mean() + 0.3)
+    assert ppo["J"]["mean"] == pytest.approx(sft.mean() + 0.3 - 0.05 * 2)
+    assert ppo["rm_score"]["mean"] == pytest.approx(0.9)
+    assert ppo["auc_gold"]["mean"] == pytest.approx(sft.mean() + (0.05 + 0.15 + 0.25) * 10 / 30)
+    assert ppo["ppo"] == {"lam": 0.95, "ngram": 1}
+    # ppo's curve: SFT + 0, .1, .2, .3 (50% of its 0.3 gain at 20, 90% at 30); ma_ppo's mean
+    # reaches SFT + .15 at step 10; ppo_lam1's mean offsets 0, .15, .15, .125 never reach .27.
+    assert ppo["steps_to_50"]["step"] == 20 and ppo["steps_to_90"]["step"] == 30
+    assert report["arms"]["ma_ppo"]["steps_to_50"]["step"] == 10
+    assert report["arms"]["ppo_lam1"]["steps_to_90"] == {"step": None, "ci": [None, None]}
+
+    ma = report["comparisons"]["ma_ppo"]
+    assert ma["macro"] and ma["control"] == "ma_ppo_ctrl"
+    j = ma["versus_ppo"]["J"]
+    assert j["seeds"] == list(range(8))
+    np.testing.assert_allclose(j["differences"], np.array(E) - 0.05 * 2, atol=1e-12)
+    s = math.sqrt(sum(e * e for e in E) / 7)  # E has mean 0
+    half = T_975_7 * s / math.sqrt(8)
+    assert j["mean"] == pytest.approx(-0.1)
+    assert j["ci_t"] == pytest.approx([-0.1 - half, -0.1 + half])
+    assert j["ci"] == pytest.approx(_bootstrap_by_hand(np.array(E) - 0.1), abs=1e-12)
+    assert ma["versus_control"]["final_gold"]["differences"] == pytest.approx(
+        np.array(E) - np.array(F))
+    # Token arms other than ppo are compared with ppo only.
+    assert report["comparisons"]["ppo_lam1"]["versus_control"] is None
+    assert not report["comparisons"]["ppo_lam1"]["macro"]
+
+    res = report["resolution"]
+    assert res["ppo_gain"] == pytest.approx(0.3) and res["ppo_gain_ci"] == pytest.approx([0.3, 0.3])
+    halves = {f"ma_ppo vs {v}": (c["final_gold"]["ci"][1] - c["final_gold"]["ci"][0]) / 2
+              for v, c in (("ppo", ma["versus_ppo"]), ("ma_ppo_ctrl", ma["versus_control"]))}
+    assert res["half_widths"] == pytest.approx(halves)
+    assert res["gain_over_max_half_width"] == pytest.approx(0.3 / max(halves.values()))
+
+    hack = report["arms"]["ppo_lam1"]["reward_hacking"]
+    assert hack["seeds"] == [0, 1, 2, 3] and hack["count"] == 4
+    assert hack["rules"]["0"] == ["rm_up_gold_down", "gold_off_peak_rm_at_max"]
+    assert report["arms"]["ppo"]["reward_hacking"]["count"] == 0
+
+    text = (tmp_path / "report.md").read_text()
+    assert "hacks RM in 4/8 seeds" in text
+    assert "- ma_ppo vs ppo, J: -0.100, 95% CI [" in text
+    assert "| `ma_ppo` | `ma_ppo_ctrl` (control) |" in text
+    lines = report_lib.summary_text(report).splitlines()
+    assert lines[0].split() == ["arm", "gold", "J", "RM", "score", "to", "50%", "to", "90%"]
+    assert any(line.startswith("ppo_lam1") and "hacks RM in 4/8 seeds" in line
+               for line in lines)
+
+
+def test_report_without_plan_row_uses_the_arguments():
+    rows = _study_rows(plan=False)
+    with pytest.raises(ValueError, match="beta"):
+        report_lib.compute_report(rows)
+    r = report_lib.compute_report(rows, beta=0.05, controls={"ma_ppo": "ma_ppo_ctrl"})
+    assert list(r["arms"]) == ["ppo", "ma_ppo", "ma_ppo_ctrl", "ppo_lam1"]
+    assert r["claims"] == _expected_claims()
+
+
+def test_report_names_bad_input():
+    rows = [r for r in _study_rows() if not (r["stage"] == "eval" and r["arm"] == "ma_ppo"
+                                             and r["seed"] == 3 and r["step"] == 20)]
+    with pytest.raises(ValueError, match="ma_ppo/seed 3"):
+        report_lib.compute_report(rows)
+    rows = _study_rows()
+    next(r for r in rows if r["stage"] == "eval" and r["arm"] == "ppo_lam1")["kl"] = math.nan
+    with pytest.raises(ValueError, match=r"'ppo_lam1': non-finite kl at .* \[\(0, 0\)\]"):
+        report_lib.compute_report(rows)
+    rows = _study_rows()
+    rows[0]["controls"] = {"ma_ppo": "ppo_matched"}
+    with pytest.raises(ValueError, match="control 'ppo_matched'"):
+        report_lib.compute_report(rows)
+
+
+def test_combined_report_links_each_experiment(tmp_path):
+    reports = {}
+    for name, seeds in (("horizon_2", range(8)), ("horizon_8", range(10, 18))):
+        _write_metrics(tmp_path / name, _study_rows(seeds=tuple(seeds)))
+        reports[name] = report_lib.write_report(str(tmp_path / name))
+    report_lib.write_combined(str(tmp_path), reports)
+    combined = json.loads((tmp_path / "report.json").read_text())
+    assert combined["horizon_8"]["seeds"] == list(range(10, 18))
+    assert combined["horizon_2"]["claims"] == _expected_claims()
+    text = (tmp_path / "report.md").read_text()
+    assert "](horizon_2/curves.png)" in text and "](horizon_8/rm_hist.png)" in text
+    assert text.index("## horizon_2") < text.index("Seeds 0-7") < text.index("## horizon_8") \
+        < text.index("Seeds 10-17")
+
+
+def test_format_seeds():
+    assert report_lib.format_seeds([3, 0, 1, 2]) == "0-3"
+    assert report_lib.format_seeds([907, 911, 919]) == "907, 911, 919"
+
+
+# ---- the README section --------------------------------------------------------------------------
+def _readme_results():
+    spec = importlib.util.spec_from_file_location(
+        "readme_results", ROOT / "experiments" / "readme_results.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+README = """# Title
+
+Intro text.
+
+## Results of the default experiment
+
+<!-- results:start -->
+old table and old claims
+<!-- results:end -->
+
+## Running other things
+Tail text.
+"""
+
+
+def test_readme_results_keeps_only_claims_of_every_run(tmp_path):
+    rr = _readme_results()
+    run, confirm = tmp_path / "runs" / "main", tmp_path / "runs" / "confirm"
+    _write_metrics(run, _study_rows())
+    # On the fresh seeds ma_ppo's curve no longer runs ahead of ppo's mid-training.
+    _write_metrics(confirm, _study_rows(seeds=tuple(range(100, 108)), ma_mid=(0.1, 0.2)))
+    report_lib.write_report(str(run))
+    report_lib.write_report(str(confirm))
+    readme, results = tmp_path / "README.md", tmp_path / "docs" / "results.json"
+    curves = tmp_path / "docs" / "curves.png"
+    readme.write_text(README)
+    argv = [str(run), str(confirm), "--readme", str(readme), "--results", str(results),
+            "--curves", str(curves), "--command", "python experiments/run.py --config.x=1"]
+    assert rr.main(argv) == 0
+
+    kept = [c for c in _expected_claims() if c["metric"] != "auc_gold" or c["arm"] != "ma_ppo"]
+    data = json.loads(results.read_text())
+    assert data["claims"] == kept
+    assert data["runs"] == [{"dir": str(run), "seeds": list(range(8))},
+                            {"dir": str(confirm), "seeds": list(range(100, 108))}]
+    assert data["generated_by"] == "experiments/readme_results.py " + " ".join(argv)
+    assert curves.read_bytes() == (run / "curves.png").read_bytes()
+
+    text = readme.read_text()
+    head, rest = text.split("<!-- results:start -->\n")
+    section, tail = rest.split("\n<!-- results:end -->")
+    assert head == README.split("<!-- results:start -->")[0]
+    assert tail == README.split("<!-- results:end -->")[1]
+    assert "old table" not in text
+    assert "`python experiments/run.py --config.x=1` on seeds 0-7" in section
+    assert "repeated on seeds 100-107" in section
+    assert "![gold, J and RM score over PPO steps](docs/curves.png)" in section
+    assert "| `ppo_lam1` |" in section and "hacks RM in 4/8 seeds" in section
+    assert "Resolution, seeds 0-7:" in section and "Resolution, seeds 100-107:" in section
+    reports = [json.loads((d / "report.json").read_text()) for d in (run, confirm)]
+    j = [r["comparisons"]["ma_ppo"]["versus_ppo"]["J"] for r in reports]
+    claims = [line for line in section.splitlines() if " than `" in line]
+    assert len(claims) == len(kept)
+    assert claims[0] == (
+        f"- `ma_ppo` has lower J than `ppo`: -0.100 [{j[0]['ci'][0]:+.3f}, {j[0]['ci'][1]:+.3f}] "
+        f"on seeds 0-7, -0.100 [{j[1]['ci'][0]:+.3f}, {j[1]['ci'][1]:+.3f}] on seeds 100-107.")
+    assert any(line.startswith("- `ma_ppo` has lower J than `ma_ppo_ctrl` (its matched "
+                               "control): ") for line in claims)
+    # The dropped claim and the null results, in words.
+    assert ("- `ma_ppo` vs `ppo`, mean gold over training: no difference that holds on every "
+            "run: +0.033 [") in section
+    assert "- `ma_ppo` vs `ppo`, final gold: not distinguishable: " in section
+    assert ("- `ma_ppo` vs `ma_ppo_ctrl` (its matched control), final gold: not "
+            "distinguishable: ") in section
+    assert "`ma_ppo` has higher mean gold over training" not in section
+
+
+def test_readme_results_needs_the_markers(tmp_path, capsys):
+    rr = _readme_results()
+    run = tmp_path / "run"
+    _write_metrics(run, _study_rows())
+    report_lib.write_report(str(run))
+    readme = tmp_path / "README.md"
+    readme.write_text("# Title\n\n<!-- results:start -->\nno end marker\n")
+    argv = [str(run), "--readme", str(readme), "--results", str(tmp_path / "results.json"),
+            "--curves", str(tmp_path / "curves.png")]
+    assert rr.main(argv) == 2
+    assert "<!-- results:end -->" in capsys.readouterr().err
+    assert readme.read_text() == "# Title\n\n<!-- results:start -->\nno end marker\n"
+    assert not (tmp_path / "results.json").exists()
+    assert rr.main([str(tmp_path / "nowhere"), "--readme", str(readme)]) == 2
+    assert "report.json does not exist" in capsys.readouterr().err
