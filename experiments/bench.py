@@ -1,21 +1,23 @@
-"""Benchmarks: `python experiments/bench.py {macro,sampler,step,device,memory,scoring} [flags]`.
+"""Benchmarks: `python experiments/bench.py {macro,sampler,group,step,device,memory,scoring} [flags]`.
 
-Each benchmark lives in `experiments/bench_<name>.py` with a `main(argv)` function and prints
-the numbers it measures side by side in one run (ratios, not absolute times, are what matter on
-a noisy machine).
+Each benchmark lives in `experiments/bench_<name>.py` (`group`: `bench_groups.py`) with a
+`main(argv)` function and prints the numbers it measures side by side in one run (ratios, not
+absolute times, are what matter on a noisy machine).
 """
 import importlib
 import pathlib
 import sys
 
-BENCHMARKS = ("macro", "sampler", "step", "device", "memory", "scoring")
+BENCHMARKS = ("macro", "sampler", "group", "step", "device", "memory", "scoring")
+# Modes whose module name differs from the mode.
+MODULES = {"group": "groups"}
 
 
 def main(argv):
     if len(argv) < 2 or argv[1] not in BENCHMARKS:
         raise SystemExit(f"usage: python experiments/bench.py {{{','.join(BENCHMARKS)}}} [flags]")
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-    importlib.import_module(f"bench_{argv[1]}").main(argv[2:])
+    importlib.import_module(f"bench_{MODULES.get(argv[1], argv[1])}").main(argv[2:])
 
 
 if __name__ == "__main__":

@@ -14,10 +14,11 @@ import re
 
 import ml_collections
 
+from marl_jax.estimators import ESTIMATORS
 from marl_jax.macro.advantage import REWARD_AGGREGATIONS, VALUE_WEIGHTINGS
 
 STAGES = ("sft", "rm", "ppo", "all", "experiment", "eval")
-TERMINATIONS = ("fixed", "randomized", "perplexity", "parsing")
+TERMINATIONS = ("fixed", "randomized", "perplexity", "entropy", "parsing")
 KL_ESTIMATORS = ("k1", "k3")
 SCHEDULES = ("constant", "linear", "cosine")
 CRITIC_INITS = ("rm", "sft", "random")
@@ -129,6 +130,7 @@ def base_config() -> ml_collections.ConfigDict:
     p.ngram = 5
     p.randomized_lengths = (2, 3, 5, 10)
     p.randomized_repeats = 3
+    p.entropy_quantile = 0.2  # entropy termination: share of tokens (top entropy) starting macros
     p.parsing_cutoff = 5
     p.parsing_model = "en_core_web_sm"
     p.isolate_last = True
@@ -155,6 +157,17 @@ def base_config() -> ml_collections.ConfigDict:
     # rm (the paper); gold: the synthetic task's gold function as an oracle reward model;
     # host: a reward computed on the host, e.g. the fraction of APPS unit tests passed.
     p.reward_source = "rm"
+    # Advantages (marl_jax/estimators.py): gae (macro GAE with a critic: PPO / MA-PPO) or a
+    # critic-free estimator: grpo, dr_grpo, rloo (group baselines over `group_size` samples of
+    # each prompt), reinforce_pp (REINFORCE++), macro_mc (Monte Carlo values of macro starts
+    # from `mc_rollouts` continuations at up to `mc_branch_points` of them per response).
+    p.estimator = "gae"
+    p.group_size = 1  # samples per prompt; batch_size counts responses (prompts x group_size)
+    p.mc_rollouts = 4
+    p.mc_branch_points = 4  # 0: every macro start
+    # Experiments only: arm name -> ppo fields that arm sets beyond its definition (e.g. the
+    # group size or batch size of a critic-free arm, configs/synthetic_estimators.py).
+    p.arm_overrides = ml_collections.ConfigDict()
     p.eval_every = 10
 
     # `--config.stage=eval`: the SFT and final PPO policies of a workdir on held-out prompts.
@@ -209,6 +222,7 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
     check(len(p.randomized_lengths) > 0 and all(int(x) >= 1 for x in p.randomized_lengths),
           "ppo.randomized_lengths", "must be a non-empty tuple of integers >= 1")
     check(p.randomized_repeats >= 1, "ppo.randomized_repeats", "must be >= 1")
+    check(0 < p.entropy_quantile <= 1, "ppo.entropy_quantile", "must be in (0, 1]")
     check(p.temperature >= 0, "ppo.temperature", "must be >= 0")
     check(0 < p.top_p <= 1, "ppo.top_p", "must be in (0, 1]")
     check(p.top_k >= 0, "ppo.top_k", "must be >= 0 (0 disables top-k)")
@@ -238,6 +252,17 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
     check(p.batch_size % (p.num_minibatches * p.grad_accum_steps) == 0, "ppo.grad_accum_steps",
           f"ppo.num_minibatches * ppo.grad_accum_steps = {p.num_minibatches} * "
           f"{p.grad_accum_steps} must divide ppo.batch_size={p.batch_size}")
+    check(p.estimator in ESTIMATORS, "ppo.estimator", f"must be one of {ESTIMATORS}")
+    check(isinstance(p.group_size, int) and p.group_size >= 1 and p.batch_size % p.group_size == 0,
+          "ppo.group_size", f"must be an integer >= 1 dividing ppo.batch_size={p.batch_size}")
+    check(p.group_size >= 2 or p.estimator not in ("grpo", "rloo"), "ppo.group_size",
+          f"ppo.estimator={p.estimator!r} needs at least 2 samples per prompt")
+    check(isinstance(p.mc_rollouts, int) and p.mc_rollouts >= 1, "ppo.mc_rollouts",
+          "must be an integer >= 1")
+    check(isinstance(p.mc_branch_points, int) and p.mc_branch_points >= 0,
+          "ppo.mc_branch_points", "must be an integer >= 0 (0: every macro start)")
+    check(p.estimator != "macro_mc" or p.reward_source in ("rm", "gold"), "ppo.reward_source",
+          "macro_mc scores its branches on device: use rm or gold")
     check(c.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
     for axis in ("data", "fsdp", "tensor"):
         v = c.mesh[axis]

@@ -67,6 +67,19 @@ ARMS = {
 }
 TRACED_FIELDS = ("lam", "gamma", "kl_coef", "ngram", "termination", "value_weighting",
                  "reward_aggregation", "critic_init")
+# Fields that change the compiled step (the estimator and the batch shapes): runs that differ in
+# them are separate groups, each one vmapped program, run one after the other.
+STATIC_FIELDS = ("estimator", "group_size", "batch_size", "mc_rollouts", "mc_branch_points")
+# Critic-free estimators (configs/synthetic_estimators.py). Sizes are set by the config.
+ARMS.update({
+    "grpo": lambda p: dict(TOKEN_PPO, estimator="grpo"),
+    "dr_grpo": lambda p: dict(TOKEN_PPO, estimator="dr_grpo"),
+    "rloo": lambda p: dict(TOKEN_PPO, estimator="rloo"),
+    "reinforce_pp": lambda p: dict(TOKEN_PPO, estimator="reinforce_pp"),
+    # Monte Carlo values at every token (VinePPO-like) or at the starts of 5-gram macros.
+    "macro_mc_n1": lambda p: dict(TOKEN_PPO, estimator="macro_mc"),
+    "macro_mc_n5": lambda p: dict(TOKEN_PPO, estimator="macro_mc", ngram=5),
+})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,9 +94,16 @@ class Run:
         return (self.ppo["termination"], self.ppo["value_weighting"],
                 self.ppo["reward_aggregation"])
 
+    @property
+    def group(self) -> tuple:
+        """The static fields of the run: runs of one group share one compiled step."""
+        return tuple(self.ppo[k] for k in STATIC_FIELDS)
+
 
 def is_macro_arm(fields: dict) -> bool:
-    return not (fields["termination"] == "fixed" and int(fields["ngram"]) == 1)
+    """Macro-action PPO (GAE over macros): the arms that get a matched token-PPO control."""
+    return fields.get("estimator", "gae") == "gae" and not (
+        fields["termination"] == "fixed" and int(fields["ngram"]) == 1)
 
 
 def mean_macro_length(fields: dict, ppo_cfg):
@@ -119,8 +139,9 @@ def resolve_arm(name: str, ppo_cfg) -> dict:
     if name not in ARMS:
         raise ValueError(f"config.experiment.arms: unknown arm {name!r}; known: {sorted(ARMS)} "
                          f"and <macro arm>{CONTROL_SUFFIX}")
-    fields = {k: ppo_cfg[k] for k in TRACED_FIELDS}
+    fields = {k: ppo_cfg[k] for k in TRACED_FIELDS + STATIC_FIELDS}
     fields.update(ARMS[name](ppo_cfg))
+    fields.update(dict(ppo_cfg.get("arm_overrides", {}).get(name, {})))
     if fields["termination"] == "parsing":
         raise ValueError(f"arm {name!r}: parsing termination runs host-side and cannot be "
                          "vmapped; run it as a single pipeline (--config.stage=all)")
@@ -153,6 +174,14 @@ def plan_runs(config) -> list[Run]:
         raise ValueError("config.experiment.arms is empty")
     if len(set(arms)) != len(arms):
         raise ValueError(f"config.experiment.arms has duplicates: {arms}")
+    overrides = dict(config.ppo.get("arm_overrides", None) or {})
+    for arm, fields in overrides.items():
+        if arm not in arms:
+            raise ValueError(f"config.ppo.arm_overrides: {arm!r} is not among the arms {arms}")
+        bad = sorted(set(dict(fields)) - set(TRACED_FIELDS + STATIC_FIELDS))
+        if bad:
+            raise ValueError(f"config.ppo.arm_overrides.{arm}: {bad} cannot vary between arms; "
+                             f"an arm may set {TRACED_FIELDS + STATIC_FIELDS}")
     seeds = tuple(int(s) for s in config.seeds)
     if not seeds or len(set(seeds)) != len(seeds):
         raise ValueError(f"config.seeds={config.seeds!r} must be a non-empty tuple of distinct "
@@ -209,11 +238,21 @@ def _run_one(config, workdir: str) -> dict:
 
     config_lib.validate_config(config)
     runs = plan_runs(config)
+    groups = run_groups(runs)
     pipe = Pipeline(config, workdir)
     try:
         sft_params = pipe.sft()
         rm_params, stats = pipe.rm()
-        _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats)
+        measured = []
+        for i, group in enumerate(groups):
+            name = "experiment" if len(groups) == 1 else f"experiment_{i}"
+            measured += _run_ppo_group(group_config(config, group[0]), pipe, group, sft_params,
+                                       rm_params, stats, stage_name=name)
+        if jax.process_index() == 0:
+            order = {(r.arm, r.seed): i for i, r in enumerate(runs)}
+            measured.sort(key=lambda r: order[(r.arm, r.seed)])
+            pipe.writer.truncate_after("plan", -1)
+            pipe.writer.write(plan_row(config, measured, len(pipe.task.eval["ids"])))
     finally:
         pipe.close()
     if jax.process_index() != 0:
@@ -225,13 +264,36 @@ def _run_one(config, workdir: str) -> dict:
     return report
 
 
-def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats):
+def run_groups(runs) -> list[list[Run]]:
+    """Runs split by their static fields, in the order their arms are listed."""
+    groups = {}
+    for r in runs:
+        groups.setdefault(r.group, []).append(r)
+    return list(groups.values())
+
+
+def group_config(config, run: Run):
+    """`config` with the static fields of `run`'s group (estimator, batch shapes) in its ppo
+    section, validated."""
+    out = config.copy_and_resolve_references()
+    for key in STATIC_FIELDS:
+        out.ppo[key] = run.ppo[key]
+    config_lib.validate_config(out)
+    return out
+
+
+def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats, *, stage_name="experiment"):
+    """One group of runs (same static fields) as one vmapped step, resumable; returns the runs
+    with their measured mean macro lengths."""
     p, task = config.ppo, pipe.task
     variants = tuple(sorted({r.variant for r in runs}))
     static = ppo_lib.static_from_config(config, task.tokenizer, variants=variants)
     mods = ppo_lib.make_models(config, pipe.policy, pipe.critic, pipe.reward_model, task.gold_fn)
     mesh = pipe.mesh
     sharding.validate_batch(p.batch_size, mesh, "config.ppo.batch_size")
+    if static.group_size > 1:
+        sharding.validate_batch(static.prompts_per_step, mesh,
+                                "config.ppo.batch_size / config.ppo.group_size (prompts per step)")
 
     # Every input of the vmapped step is a global array on the mesh (on several processes a
     # jitted computation cannot take host arrays): params and optimizer states with their
@@ -274,11 +336,13 @@ def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats):
     eval_keys = sharding.put_global(np.stack([
         jax.random.key_data(jax.random.fold_in(jax.random.key(int(s)), 7)) for s in seeds]),
         mesh, axis=None)
-    local_rows = distributed.local_batch_rows(p.batch_size, sharding.batch_sharding(mesh))
+
+    local_rows = distributed.local_batch_rows(static.prompts_per_step,
+                                              sharding.batch_sharding(mesh))
 
     def step_prompts(step):
-        rows = np.stack([batches.batch_indices(num_prompts, p.batch_size, int(s) + 2, step)
-                         for s in seeds])[:, local_rows]
+        rows = np.stack([batches.batch_indices(num_prompts, static.prompts_per_step, int(s) + 2,
+                                               step) for s in seeds])[:, local_rows]
         return sharding.shard_batch({k: v[rows] for k, v in task.rl.items()}, mesh, axis=1)
 
     if any(r.ppo["mean_macro_length"] is None for r in runs):
@@ -303,40 +367,57 @@ def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats):
         return distributed.global_to_host(
             {k: v for k, v in result.items() if k in ppo_lib.EVAL_ROW_KEYS})
 
-    def eval_rows(result, step):
+    clock = {"train_s": 0.0, "last": None}
+
+    def eval_rows(state, step):
+        result = evaluate(state)
+        budget = distributed.global_to_host(
+            {"generated_tokens": state.generated_tokens, "prefill_tokens": state.prefill_tokens})
         rows = []
         for i, r in enumerate(runs):
             one = {k: v[i] for k, v in result.items()}
             rows.append(dict(stage="eval", arm=r.arm, seed=r.seed, step=step,
-                             **ppo_lib.eval_row(one)))
+                             **ppo_lib.eval_row(one),
+                             generated_tokens=float(budget["generated_tokens"][i]),
+                             prefill_tokens=float(budget["prefill_tokens"][i]),
+                             # The group's training time so far, shared by its runs.
+                             train_s=clock["train_s"] / len(runs)))
         return rows
 
-    writer = pipe.writer
-    stage = loop.Stage("experiment", pipe.workdir, max_to_keep=config.max_to_keep)
+    writer = _PerRunWriter(pipe.writer, runs)
+    stage = loop.Stage(stage_name, pipe.workdir, max_to_keep=config.max_to_keep)
     if not stage.latest_step():
-        for name in ("plan", "eval", "final"):
+        for name in ("eval", "final"):
             writer.truncate_after(name, -1)
-        writer.write(plan_row(config, runs, len(task.eval["ids"])))
-        for row in eval_rows(evaluate(state), 0):
-            writer.write(row)
+        for row in eval_rows(state, 0):
+            pipe.writer.write(row)
 
     def hooks(state, done):
+        now = _now()
+        if clock["last"] is not None:
+            clock["train_s"] += now - clock["last"]
+        out = []
         if p.eval_every > 0 and (done % p.eval_every == 0 or done == p.steps):
-            return eval_rows(evaluate(state), done)
-        return []
+            out = eval_rows(state, done)
+        clock["last"] = _now()
+        return out
 
     metadata = dict(stage="experiment", config=config.to_dict(),
                     runs=[dict(arm=r.arm, seed=r.seed, **r.ppo) for r in runs])
+    clock["last"] = _now()
     state, _ = loop.run(stage, state=state, total_steps=p.steps, step_fn=run_step,
-                        writer=_PerRunWriter(writer, runs), metadata=metadata,
+                        writer=writer, metadata=metadata,
                         checkpoint_every=config.checkpoint_every, log_every=config.log_every,
                         progress_keys=("objective/scores", "objective/kl"), hooks=hooks, truncate_stages=("ppo", "eval"),
-                        tokens_per_step=len(runs) * p.batch_size * (
-                            task.prompt_length + p.response_length))
+                        tokens_per_step=len(runs) * (p.batch_size * p.response_length
+                                                     + static.prompts_per_step
+                                                     * task.prompt_length))
     # Process 0 alone reads metrics.jsonl; its answer decides for all, since the evaluation
     # below is a collective.
+    arms = {r.arm for r in runs}
     if not distributed.main_process_value(
-            any(r.get("stage") == "final" for r in _read(pipe.workdir))):
+            any(r.get("stage") == "final" and r.get("arm") in arms
+                for r in _read(pipe.workdir))):
         result = evaluate(state)
         for i, r in enumerate(runs):
             row = dict(stage="final", arm=r.arm, seed=r.seed, step=p.steps,
@@ -344,8 +425,14 @@ def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats):
                        kl_per_prompt=[float(x) for x in result["kl"][i]])
             if "gold" in result:
                 row["gold_per_prompt"] = [float(x) for x in result["gold"][i]]
-            writer.write(row)
+            pipe.writer.write(row)
     stage.close()
+    return runs
+
+
+def _now() -> float:
+    import time
+    return time.perf_counter()
 
 
 def plan_row(config, runs, num_eval_prompts: int) -> dict:
@@ -418,7 +505,7 @@ class _PerRunWriter:
         self.writer, self.runs = writer, runs
 
     def write(self, row):
-        if row.get("stage") != "experiment":
+        if not str(row.get("stage", "")).startswith("experiment"):
             self.writer.write(row)
             return
         for i, r in enumerate(self.runs):
@@ -427,4 +514,8 @@ class _PerRunWriter:
             self.writer.write(one)
 
     def truncate_after(self, stage, step, **match):
-        return self.writer.truncate_after(stage, step, **match)
+        """Drops this group's rows only (other groups of the experiment keep theirs)."""
+        if str(stage).startswith("experiment"):
+            stage = "ppo"
+        return sum(self.writer.truncate_after(stage, step, **dict(match, arm=arm))
+                   for arm in dict.fromkeys(r.arm for r in self.runs))

@@ -1,4 +1,5 @@
-"""Autoregressive sampling with a KV cache: `generate` (temperature, top-k, top-p, EOS, pad).
+"""Autoregressive sampling with a KV cache: `generate` (temperature, top-k, top-p, EOS, pad; several
+samples per prompt; per-row keys) and `continue_responses` (resampling after a response prefix).
 
 One jitted program: a prefill over the left-padded prompt writes keys/values for slots
 `[0, P)` of a preallocated cache `[B, K, P + N, H]` per layer, then a `lax.while_loop` feeds one
@@ -7,12 +8,22 @@ inside the program and carried by the loop, so XLA aliases it across iterations 
 copying) and stops as soon as every row has emitted an EOS token.
 Only the last position's logits are computed per step; the training path of the model is
 untouched. `generate` is callable inside an outer `jax.jit` and with sharded params.
+
+Groups: with `num_samples = k` each prompt is prefilled once and its cache and last logits are
+repeated k times along the batch axis (row `b * k + j` is sample j of prompt b), so the prefill
+costs B rows instead of B * k.
+
+Keys: by default step t draws one categorical over the whole batch with `fold_in(key, t)` (a row's
+sample then depends on the batch it is in). With `row_keys` `[B * k]` the token at response
+position t of row i is drawn with `fold_in(row_keys[i], t)` alone, so a row's sample depends only
+on its key, its context and t; `continue_responses` relies on this to reproduce a response from
+any prefix of it.
 """
 from __future__ import annotations
 
 import functools
 import numbers
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,15 +35,22 @@ from marl_jax.models.heads import CausalLM, check_tokens
 
 class SampleOutput(NamedTuple):
     """tokens `[B, N]` int32 (pad after EOS), logprobs `[B, N]` float32 (of the distribution
-    sampled from; 0 where masked), mask `[B, N]` int32 (1 up to and including EOS)."""
+    sampled from; 0 where masked), mask `[B, N]` int32 (1 up to and including EOS), entropy
+    `[B, N]` float32 (of the distribution sampled from: temperature-scaled and top-k / top-p
+    filtered; greedy: of the softmax of the raw logits; 0 where masked)."""
 
     tokens: jax.Array
     logprobs: jax.Array
     mask: jax.Array
+    entropy: jax.Array
 
 
 def _is_number(x) -> bool:
     return isinstance(x, numbers.Number) and not isinstance(x, bool)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 def _eos_tuple(eos_id, vocab_size: int) -> tuple[int, ...]:
@@ -67,115 +85,372 @@ def filtered_logits(logits: jax.Array, temperature, *, top_k: int, top_p, use_to
     return scaled, ids
 
 
-def _choose(logits, key, temperature, top_p, *, top_k, greedy, dynamic_temperature, use_top_p):
-    """Next tokens `[B]` and their logprobs `[B]` from logits `[B, V]` float32."""
+def _entropy(log_probs: jax.Array) -> jax.Array:
+    """Entropy `[B]` of log-probabilities `[B, C]` (-inf entries: probability 0)."""
+    return -jnp.sum(jnp.where(log_probs > -jnp.inf, jnp.exp(log_probs) * log_probs, 0.0), axis=-1)
+
+
+def _greedy(logits):
+    """argmax tokens `[B]`, their log-softmax `[B]` and the entropy `[B]` of softmax(logits)."""
+    token = jnp.argmax(logits, axis=-1)
+    log_probs = jax.nn.log_softmax(logits)
+    return token, jnp.take_along_axis(log_probs, token[:, None], axis=-1)[:, 0], _entropy(log_probs)
+
+
+def _choose(logits, draw: Callable, temperature, top_p, *, top_k, greedy, dynamic_temperature, use_top_p):
+    """Next tokens `[B]`, their logprobs `[B]` and the entropy `[B]` of the distribution they are
+    drawn from, given logits `[B, V]` float32; `draw(candidates [B, C]) -> [B]` picks a candidate
+    index per row."""
     if greedy:
-        token = jnp.argmax(logits, axis=-1)
-        return token, jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None], axis=-1)[:, 0]
+        return _greedy(logits)
     safe_temperature = jnp.where(temperature > 0, temperature, 1.0) if dynamic_temperature else temperature
     candidates, ids = filtered_logits(logits, safe_temperature, top_k=top_k, top_p=top_p, use_top_p=use_top_p)
-    choice = jax.random.categorical(key, candidates, axis=-1)
-    logprob = jnp.take_along_axis(jax.nn.log_softmax(candidates), choice[:, None], axis=-1)[:, 0]
+    choice = draw(candidates)
+    log_probs = jax.nn.log_softmax(candidates)
+    logprob = jnp.take_along_axis(log_probs, choice[:, None], axis=-1)[:, 0]
+    entropy = _entropy(log_probs)
     token = choice if ids is None else jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0]
     if dynamic_temperature:
-        greedy_token = jnp.argmax(logits, axis=-1)
-        greedy_logprob = jnp.take_along_axis(jax.nn.log_softmax(logits), greedy_token[:, None], axis=-1)[:, 0]
+        greedy_token, greedy_logprob, greedy_entropy = _greedy(logits)
         token = jnp.where(temperature > 0, token, greedy_token)
         logprob = jnp.where(temperature > 0, logprob, greedy_logprob)
-    return token, logprob
+        entropy = jnp.where(temperature > 0, entropy, greedy_entropy)
+    return token, logprob, entropy
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "top_k", "eos_ids", "pad_id", "greedy",
-                                             "dynamic_temperature", "use_top_p"))
-def _generate(model: CausalLM, params, prompt_ids, prompt_mask, key, temperature, top_p, *, max_new_tokens,
-              top_k, eos_ids, pad_id, greedy, dynamic_temperature, use_top_p):
-    batch, prompt_len = prompt_ids.shape
-    steps = max_new_tokens
-    choose = functools.partial(_choose, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy,
-                               dynamic_temperature=dynamic_temperature, use_top_p=use_top_p)
+def _draws(key, row_keys, offsets):
+    """`draw_at(step)`: the candidate picker of decode step `step`. With `key`, one categorical over
+    the batch keyed `fold_in(key, step)`; with `row_keys` `[B]`, row i's categorical keyed
+    `fold_in(row_keys[i], offsets[i] + step)` (offsets `[B]`: response position of step 0)."""
+    if row_keys is None:
+        def batch_draw(step):
+            step_key = jax.random.fold_in(key, step)
+            return lambda candidates: jax.random.categorical(step_key, candidates, axis=-1)
+
+        return batch_draw
+
+    def row(row_key, position, candidates):
+        return jax.random.categorical(jax.random.fold_in(row_key, position), candidates)
+
+    def row_draw(step):
+        return lambda candidates: jax.vmap(row)(row_keys, offsets + step, candidates)
+
+    return row_draw
+
+
+def _repeat_rows(model: CausalLM, k: int, logits, cache, *rows):
+    """Repeats the prefill's logits `[B, V]`, cache and per-row arrays `[B, ...]` k times along the
+    batch axis (row b -> rows `[b * k, (b + 1) * k)`)."""
+    if k == 1:
+        return (logits, cache, *rows)
+    batch_axis = 1 if model.config.scan_layers else 0  # scanned caches are [L, B, K, S, H]
+    cache = jax.tree.map(lambda x: jnp.repeat(x, k, axis=batch_axis), cache)
+    return (jnp.repeat(logits, k, axis=0), cache, *(jnp.repeat(x, k, axis=0) for x in rows))
+
+
+def _sample_loop(decode, choose, draw_at, logits, cache, kv_mask, lengths, start_slot, *, steps, eos_ids, pad_id,
+                 done=None, remaining=None) -> SampleOutput:
+    """Samples up to `steps` tokens per row after a prefill.
+
+    logits `[B, V]`: the prefill's last logits; cache: slots `[0, start_slot)` filled; kv_mask
+    `[B, start_slot + steps]`; lengths `[B]`: valid tokens per row before the first new one (its
+    position). done `[B]` bool (optional): rows that sample nothing; remaining `[B]` int32
+    (optional): at most this many tokens per row. Returns `[B, steps]` arrays; the loop stops when
+    every row is done.
+    """
+    batch = logits.shape[0]
     eos = jnp.asarray(eos_ids, jnp.int32)
-
-    def decode(tokens, kv_mask, positions, cache, index):
-        return model.apply({"params": params}, tokens, kv_mask, positions, cache, index, method=CausalLM.decode)
-
-    prompt_mask = prompt_mask.astype(jnp.int32)
-    kv_mask = jnp.concatenate([prompt_mask, jnp.ones((batch, steps), jnp.int32)], axis=1)
-    lengths = prompt_mask.sum(axis=-1)
-    cache = init_cache(model.config, batch, prompt_len + steps)
-    logits, cache = decode(prompt_ids, kv_mask, positions_from_mask(prompt_mask), cache, 0)
-    token, logprob = choose(logits, jax.random.fold_in(key, 0))
+    token, logprob, entropy = choose(logits, draw_at(0))
     token = token.astype(jnp.int32)
+    first_mask = jnp.ones((batch,), jnp.int32)
+    if done is not None:
+        alive = ~done
+        token = jnp.where(alive, token, pad_id)
+        logprob, entropy = jnp.where(alive, logprob, 0.0), jnp.where(alive, entropy, 0.0)
+        first_mask = alive.astype(jnp.int32)
     tokens = jnp.full((batch, steps), pad_id, jnp.int32).at[:, 0].set(token)
     logprobs = jnp.zeros((batch, steps), jnp.float32).at[:, 0].set(logprob)
-    mask = jnp.zeros((batch, steps), jnp.int32).at[:, 0].set(1)
-    done = jnp.any(token[:, None] == eos, axis=-1)
+    entropies = jnp.zeros((batch, steps), jnp.float32).at[:, 0].set(entropy)
+    mask = jnp.zeros((batch, steps), jnp.int32).at[:, 0].set(first_mask)
+    hit = jnp.any(token[:, None] == eos, axis=-1)
+    done = hit if done is None else done | hit
+    if remaining is not None:
+        done = done | (remaining <= 1)
 
     def cond(state):
         step, _, _, done, *_ = state
         return (step < steps) & ~jnp.all(done)
 
     def body(state):
-        step, cache, previous, done, tokens, logprobs, mask = state
-        # `previous` is token `step - 1`, at cache slot P + step - 1 and position L_b + step - 1.
+        step, cache, previous, done, tokens, logprobs, entropies, mask = state
+        # `previous` is token `step - 1`, at cache slot start_slot + step - 1 and position
+        # lengths + step - 1.
         logits, cache = decode(previous[:, None], kv_mask, (lengths + step - 1)[:, None], cache,
-                               prompt_len + step - 1)
-        token, logprob = choose(logits, jax.random.fold_in(key, step))
+                               start_slot + step - 1)
+        token, logprob, entropy = choose(logits, draw_at(step))
         alive = ~done
         token = jnp.where(alive, token.astype(jnp.int32), pad_id)
         logprob = jnp.where(alive, logprob, 0.0)
+        entropy = jnp.where(alive, entropy, 0.0)
         column = (0, step)
         tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], column)
         logprobs = jax.lax.dynamic_update_slice(logprobs, logprob[:, None], column)
+        entropies = jax.lax.dynamic_update_slice(entropies, entropy[:, None], column)
         mask = jax.lax.dynamic_update_slice(mask, alive.astype(jnp.int32)[:, None], column)
         done = done | (alive & jnp.any(token[:, None] == eos, axis=-1))
-        return step + 1, cache, token, done, tokens, logprobs, mask
+        if remaining is not None:
+            done = done | (step + 1 >= remaining)
+        return step + 1, cache, token, done, tokens, logprobs, entropies, mask
 
-    state = (jnp.asarray(1, jnp.int32), cache, token, done, tokens, logprobs, mask)
-    _, _, _, _, tokens, logprobs, mask = jax.lax.while_loop(cond, body, state)
-    return SampleOutput(tokens, logprobs, mask)
+    state = (jnp.asarray(1, jnp.int32), cache, token, done, tokens, logprobs, entropies, mask)
+    _, _, _, _, tokens, logprobs, entropies, mask = jax.lax.while_loop(cond, body, state)
+    return SampleOutput(tokens, logprobs, mask, entropies)
 
 
-def generate(model: CausalLM, params, prompt_ids, prompt_mask, *, key, max_new_tokens: int, temperature,
-             top_k: int = 0, top_p=1.0, eos_id: int | Sequence[int], pad_id: int) -> SampleOutput:
-    """Samples `max_new_tokens` (N) tokens after left-padded prompts.
+def _decoder(model: CausalLM, params):
+    def decode(tokens, kv_mask, positions, cache, index):
+        return model.apply({"params": params}, tokens, kv_mask, positions, cache, index, method=CausalLM.decode)
 
-    prompt_ids, prompt_mask `[B, P]` (every row's last column valid). temperature 0 is greedy
-    (logprobs: log-softmax of the raw logits); otherwise tokens are drawn from softmax(logits / T)
-    restricted to the `top_k` most likely tokens (0: all) and then to the top-p nucleus, and the
-    logprobs are those of that filtered distribution. Rows stop after an EOS token (any of
-    `eos_id`, an int or tuple); the EOS keeps mask 1, later entries are `pad_id` with mask 0.
-    temperature and top_p may be traced; model, max_new_tokens, top_k, eos_id and pad_id are static.
-    """
-    if not isinstance(model, CausalLM):
-        raise ValueError(f"generate needs a CausalLM, got {type(model).__name__}")
-    cfg = model.config
-    prompt_ids = prompt_ids if isinstance(prompt_ids, jax.Array) else jnp.asarray(prompt_ids)
-    prompt_mask = prompt_mask if isinstance(prompt_mask, jax.Array) else jnp.asarray(prompt_mask)
-    check_tokens(cfg, prompt_ids, prompt_mask, "prompt_ids")
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    prompt_len = prompt_ids.shape[1]
-    if prompt_len + max_new_tokens > cfg.max_position_embeddings:
-        raise ValueError(f"prompt length {prompt_len} + max_new_tokens {max_new_tokens} exceeds the model's "
-                         f"max_position_embeddings {cfg.max_position_embeddings}")
-    if not isinstance(top_k, (int, np.integer)) or not 0 <= top_k <= cfg.vocab_size:
+    return decode
+
+
+_STATIC = ("model", "top_k", "eos_ids", "pad_id", "greedy", "dynamic_temperature", "use_top_p", "num_samples")
+
+
+@functools.partial(jax.jit, static_argnames=("max_new_tokens", *_STATIC))
+def _generate(model: CausalLM, params, prompt_ids, prompt_mask, key, row_keys, temperature, top_p, *,
+              max_new_tokens, num_samples, top_k, eos_ids, pad_id, greedy, dynamic_temperature, use_top_p):
+    batch, prompt_len = prompt_ids.shape
+    steps = max_new_tokens
+    choose = functools.partial(_choose, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy,
+                               dynamic_temperature=dynamic_temperature, use_top_p=use_top_p)
+    decode = _decoder(model, params)
+    prompt_mask = prompt_mask.astype(jnp.int32)
+    kv_mask = jnp.concatenate([prompt_mask, jnp.ones((batch, steps), jnp.int32)], axis=1)
+    lengths = prompt_mask.sum(axis=-1)
+    cache = init_cache(model.config, batch, prompt_len + steps)
+    logits, cache = decode(prompt_ids, kv_mask, positions_from_mask(prompt_mask), cache, 0)
+    logits, cache, kv_mask, lengths = _repeat_rows(model, num_samples, logits, cache, kv_mask, lengths)
+    offsets = None if row_keys is None else jnp.zeros((batch * num_samples,), jnp.int32)
+    return _sample_loop(decode, choose, _draws(key, row_keys, offsets), logits, cache, kv_mask, lengths, prompt_len,
+                        steps=steps, eos_ids=eos_ids, pad_id=pad_id)
+
+
+def _sampler_flags(cfg, temperature, top_k, top_p, eos_id, pad_id) -> dict:
+    """Validates the sampling settings; returns the static flags of the jitted programs."""
+    if not _is_int(top_k) or not 0 <= top_k <= cfg.vocab_size:
         raise ValueError(f"top_k must be an int in [0, vocab_size={cfg.vocab_size}], got {top_k!r}")
     if _is_number(temperature) and temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if _is_number(top_p) and not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     eos_ids = _eos_tuple(eos_id, cfg.vocab_size)
-    if not isinstance(pad_id, (int, np.integer)) or not 0 <= pad_id < cfg.vocab_size:
+    if not _is_int(pad_id) or not 0 <= pad_id < cfg.vocab_size:
         raise ValueError(f"pad_id must be an int in [0, {cfg.vocab_size}), got {pad_id!r}")
-    if not isinstance(prompt_mask, jax.core.Tracer):
-        mask = np.asarray(prompt_mask)
-        if not mask[:, -1].all():
-            rows = np.flatnonzero(~mask[:, -1].astype(bool)).tolist()
-            raise ValueError(f"prompt_mask must be left-padded (last column valid); rows {rows} are not")
-    greedy = _is_number(temperature) and temperature == 0
-    dynamic_temperature = not _is_number(temperature)
-    use_top_p = not (_is_number(top_p) and top_p >= 1.0)
-    return _generate(model, params, prompt_ids, prompt_mask, key,
-                     jnp.asarray(1.0 if greedy else temperature, jnp.float32), jnp.asarray(top_p, jnp.float32),
-                     max_new_tokens=int(max_new_tokens), top_k=int(top_k), eos_ids=eos_ids, pad_id=int(pad_id),
-                     greedy=greedy, dynamic_temperature=dynamic_temperature, use_top_p=use_top_p)
+    return dict(top_k=int(top_k), eos_ids=eos_ids, pad_id=int(pad_id),
+                greedy=_is_number(temperature) and temperature == 0,
+                dynamic_temperature=not _is_number(temperature),
+                use_top_p=not (_is_number(top_p) and top_p >= 1.0))
+
+
+def _as_array(x) -> jax.Array:
+    return x if isinstance(x, jax.Array) else jnp.asarray(x)
+
+
+def _check_model(model, name: str) -> None:
+    if not isinstance(model, CausalLM):
+        raise ValueError(f"{name} needs a CausalLM, got {type(model).__name__}")
+
+
+def _check_left_padded(prompt_mask) -> None:
+    if isinstance(prompt_mask, jax.core.Tracer):
+        return
+    mask = np.asarray(prompt_mask)
+    if not mask[:, -1].all():
+        rows = np.flatnonzero(~mask[:, -1].astype(bool)).tolist()
+        raise ValueError(f"prompt_mask must be left-padded (last column valid); rows {rows} are not")
+
+
+def _check_num_samples(num_samples) -> int:
+    if not _is_int(num_samples) or num_samples < 1:
+        raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+    return int(num_samples)
+
+
+def _check_row_keys(row_keys, rows: int) -> None:
+    if not isinstance(row_keys, jax.Array) or not jnp.issubdtype(row_keys.dtype, jax.dtypes.prng_key):
+        raise ValueError("row_keys must be a typed key array (e.g. jax.random.split(jax.random.key(0), n)), "
+                         f"got {type(row_keys).__name__} of dtype {getattr(row_keys, 'dtype', None)}")
+    if tuple(row_keys.shape) != (rows,):
+        raise ValueError(f"row_keys must have shape ({rows},) = [batch * num_samples], got {tuple(row_keys.shape)}")
+
+
+def _sampler_scalars(flags: dict, temperature, top_p):
+    return jnp.asarray(1.0 if flags["greedy"] else temperature, jnp.float32), jnp.asarray(top_p, jnp.float32)
+
+
+def generate(model: CausalLM, params, prompt_ids, prompt_mask, *, key=None, row_keys=None, max_new_tokens: int,
+             temperature, top_k: int = 0, top_p=1.0, eos_id: int | Sequence[int], pad_id: int,
+             num_samples: int = 1) -> SampleOutput:
+    """Samples `max_new_tokens` (N) tokens after left-padded prompts, `num_samples` (k) per prompt.
+
+    prompt_ids, prompt_mask `[B, P]` (every row's last column valid). Returns `[B * k, N]` arrays;
+    row `b * k + j` is sample j of prompt b. Each prompt is prefilled once and its cache shared by
+    its k samples, which draw exactly what `generate` draws for `jnp.repeat(prompt_ids, k, axis=0)`.
+    temperature 0 is greedy (logprobs: log-softmax of the raw logits); otherwise tokens are drawn
+    from softmax(logits / T) restricted to the `top_k` most likely tokens (0: all) and then to the
+    top-p nucleus, and the logprobs are those of that filtered distribution. Rows stop after an
+    EOS token (any of `eos_id`, an int or tuple); the EOS keeps mask 1, later entries are `pad_id`
+    with mask 0.
+
+    Exactly one of `key` (step t draws one categorical over the batch with `fold_in(key, t)`) and
+    `row_keys` (typed keys `[B * k]`: row i's token t is drawn with `fold_in(row_keys[i], t)`,
+    independently of the other rows). temperature and top_p may be traced; model, max_new_tokens,
+    top_k, eos_id, pad_id and num_samples are static.
+    """
+    _check_model(model, "generate")
+    cfg = model.config
+    prompt_ids, prompt_mask = _as_array(prompt_ids), _as_array(prompt_mask)
+    check_tokens(cfg, prompt_ids, prompt_mask, "prompt_ids")
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    prompt_len = prompt_ids.shape[1]
+    if prompt_len + max_new_tokens > cfg.max_position_embeddings:
+        raise ValueError(f"prompt length {prompt_len} + max_new_tokens {max_new_tokens} exceeds the model's "
+                         f"max_position_embeddings {cfg.max_position_embeddings}")
+    flags = _sampler_flags(cfg, temperature, top_k, top_p, eos_id, pad_id)
+    _check_left_padded(prompt_mask)
+    num_samples = _check_num_samples(num_samples)
+    if (key is None) == (row_keys is None):
+        raise ValueError("generate needs exactly one of key (batch-level draws) and row_keys (per-row draws), got "
+                         + ("both" if key is not None else "neither"))
+    if row_keys is not None:
+        _check_row_keys(row_keys, prompt_ids.shape[0] * num_samples)
+    return _generate(model, params, prompt_ids, prompt_mask, key, row_keys,
+                     *_sampler_scalars(flags, temperature, top_p), max_new_tokens=int(max_new_tokens),
+                     num_samples=num_samples, **flags)
+
+
+# Continuation from a response prefix --------------------------------------------------------------------
+
+def _context(prompt_ids, prompt_mask, response_ids, prefix_lengths):
+    """Prompt + the first `prefix_lengths [B]` response tokens, left-padded again so that every
+    row's last column is valid: ids, mask `[B, P + R]` int32."""
+    ids = jnp.concatenate([prompt_ids, response_ids], axis=1).astype(jnp.int32)
+    response_len = response_ids.shape[1]
+    prefix_mask = jnp.arange(response_len)[None, :] < prefix_lengths[:, None]
+    mask = jnp.concatenate([prompt_mask.astype(jnp.int32), prefix_mask.astype(jnp.int32)], axis=1)
+    # Row b's valid tokens end at column P + t_b - 1: shift it right by R - t_b.
+    source = jnp.arange(ids.shape[1])[None, :] - (response_len - prefix_lengths)[:, None]
+    inside = source >= 0
+    source = jnp.maximum(source, 0)
+    ids = jnp.take_along_axis(ids, source, axis=1)
+    mask = jnp.where(inside, jnp.take_along_axis(mask, source, axis=1), 0)
+    return ids, mask
+
+
+def _after_prefix(response_ids, prefix_lengths, new: SampleOutput, pad_id: int) -> SampleOutput:
+    """Full responses `[B, R]`: `response_ids [B, R]` on `[0, t_b)` (mask 1, logprobs and entropy 0),
+    then the new tokens `[B, N]` from position t_b on, cut at R."""
+    response_len, steps = response_ids.shape[1], new.tokens.shape[1]
+    offset = jnp.arange(response_len)[None, :] - prefix_lengths[:, None]
+    in_prefix, in_new = offset < 0, (offset >= 0) & (offset < steps)
+    source = jnp.clip(offset, 0, steps - 1)
+
+    def place(new_values, fill):
+        return jnp.where(in_new, jnp.take_along_axis(new_values, source, axis=1), fill)
+
+    return SampleOutput(tokens=jnp.where(in_prefix, response_ids.astype(jnp.int32), place(new.tokens, pad_id)),
+                        logprobs=place(new.logprobs, 0.0),
+                        mask=jnp.where(in_prefix, 1, place(new.mask, 0)).astype(jnp.int32),
+                        entropy=place(new.entropy, 0.0))
+
+
+@functools.partial(jax.jit, static_argnames=("steps", *_STATIC))
+def _continue(model: CausalLM, params, prompt_ids, prompt_mask, response_ids, prefix_lengths, row_keys, temperature,
+              top_p, *, steps, num_samples, top_k, eos_ids, pad_id, greedy, dynamic_temperature, use_top_p):
+    batch, response_len = response_ids.shape
+    width = prompt_ids.shape[1] + response_len
+    choose = functools.partial(_choose, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy,
+                               dynamic_temperature=dynamic_temperature, use_top_p=use_top_p)
+    decode = _decoder(model, params)
+    prefix_lengths = prefix_lengths.astype(jnp.int32)
+    ids, mask = _context(prompt_ids, prompt_mask, response_ids, prefix_lengths)
+    kv_mask = jnp.concatenate([mask, jnp.ones((batch, steps), jnp.int32)], axis=1)
+    cache = init_cache(model.config, batch, width + steps)
+    logits, cache = decode(ids, kv_mask, positions_from_mask(mask), cache, 0)
+    last = jnp.take_along_axis(response_ids, jnp.maximum(prefix_lengths - 1, 0)[:, None], axis=1)[:, 0]
+    ended = (prefix_lengths > 0) & jnp.any(last[:, None] == jnp.asarray(eos_ids, jnp.int32), axis=-1)
+    done = ended | (prefix_lengths >= response_len)
+    remaining = jnp.minimum(response_len - prefix_lengths, steps)
+    logits, cache, kv_mask, lengths, done, remaining, prefix_lengths, response_ids = _repeat_rows(
+        model, num_samples, logits, cache, kv_mask, mask.sum(axis=-1), done, remaining, prefix_lengths, response_ids)
+    new = _sample_loop(decode, choose, _draws(None, row_keys, prefix_lengths), logits, cache, kv_mask, lengths, width,
+                       steps=steps, eos_ids=eos_ids, pad_id=pad_id, done=done, remaining=remaining)
+    return _after_prefix(response_ids, prefix_lengths, new, pad_id)
+
+
+def _leading_ones(mask: np.ndarray) -> np.ndarray:
+    """Per row, the number of leading 1 entries of a `[B, R]` mask."""
+    return np.cumprod(mask.astype(bool), axis=1).sum(axis=1)
+
+
+def _check_prefix_lengths(prefix_lengths, response_mask, batch: int) -> None:
+    if tuple(prefix_lengths.shape) != (batch,) or not jnp.issubdtype(prefix_lengths.dtype, jnp.integer):
+        raise ValueError(f"prefix_lengths must be an int array of shape ({batch},), got shape "
+                         f"{tuple(prefix_lengths.shape)} and dtype {prefix_lengths.dtype}")
+    if isinstance(prefix_lengths, jax.core.Tracer) or isinstance(response_mask, jax.core.Tracer):
+        return
+    lengths, valid = np.asarray(prefix_lengths), _leading_ones(np.asarray(response_mask))
+    bad = np.flatnonzero((lengths < 0) | (lengths > valid)).tolist()
+    if bad:
+        raise ValueError(f"prefix_lengths must be in [0, valid length of the response row]; rows {bad} are not "
+                         f"(prefix_lengths {lengths[bad].tolist()}, valid lengths {valid[bad].tolist()})")
+
+
+def continue_responses(model: CausalLM, params, prompt_ids, prompt_mask, response_ids, response_mask, prefix_lengths,
+                       *, row_keys, num_samples: int = 1, temperature, top_k: int = 0, top_p=1.0,
+                       eos_id: int | Sequence[int], pad_id: int, max_new_tokens: int | None = None) -> SampleOutput:
+    """Resamples responses after their first `prefix_lengths` tokens, `num_samples` (k) per row.
+
+    prompt_ids, prompt_mask `[B, P]` (left-padded); response_ids, response_mask `[B, R]`
+    (right-padded, as `generate` returns them; the mask only bounds prefix_lengths and is checked
+    on concrete arrays); prefix_lengths `[B]` int: t_b in `[0, valid length of response row b]`. Each row's prompt + prefix is prefilled once and shared
+    by its k continuations (row `b * k + j` is continuation j of row b), sampled with the settings
+    of `generate` and `row_keys` `[B * k]`: the token at response position t of row i is drawn
+    with `fold_in(row_keys[i], t)`, so with the keys a response was generated with
+    (`generate(..., row_keys=...)`) a continuation reproduces it from any prefix.
+
+    Returns full responses `[B * k, R]`: positions `[0, t_b)` hold the prefix with mask 1 and
+    logprobs / entropy 0 (they were not sampled here; the sampled part is
+    `mask * (arange(R) >= repeat(prefix_lengths, k))`), then up to `max_new_tokens` (default R)
+    sampled tokens, stopping after EOS or at R. A row whose prefix ends with EOS, or is the whole
+    response, samples nothing. max_new_tokens, num_samples, top_k, eos_id and pad_id are static.
+    """
+    _check_model(model, "continue_responses")
+    cfg = model.config
+    prompt_ids, prompt_mask = _as_array(prompt_ids), _as_array(prompt_mask)
+    response_ids, response_mask = _as_array(response_ids), _as_array(response_mask)
+    prefix_lengths = _as_array(prefix_lengths)
+    check_tokens(cfg, prompt_ids, prompt_mask, "prompt_ids")
+    check_tokens(cfg, response_ids, response_mask, "response_ids")
+    batch, response_len = response_ids.shape
+    if prompt_ids.shape[0] != batch:
+        raise ValueError(f"response_ids has {batch} rows but prompt_ids has {prompt_ids.shape[0]}")
+    if response_len < 1:
+        raise ValueError("response_ids must have at least one column")
+    if prompt_ids.shape[1] + response_len > cfg.max_position_embeddings:
+        raise ValueError(f"prompt length {prompt_ids.shape[1]} + response length {response_len} exceeds the "
+                         f"model's max_position_embeddings {cfg.max_position_embeddings}")
+    if max_new_tokens is None:
+        max_new_tokens = response_len
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int or None, got {max_new_tokens!r}")
+    flags = _sampler_flags(cfg, temperature, top_k, top_p, eos_id, pad_id)
+    _check_left_padded(prompt_mask)
+    num_samples = _check_num_samples(num_samples)
+    _check_prefix_lengths(prefix_lengths, response_mask, batch)
+    _check_row_keys(row_keys, batch * num_samples)
+    return _continue(model, params, prompt_ids, prompt_mask, response_ids, prefix_lengths, row_keys,
+                     *_sampler_scalars(flags, temperature, top_p), steps=min(int(max_new_tokens), response_len),
+                     num_samples=num_samples, **flags)

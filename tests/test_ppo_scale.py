@@ -15,7 +15,7 @@ from marl_jax import pipeline as pipeline_lib
 from marl_jax.train import exports, ppo as ppo_lib, ppo_core as core
 from marl_jax.train.metrics import read_metrics
 
-from train_util import tiny_config
+from train_util import tiny_config, trained_tiny_pipeline
 
 
 def _rows(workdir, stage):
@@ -77,11 +77,7 @@ def test_cold_critic_is_off_the_reward_scale(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_pipe(tmp_path_factory):
-    pipe = pipeline_lib.Pipeline(tiny_config(), str(tmp_path_factory.mktemp("tiny")))
-    sft = pipe.sft()
-    rm, stats = pipe.rm()
-    yield pipe, sft, rm, stats
-    pipe.close()
+    yield from trained_tiny_pipeline(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])

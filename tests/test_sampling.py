@@ -135,7 +135,7 @@ def test_eos_stops_rows_and_pads(tiny):
     eos = (int(free_tokens[0, 2]), int(free_tokens[1, 4]))
     out = generate(model, params, ids, mask, key=jax.random.key(0), max_new_tokens=8, temperature=0.0,
                    eos_id=eos, pad_id=0)
-    tokens, logprobs, out_mask = (np.asarray(x) for x in out)
+    tokens, logprobs, out_mask = (np.asarray(x) for x in (out.tokens, out.logprobs, out.mask))
     for row in range(4):
         hits = np.flatnonzero(np.isin(free_tokens[row], eos))
         length = hits[0] + 1 if hits.size else 8

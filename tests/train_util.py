@@ -29,3 +29,15 @@ def tiny_config(**overrides):
             node = node[p]
         node[leaf] = value
     return c
+
+
+def trained_tiny_pipeline(workdir):
+    """(pipeline, SFT params, RM params, reward statistics) of `tiny_config()` trained in
+    `workdir`; a generator for module-scoped fixtures (the pipeline is closed after)."""
+    from marl_jax import pipeline as pipeline_lib
+
+    pipe = pipeline_lib.Pipeline(tiny_config(), str(workdir))
+    sft = pipe.sft()
+    rm, stats = pipe.rm()
+    yield pipe, sft, rm, stats
+    pipe.close()

@@ -17,6 +17,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from marl_jax.eval import budget as budget_lib
 from marl_jax.eval import study_stats as st
 from marl_jax.train.metrics import read_metrics
 
@@ -66,7 +67,9 @@ DEFINITIONS = {
     "resolution": "ppo_gain = the baseline's paired gain_over_sft; half_widths = (hi - lo) / 2 "
                   "of the bootstrap interval of the paired final-gold difference of every "
                   "macro arm vs the baseline and vs its control; gain_over_max_half_width = "
-                  "ppo_gain / the largest half-width (the target is >= 5)",
+                  "ppo_gain / the largest half-width of the macro arms that do not hack the "
+                  "reward model in at least half of their seeds (hacking_arms; the target is "
+                  ">= 5); gain_over_max_half_width_all counts every macro arm",
     "win_rate_vs_baseline": "over every (seed, held-out prompt), from the final rows: 1 when "
                             "the arm's final response has higher gold than the baseline's for "
                             f"the same prompt and seed, 0.5 on a tie (|difference| <= {TIE}), "
@@ -235,23 +238,40 @@ def compute_report(rows, *, beta=None, smoothing: int = 1, baseline=None, arms=N
     report["resolution"] = _resolution(report)
     report["verdict"] = verdict_lines(report)
     report["claims"] = claims(report)
+    if budget_lib.has_budget(rows):
+        report["budget"] = budget_lib.compute_budget(rows, arms, base, **boot)
     return report
 
 
+def _compares_estimators(report) -> bool:
+    return any(run.get("estimator", "gae") != "gae"
+               for run in report["plan"].get("runs", {}).values())
+
+
 def _resolution(report) -> dict:
-    halves = {}
+    """PPO's gain against the paired final-gold half-widths of the macro arms (vs the baseline
+    and vs their controls). The target ratio is taken over the arms that do not hack the reward
+    model (flagged in at least half of their seeds): a hacking arm's spread is a finding, not
+    the resolution of the study; its half-widths are still listed."""
+    halves, hacking = {}, []
     for arm, c in report["comparisons"].items():
         if not c["macro"]:
             continue
+        h = report["arms"][arm]["reward_hacking"]
+        if 2 * h["count"] >= h["n"] and h["count"]:
+            hacking.append(arm)
         for key in ("versus_ppo", "versus_control"):
             if c[key] and c[key]["final_gold"]["ci"]:
                 lo, hi = c[key]["final_gold"]["ci"]
                 halves[f"{arm} vs {c[key]['final_gold']['versus']}"] = (hi - lo) / 2
     gain = report["ppo_gain"]["mean"]
-    widest = max(halves.values()) if halves else None
+    target = {k: v for k, v in halves.items() if k.split(" vs ")[0] not in hacking}
+    widest = max(target.values()) if target else None
+    widest_all = max(halves.values()) if halves else None
     return {"ppo_gain": gain, "ppo_gain_ci": report["ppo_gain"]["ci"], "half_widths": halves,
-            "max_half_width": widest,
-            "gain_over_max_half_width": gain / widest if widest else None}
+            "hacking_arms": hacking, "target_half_widths": target, "max_half_width": widest,
+            "gain_over_max_half_width": gain / widest if widest else None,
+            "gain_over_max_half_width_all": gain / widest_all if widest_all else None}
 
 
 def _win_rate(arm_finals, base_finals):
@@ -369,11 +389,16 @@ def resolution_line(report: dict) -> str:
     gain = f"{report['baseline']}'s gold gain over SFT: {format_interval(report['ppo_gain'])}"
     if r["max_half_width"] is None:
         return gain + " (no macro-arm comparison with an interval)."
-    widest = max(r["half_widths"], key=r["half_widths"].get)
+    target = r.get("target_half_widths", r["half_widths"])
+    widest = max(target, key=target.get)
     ratio = r["gain_over_max_half_width"]
     ratio = "unbounded (zero width)" if ratio is None else f"{ratio:.1f}"
-    return (f"{gain}; the widest paired half-width of final gold ({widest}): "
-            f"{r['max_half_width']:.3f}; gain / half-width = {ratio} (target: >= 5).")
+    line = (f"{gain}; the widest paired half-width of final gold ({widest}): "
+            f"{r['max_half_width']:.3f}; gain / half-width = {ratio} (target: >= 5)")
+    if r.get("hacking_arms"):
+        line += (f"; not counted: {', '.join(r['hacking_arms'])}, which hack the reward model "
+                 f"(gain / their widest half-width = {r['gain_over_max_half_width_all']:.1f})")
+    return line + "."
 
 
 def markdown(report: dict) -> str:
@@ -394,9 +419,15 @@ def markdown(report: dict) -> str:
         lines += ["", f"No matched control in this run for: {', '.join(missing)}."]
     lines += ["", "## Verdict", ""]
     lines += [f"- {v}" for v in report["verdict"]] or ["- (no arm besides the baseline)"]
-    lines += ["", "![curves](curves.png)", "", "![RM scores](rm_hist.png)", "",
-              "## Definitions", ""]
+    lines += ["", "![curves](curves.png)", "", "![RM scores](rm_hist.png)", ""]
+    if "budget" in report and _compares_estimators(report):
+        lines += ["## Gold per generated token", ""]
+        lines += budget_lib.markdown_lines(report["budget"])
+        lines += ["", "![gold against generated tokens and time](budget.png)", ""]
+    lines += ["## Definitions", ""]
     lines += [f"- **{k}**: {v}" for k, v in report["definitions"].items()]
+    if "budget" in report:
+        lines += [f"- **{k}**: {v}" for k, v in report["budget"]["definitions"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -409,7 +440,10 @@ def summary_text(report: dict) -> str:
                    f"{format_steps(e['steps_to_50'], last):>18}"
                    f"{format_steps(e['steps_to_90'], last):>18}"
                    + (f"  {_hacking(e)}" if e["reward_hacking"]["count"] else ""))
-    return "\n".join(out + ["", resolution_line(report), ""] + report["verdict"])
+    out += ["", resolution_line(report), ""] + report["verdict"]
+    if "budget" in report and _compares_estimators(report):
+        out += [""] + budget_lib.markdown_lines(report["budget"])
+    return "\n".join(out)
 
 
 # ---- files ---------------------------------------------------------------------------------------
@@ -426,6 +460,9 @@ def write_report(workdir: str, *, beta=None, smoothing: int = 1, baseline=None, 
                   json.dumps(report, indent=2, allow_nan=False))
     plot_curves(rows, report, os.path.join(workdir, "curves.png"))
     plot_rm_histogram(rows, report, os.path.join(workdir, "rm_hist.png"))
+    if "budget" in report and _compares_estimators(report):
+        budget_lib.plot(budget_lib.budget_curves(rows, list(report["arms"])),
+                        os.path.join(workdir, "budget.png"), report["baseline"])
     _atomic_write(os.path.join(workdir, "report.md"), markdown(report))
     return report
 

@@ -2,6 +2,7 @@
 from marl_jax.macro.advantage import REWARD_AGGREGATIONS, VALUE_WEIGHTINGS, gae, macro_gae, whiten
 from marl_jax.macro.termination import (
     STRATEGIES,
+    entropy_spans,
     fixed_ngram,
     perplexity,
     randomized_ngram,
@@ -13,6 +14,7 @@ __all__ = [
     "REWARD_AGGREGATIONS",
     "STRATEGIES",
     "VALUE_WEIGHTINGS",
+    "entropy_spans",
     "fixed_ngram",
     "gae",
     "macro_gae",

@@ -25,7 +25,7 @@ from marl_jax.macro.checks import (
     is_concrete,
 )
 
-STRATEGIES = ("fixed", "randomized", "perplexity")
+STRATEGIES = ("fixed", "randomized", "perplexity", "entropy")
 
 
 def segment_ids_from_starts(starts, response_mask):
@@ -122,12 +122,44 @@ def perplexity(ref_logprobs, response_mask, *, isolate_last=True):
     return _perplexity(ref_logprobs, response_mask, isolate_last=isolate_last)
 
 
-def segment(strategy, response_mask, *, key=None, ref_logprobs=None, n=5, lengths=(2, 3, 5, 10),
-            repeats=3, isolate_last=True):
+def entropy_spans(entropies, response_mask, *, quantile, isolate_last=True):
+    """Entropy macros: a macro starts at each "forking token", one of high sampling entropy.
+
+    In each row, token t starts a macro when its entropy is at least the row's threshold, the
+    k-th largest entropy among the row's L valid tokens with k = ceil(quantile * L): the top
+    `quantile` fraction of the row's tokens, plus any tied with the k-th (ties at the threshold
+    all start macros). Token 0 always starts one. Padding takes no part in the threshold. The
+    product quantile * L is read with a relative tolerance of 1e-6, so that float rounding
+    (0.2 * 5 is 1.0000000298 in float32) does not add a token. `quantile = 1` gives one token
+    per macro.
+
+    Args:
+      entropies: float `[B, T]` entropy of the sampling distribution at each response token.
+      response_mask: `[B, T]` left-aligned response mask.
+      quantile: fraction of each row's valid tokens that start macros, in (0, 1]; a Python float
+        or a (traced) float scalar.
+      isolate_last: make the last valid token its own macro.
+
+    Returns:
+      int32 `[B, T]` segment ids.
+    """
+    check_rank(entropies, 2, "entropies")
+    _check_response_mask(response_mask)
+    check_same_shape(response_mask, "response_mask", entropies=entropies)
+    if is_concrete(quantile):
+        array = np.asarray(quantile)
+        if array.ndim != 0 or not 0 < float(array) <= 1:
+            raise ValueError(f"quantile must be a scalar in (0, 1], got {quantile!r}")
+    return _entropy_spans(entropies, response_mask, quantile, isolate_last=isolate_last)
+
+
+def segment(strategy, response_mask, *, key=None, ref_logprobs=None, entropies=None, n=5,
+            lengths=(2, 3, 5, 10), repeats=3, entropy_quantile=0.2, isolate_last=True):
     """Segment ids `[B, T]` for one of `STRATEGIES` ("parsing" runs host-side, in parsing.py).
 
-    `key` is required by "randomized", `ref_logprobs` by "perplexity"; `n` is used by "fixed",
-    `lengths` and `repeats` by "randomized".
+    `key` is required by "randomized", `ref_logprobs` by "perplexity", `entropies` by
+    "entropy"; `n` is used by "fixed", `lengths` and `repeats` by "randomized",
+    `entropy_quantile` by "entropy".
     """
     check_choice(strategy, STRATEGIES, "strategy")
     if strategy == "fixed":
@@ -135,6 +167,11 @@ def segment(strategy, response_mask, *, key=None, ref_logprobs=None, n=5, length
     if strategy == "randomized":
         return randomized_ngram(key, response_mask, lengths=lengths, repeats=repeats,
                                 isolate_last=isolate_last)
+    if strategy == "entropy":
+        if entropies is None:
+            raise ValueError("entropies is required for the entropy strategy")
+        return entropy_spans(entropies, response_mask, quantile=entropy_quantile,
+                             isolate_last=isolate_last)
     if ref_logprobs is None:
         raise ValueError("ref_logprobs is required for the perplexity strategy")
     return perplexity(ref_logprobs, response_mask, isolate_last=isolate_last)
@@ -189,6 +226,21 @@ def _perplexity(ref_logprobs, response_mask, *, isolate_last):
     # Token 0 starts the first macro; built from the batch size, since `rises` is empty at T = 1.
     starts = jnp.concatenate([jnp.ones((valid.shape[0], 1), bool), rises], axis=1)
     return _finish(starts, valid, isolate_last)
+
+
+@functools.partial(jax.jit, static_argnames="isolate_last")
+def _entropy_spans(entropies, response_mask, quantile, *, isolate_last):
+    valid = response_mask != 0
+    entropies = jnp.asarray(entropies, jnp.promote_types(entropies.dtype, jnp.float32))
+    lengths = jnp.sum(valid, axis=1, dtype=jnp.int32)
+    # k = ceil(quantile * L), shrunk by a relative 1e-6 so that a product that is an integer up
+    # to rounding is not pushed to the next one.
+    scaled = jnp.asarray(quantile, jnp.float32) * lengths.astype(jnp.float32)
+    k = jnp.ceil(scaled * (1 - 1e-6)).astype(jnp.int32)
+    k = jnp.clip(k, 1, jnp.maximum(lengths, 1))
+    descending = -jnp.sort(jnp.where(valid, -entropies, jnp.inf), axis=1)
+    threshold = jnp.take_along_axis(descending, (k - 1)[:, None], axis=1)
+    return _finish(entropies >= threshold, valid, isolate_last)
 
 
 def _finish(starts, valid, isolate_last):

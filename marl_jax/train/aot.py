@@ -112,7 +112,8 @@ def ppo_programs(config, tokenizer, policy, critic, reward_model, mesh,
                  inputs: TaskInputs | None = None) -> dict:
     """{"rollout", "update", "ppo_step"} -> (Program, abstract arguments), built as
     `ppo.run_ppo` builds its step: actor and reference of `policy`'s shape, critic and reward
-    model of theirs, `config.ppo.batch_size` prompts.
+    model of theirs (no critic for the critic-free estimators), `config.ppo.batch_size` rows
+    (`batch_size / group_size` prompts).
 
     `tokenizer`: anything with `eos_token_id` and `pad_token_id`. The experience and rollout
     metrics the update takes are the rollout's outputs, traced here (inside the mesh context)
@@ -124,6 +125,8 @@ def ppo_programs(config, tokenizer, policy, critic, reward_model, mesh,
     static = ppo.static_from_config(config, tokenizer)
     mods = ppo.make_models(config, policy, critic, reward_model, inputs.gold_fn)
     actor, critic_params, rm_params = (abstract_params(m) for m in (policy, critic, reward_model))
+    if not ppo.uses_critic(p):
+        critic_params = {}
     state_sh = ppo.state_shardings(mods, mesh, actor, critic_params)
     frozen_sh = programs.frozen_shardings(mods, mesh, state_sh, rm_params)
     rep, batch_sh = sharding.replicated(mesh), sharding.batch_sharding(mesh)
@@ -135,20 +138,20 @@ def ppo_programs(config, tokenizer, policy, critic, reward_model, mesh,
     frozen = with_shardings(core.Frozen(ref_params=actor, rm_params=rm_params,
                                         reward_mean=scalar, reward_std=scalar), frozen_sh)
     hparams = with_shardings(build.abstract(ppo.hparams_from_config(p)), rep)
-    prompts = with_shardings((_ids(p.batch_size, inputs.prompt_length),) * 2, batch_sh)
+    prompts = with_shardings((_ids(static.prompts_per_step, inputs.prompt_length),) * 2, batch_sh)
     documents = None if inputs.documents_width is None else with_shardings(
-        _ids(p.batch_size, inputs.documents_width), batch_sh)
+        _ids(static.prompts_per_step, inputs.documents_width), batch_sh)
 
     rollout = programs.rollout_program(static, mods, state_sh, frozen_sh, mesh)
     rollout_args = (state, frozen, *prompts, documents)
     with sharding.mesh_context(mesh, sharding.logical_rules(mesh, build.model_dims(
             policy.config))):
         exp, roll_metrics = jax.eval_shape(rollout.fn, *rollout_args)
-    update = programs.update_program(static, mods, state_sh, mesh)
+    update = programs.update_program(static, mods, state_sh, frozen_sh, mesh)
     return {
         "rollout": (rollout, rollout_args),
         "update": (update, (state, with_shardings(exp, batch_sh),
-                            with_shardings(roll_metrics, rep), hparams, None)),
+                            with_shardings(roll_metrics, rep), hparams, None, frozen)),
         "ppo_step": (programs.ppo_step_program(static, mods, state_sh, frozen_sh, mesh),
                      (state, frozen, hparams, *prompts, documents)),
     }

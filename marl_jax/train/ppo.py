@@ -40,7 +40,11 @@ def static_from_config(config, tokenizer, variants=None) -> core.PPOStatic:
         missing_eos_penalty=float(p.missing_eos_penalty),
         whiten_advantages=bool(p.whiten_advantages), loss_aggregation=p.loss_aggregation,
         adaptive_kl=bool(p.adaptive_kl), kl_target=float(p.kl_target),
-        kl_horizon=int(p.kl_horizon), reward_source=p.reward_source)
+        kl_horizon=int(p.kl_horizon), reward_source=p.reward_source,
+        estimator=p.get("estimator", "gae"), group_size=int(p.get("group_size", 1)),
+        mc_rollouts=int(p.get("mc_rollouts", 4)),
+        mc_branch_points=int(p.get("mc_branch_points", 4)),
+        entropy_quantile=float(p.get("entropy_quantile", 0.2)))
 
 
 def hparams_from_config(p, variant: int = 0) -> core.RunHparams:
@@ -62,6 +66,11 @@ def make_models(config, policy, critic, reward_model, gold_fn=None) -> core.Mode
         critic_schedule=stage_schedule(p, updates, learning_rate=p.critic_learning_rate))
 
 
+def uses_critic(p) -> bool:
+    """Whether `config.ppo` trains a critic (macro GAE) or estimates advantages without one."""
+    return p.get("estimator", "gae") == "gae"
+
+
 def ppo_updates(p) -> int:
     """Optimizer updates of a whole PPO run: every step makes `ppo_epochs x num_minibatches`
     (gradient accumulation splits a minibatch, it adds no update)."""
@@ -69,13 +78,16 @@ def ppo_updates(p) -> int:
 
 
 def initial_critic_params(config, critic, sft_params, rm_params, key, reward_stats=None):
-    """The critic's starting point: the reward model (paper), the SFT backbone, or scratch.
+    """The critic's starting point: the reward model (paper), the SFT backbone, or scratch;
+    nothing (an empty tree, no memory) for the critic-free estimators.
 
     Started from the reward model while PPO normalises its scores, the head is rescaled so the
     critic predicts normalised scores from the first step: kernel / std, bias -mean / std (the
     reward model's raw scores would be off by the normalisation, and the critic's first updates
     would go to undoing it).
     """
+    if not uses_critic(config.ppo):
+        return {}
     how = config.ppo.critic_init
     fresh = models_lib.init_params(critic, key)
     if how == "rm":
@@ -101,12 +113,14 @@ def initial_state(config, mods: core.Models, actor_params, critic_params, seed: 
         actor_opt_state=mods.actor_optimizer.init(actor_params), critic_params=critic_params,
         critic_opt_state=mods.critic_optimizer.init(critic_params),
         key=jax.random.key_data(jax.random.key(seed)), kl_coef=jnp.float32(config.ppo.kl_coef),
-        skipped_updates=jnp.zeros((), jnp.float32))
+        skipped_updates=jnp.zeros((), jnp.float32), generated_tokens=jnp.zeros((), jnp.float32),
+        prefill_tokens=jnp.zeros((), jnp.float32))
 
 
 def state_shardings(mods: core.Models, mesh, actor_params, critic_params):
     a_sh = build.param_shardings(mods.policy, mesh, build.abstract(actor_params))
-    c_sh = build.param_shardings(mods.critic, mesh, build.abstract(critic_params))
+    c_sh = build.param_shardings(mods.critic, mesh, build.abstract(critic_params)) \
+        if critic_params else {}
     rep = sharding.replicated(mesh)
     return core.PPOState(
         step=rep, actor_params=a_sh,
@@ -115,7 +129,7 @@ def state_shardings(mods: core.Models, mesh, actor_params, critic_params):
         critic_params=c_sh,
         critic_opt_state=sharding.opt_state_shardings(mods.critic_optimizer, c_sh, mesh,
                                                       params=build.abstract(critic_params)),
-        key=rep, kl_coef=rep, skipped_updates=rep)
+        key=rep, kl_coef=rep, skipped_updates=rep, generated_tokens=rep, prefill_tokens=rep)
 
 
 def evaluate(static: core.PPOStatic, mods: core.Models, actor_params, frozen: core.Frozen,
@@ -170,6 +184,9 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
         raise ValueError(f"config.ppo.reward_source='host': task {config.task.name!r} has no "
                          "host-side reward (APPS unit tests have one)")
     static = static_from_config(config, task.tokenizer)
+    if static.group_size > 1:
+        sharding.validate_batch(static.prompts_per_step, mesh,
+                                "config.ppo.batch_size / config.ppo.group_size (prompts per step)")
     mods = make_models(config, policy, critic, reward_model, task.gold_fn)
     key = jax.random.key(config.seed)
     critic_params = initial_critic_params(config, critic, sft_params, rm_params,
@@ -206,8 +223,8 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
         p.termination == "parsing" or p.reward_source == "host") else None
 
     def run_step(state, step):
-        rows = batches.process_rows(batches.batch_indices(num_prompts, p.batch_size,
-                                                          config.seed + 2, step), batch_sh)
+        rows = batches.process_rows(batches.batch_indices(
+            num_prompts, static.prompts_per_step, config.seed + 2, step), batch_sh)
         prompts = sharding.shard_batch({k: v[rows] for k, v in task.rl.items()}, mesh)
         if host_step is not None:
             return host_step(state, frozen, hparams, prompts, rows)
@@ -225,7 +242,7 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
         if not stage.latest_step() and p.eval_every > 0:
             writer.truncate_after("eval", -1)
             writer.write(dict(stage="eval", step=0, **run_eval(state)))
-        tokens = p.batch_size * (task.prompt_length + p.response_length)
+        tokens = p.batch_size * p.response_length + static.prompts_per_step * task.prompt_length
         state, _ = loop.run(stage, state=state, total_steps=p.steps, step_fn=run_step,
                             writer=writer, metadata=dict(stage="ppo", config=config.to_dict()),
                             checkpoint_every=config.checkpoint_every, log_every=config.log_every,
@@ -250,6 +267,7 @@ class _host_phased_step:
         self.task, self.reward_source = task, p.reward_source
         self.generate = jax.jit(functools.partial(core.generate_phase, static, mods))
         self.score = jax.jit(functools.partial(core.score, static, mods))
+        self.static = static
         self.update = jax.jit(functools.partial(core.update_phase, static, mods),
                               out_shardings=(state_sh, None), donate_argnums=0)
         self.parser = None
@@ -262,6 +280,9 @@ class _host_phased_step:
     def __call__(self, state, frozen, hparams, prompts, rows):
         sample = self.generate(state, prompts["ids"], prompts["mask"])
         ids, mask = sample.tokens, sample.mask.astype(jnp.int32)
+        prompt_ids, prompt_mask, documents = core.repeat_groups(
+            self.static, prompts["ids"], prompts["mask"], prompts.get("documents"))
+        rows = np.repeat(rows, self.static.group_size)
         # This process's rows of the responses, in the order of `rows`.
         mesh = prompts["ids"].sharding.mesh
         ids, mask = jax.device_put((ids, mask), sharding.batch_sharding(mesh))
@@ -271,12 +292,12 @@ class _host_phased_step:
         if self.reward_source == "host":
             host_scores = sharding.shard_batch(
                 np.asarray(self.task.host_reward(rows, host_ids, host_mask), np.float32), mesh)
-        exp, roll_metrics = self.score(state, frozen, prompts["ids"], prompts["mask"], ids, mask,
-                                       prompts.get("documents"), host_scores, sample.logprobs)
+        exp, roll_metrics = self.score(state, frozen, prompt_ids, prompt_mask, ids, mask,
+                                       documents, host_scores, sample.logprobs, sample.entropy)
         segments, parse_stats = parsed.result() if parsed else (None, {})
         state, metrics = self.update(state, exp, roll_metrics, hparams,
                                      None if segments is None else sharding.shard_batch(
-                                         np.asarray(segments, np.int32), mesh))
+                                         np.asarray(segments, np.int32), mesh), frozen)
         return state, dict(metrics, **{k: v for k, v in parse_stats.items()
                                        if k.startswith("macro/")})
 

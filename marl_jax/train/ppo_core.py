@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from marl_jax import losses, sampling
+from marl_jax import estimators, losses, sampling
 from marl_jax.macro import advantage, termination
 from marl_jax.models import last_token_score
 from marl_jax.models.heads import continuation_scores
@@ -65,6 +65,22 @@ class PPOStatic:
     # from reward-model error; "host": scores computed on the host between generation and
     # scoring (e.g. the fraction of APPS unit tests passed).
     reward_source: str = "rm"
+    # How advantages are estimated (`marl_jax.estimators`): "gae" (macro GAE with a critic) or
+    # one of the critic-free estimators, which build and train no critic.
+    estimator: str = "gae"
+    group_size: int = 1  # samples per prompt (rows of a group adjacent); batch_size counts rows
+    mc_rollouts: int = 4  # macro_mc: continuations per branch point
+    mc_branch_points: int = 4  # macro_mc: branch points per response (0: every macro start)
+    entropy_quantile: float = 0.2  # entropy termination: the top fraction of tokens start macros
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.estimator == "gae"
+
+    @property
+    def prompts_per_step(self) -> int:
+        """Prompts sampled per step: `batch_size` rows are `group_size` samples of each."""
+        return self.batch_size // self.group_size
 
 
 @flax.struct.dataclass
@@ -87,6 +103,10 @@ class PPOState:
     key: jax.Array  # raw uint32 base key data; step keys are fold_in(key, step)
     kl_coef: jax.Array
     skipped_updates: jax.Array
+    # Cumulative sampling budget of the run: response tokens generated (every sample, branches
+    # included) and prompt (+ prefix) tokens prefilled. float32 scalars.
+    generated_tokens: jax.Array = None
+    prefill_tokens: jax.Array = None
 
 
 @flax.struct.dataclass
@@ -112,6 +132,8 @@ class Experience:
     scores: jax.Array  # [B] normalised RM score (before clipping)
     rewards: jax.Array  # [B, R]
     ended_with_eos: jax.Array  # [B]
+    entropies: jax.Array = None  # [B, R] sampling entropy of each token (entropy termination)
+    documents: Any = None  # [B, D] the synthetic task's documents (gold scores of branches)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,12 +190,15 @@ def sequence_scores(reward_model, params, prompt_ids, prompt_mask, response_ids,
 
 def generate_responses(static: PPOStatic, models: Models, state: PPOState, prompt_ids,
                        prompt_mask, key):
-    """Samples responses to `prompt_ids [B, P]` from the current actor: `SampleOutput` with
-    tokens, logprobs and mask `[B, R]`."""
+    """Samples `group_size` responses to each of `prompt_ids [B / group_size, P]` from the
+    current actor (each prompt prefilled once): `SampleOutput` with tokens, logprobs, mask and
+    entropy `[B, R]`, the samples of a prompt in adjacent rows."""
+    groups = {} if static.group_size == 1 else {"num_samples": static.group_size}
     return sampling.generate(
         models.policy, state.actor_params, prompt_ids, prompt_mask, key=key,
         max_new_tokens=static.response_length, temperature=static.temperature,
-        top_k=static.top_k, top_p=static.top_p, eos_id=static.eos_id, pad_id=static.pad_id)
+        top_k=static.top_k, top_p=static.top_p, eos_id=static.eos_id, pad_id=static.pad_id,
+        **groups)
 
 
 def sampler_logprobs_are_exact(static: PPOStatic) -> bool:
@@ -183,9 +208,35 @@ def sampler_logprobs_are_exact(static: PPOStatic) -> bool:
     return static.temperature > 0 and static.top_k == 0 and static.top_p >= 1.0
 
 
+def sequence_score(static: PPOStatic, models: Models, frozen: Frozen, prompt_ids, prompt_mask,
+                   response_ids, response_mask, documents=None, host_scores=None):
+    """(score, raw score) `[B]`: the reward model's (normalised when `normalize_reward`), the
+    gold function's on `documents`, or the host's `host_scores`, before clipping."""
+    if static.reward_source == "host":
+        scores = jnp.asarray(host_scores, jnp.float32)
+        return scores, scores
+    if static.reward_source == "gold":
+        scores = models.gold_fn(documents, response_ids, response_mask)
+        return scores, scores
+    raw = sequence_scores(models.reward, frozen.rm_params, prompt_ids, prompt_mask, response_ids,
+                          response_mask)
+    if static.normalize_reward:
+        return (raw - frozen.reward_mean) / frozen.reward_std, raw
+    return raw, raw
+
+
+def terminal_reward(static: PPOStatic, scores, ended_with_eos):
+    """The score as the last token's reward: clipped to +-reward_clip, minus the missing-EOS
+    penalty (what `losses.assemble_rewards` adds on the last token)."""
+    out = jnp.clip(scores, -static.reward_clip, static.reward_clip)
+    if static.missing_eos_penalty:
+        out = jnp.where(ended_with_eos, out, out - static.missing_eos_penalty)
+    return out
+
+
 def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, prompt_ids,
           prompt_mask, response_ids, response_mask, documents=None, host_scores=None,
-          sampled_logprobs=None):
+          sampled_logprobs=None, sampled_entropy=None):
     """One scoring pass over sampled responses: (Experience, metrics).
 
     Old and reference logprobs, critic values, the sequence score (the reward model's, the gold
@@ -195,28 +246,32 @@ def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, pr
     `sampler_logprobs_are_exact(static)`.
     """
     args = (prompt_ids, prompt_mask, response_ids, response_mask)
+    entropies = None if sampled_entropy is None else sampled_entropy * response_mask
     if sampled_logprobs is not None and sampler_logprobs_are_exact(static):
         old_logprobs = sampled_logprobs * response_mask
     else:
-        old_logprobs, _ = token_logprobs(models.policy, state.actor_params, *args,
-                                         static.temperature)
+        old_logprobs, actor_entropy = token_logprobs(models.policy, state.actor_params, *args,
+                                                     static.temperature)
+        entropies = actor_entropy if entropies is None else entropies
     ref = continuation_scores(models.policy, frozen.ref_params, *args, static.temperature)
-    values, final_values = critic_outputs(models.critic, state.critic_params, *args)
-    if static.reward_source == "host":
-        raw_scores = scores = jnp.asarray(host_scores, jnp.float32)
-    elif static.reward_source == "gold":
-        raw_scores = scores = models.gold_fn(documents, response_ids, response_mask)
+    if entropies is None:
+        entropies = jnp.zeros_like(old_logprobs)
+    if static.uses_critic:
+        values, final_values = critic_outputs(models.critic, state.critic_params, *args)
     else:
-        raw_scores = scores = sequence_scores(models.reward, frozen.rm_params, *args)
-        if static.normalize_reward:
-            scores = (raw_scores - frozen.reward_mean) / frozen.reward_std
+        values = final_values = None
+    scores, raw_scores = sequence_score(static, models, frozen, *args, documents, host_scores)
     ended_with_eos = _ended_with_eos(response_ids, response_mask, static.eos_id)
     rewards, reward_metrics = losses.assemble_rewards(
         old_logprobs, ref.logprobs, scores, response_mask, kl_coef=state.kl_coef,
         kl_estimator=static.kl_estimator, reward_clip=static.reward_clip,
         missing_eos_penalty=static.missing_eos_penalty or None, ended_with_eos=ended_with_eos)
     exp = Experience(prompt_ids, prompt_mask, response_ids, response_mask, old_logprobs,
-                     ref.logprobs, ref.base_logprobs, values, scores, rewards, ended_with_eos)
+                     ref.logprobs, ref.base_logprobs,
+                     jnp.zeros_like(old_logprobs) if values is None else values, scores, rewards,
+                     ended_with_eos, entropies,
+                     # Only Monte Carlo branches score again (with the gold function).
+                     documents if static.estimator == "macro_mc" else None)
     seq_kl = (losses.kl_per_token(old_logprobs, ref.logprobs, "k1") * response_mask).sum(axis=1)
     metrics = {
         "objective/kl": seq_kl.mean(),
@@ -227,19 +282,30 @@ def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, pr
         "objective/rlhf_reward": reward_metrics["rlhf_reward"],
         "val/num_eos_tokens": ended_with_eos.sum().astype(jnp.float32),
         "val/response_length": response_mask.sum(axis=1).mean().astype(jnp.float32),
+    }
+    if final_values is not None:
         # How far the critic is from the reward's scale where the score is read (0 at the first
         # step when the critic starts from the reward model, rescaled to normalised scores).
-        "critic/score_value_error": jnp.abs(final_values - scores).mean(),
-    }
+        metrics["critic/score_value_error"] = jnp.abs(final_values - scores).mean()
     return exp, metrics
 
 
 def rollout(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, prompt_ids,
             prompt_mask, key, documents=None):
-    """`generate_responses` then `score`: (Experience, metrics)."""
+    """`generate_responses` then `score`: (Experience, metrics). The prompts `[B / group_size,
+    P]` (and documents) are repeated to one row per sample."""
     sample = generate_responses(static, models, state, prompt_ids, prompt_mask, key)
+    prompt_ids, prompt_mask, documents = repeat_groups(static, prompt_ids, prompt_mask, documents)
     return score(static, models, state, frozen, prompt_ids, prompt_mask, sample.tokens,
-                 sample.mask.astype(jnp.int32), documents, sampled_logprobs=sample.logprobs)
+                 sample.mask.astype(jnp.int32), documents, sampled_logprobs=sample.logprobs,
+                 sampled_entropy=sample.entropy)
+
+
+def repeat_groups(static: PPOStatic, *arrays):
+    """Each row of every array (None passes through) repeated `group_size` times, adjacent."""
+    if static.group_size == 1:
+        return arrays
+    return tuple(None if a is None else jnp.repeat(a, static.group_size, axis=0) for a in arrays)
 
 
 def _ended_with_eos(response_ids, response_mask, eos_id):
@@ -257,10 +323,12 @@ def segment_ids_for(static: PPOStatic, hparams: RunHparams, exp: Experience, key
     for name in terminations:
         if name == "parsing":
             continue
+        extra = dict(entropies=exp.entropies, entropy_quantile=static.entropy_quantile) \
+            if name == "entropy" else {}
         by_name[name] = termination.segment(
             name, exp.response_mask, key=key, ref_logprobs=exp.ref_base_logprobs,
             n=hparams.ngram, lengths=static.randomized_lengths, repeats=static.randomized_repeats,
-            isolate_last=static.isolate_last)
+            isolate_last=static.isolate_last, **extra)
     return by_name
 
 
@@ -283,6 +351,88 @@ def advantages_and_returns(static: PPOStatic, hparams: RunHparams, exp: Experien
     return adv, ret
 
 
+def variant_segments(static: PPOStatic, segments: dict, variant):
+    """The `[B, R]` segment ids of the run's variant (a traced index into `static.variants`)."""
+    names = [v[0] for v in static.variants]
+    if len(set(names)) == 1:
+        return segments[names[0]]
+    return jnp.stack([segments[n] for n in names])[variant]
+
+
+def kl_rewards(static: PPOStatic, exp: Experience, kl_coef):
+    """The per-token KL part of the rewards `[B, R]`: -kl_coef * kl_t (no score)."""
+    kl = losses.kl_per_token(exp.old_logprobs, exp.ref_logprobs, static.kl_estimator)
+    return jnp.where(exp.response_mask != 0, -kl_coef * kl, 0.0)
+
+
+def critic_free_advantages(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen,
+                           hparams: RunHparams, exp: Experience, segments: dict, key):
+    """Per-token advantages `[B, R]` without a critic: (advantages, metrics, extra budget).
+
+    grpo / dr_grpo / rloo: the sequence return (clipped score plus the summed per-token KL
+    penalty, as RLOO) normalised within each group of `group_size` samples, on every token.
+    reinforce_pp: the return-to-go of the per-token rewards, normalised over the batch.
+    macro_mc: Monte Carlo values at branch points (macro starts) from `mc_rollouts`
+    continuations each, sampled by the current policy; see `estimators.macro_mc_advantages`.
+    """
+    mask = exp.response_mask
+    if static.estimator in ("grpo", "dr_grpo", "rloo"):
+        returns = (exp.rewards * mask).sum(axis=1)
+        seq = estimators.group_advantages(returns, static.group_size, method=static.estimator)
+        return estimators.sequence_advantages_to_tokens(seq, mask), {}, {}
+    if static.estimator == "reinforce_pp":
+        return estimators.reinforce_pp_advantages(exp.rewards, mask), {}, {}
+    if static.estimator != "macro_mc":
+        raise ValueError(f"unknown estimator {static.estimator!r}")
+    k_points, k_rollouts = jax.random.split(key)
+    seg = variant_segments(static, segments, hparams.variant)
+    starts, valid = estimators.choose_branch_points(k_points, seg, mask, static.mc_branch_points)
+    returns, budget = monte_carlo_returns(static, models, state.actor_params, frozen, exp, starts,
+                                          valid, k_rollouts)
+    values = returns.mean(axis=-1)
+    per_token_kl = kl_rewards(static, exp, state.kl_coef)
+    terminal = ((exp.rewards - per_token_kl) * mask).sum(axis=1)
+    adv = estimators.macro_mc_advantages(starts, valid, values, terminal, per_token_kl, mask)
+    metrics = {"mc/branch_points_avg": valid.sum(axis=1).astype(jnp.float32).mean(),
+               "mc/value_at_start": values[:, 0].mean(),
+               "mc/value_std_avg": returns.std(axis=-1).mean()}
+    return adv, metrics, budget
+
+
+def monte_carlo_returns(static: PPOStatic, models: Models, actor_params, frozen: Frozen,
+                        exp: Experience, starts, valid, key):
+    """Returns of `mc_rollouts` continuations from each branch point: (`[B, M, m]`, budget).
+
+    Branch point (b, j) is the state after the first `starts[b, j]` response tokens of row b;
+    each continuation is sampled by `actor_params` from there (prompt + prefix prefilled once
+    per branch point) and its return is its terminal reward (clipped score, missing-EOS
+    penalty), so the mean over the last axis is an unbiased Monte Carlo estimate of the
+    state's value. The budget counts the continuation tokens and prefills of valid points.
+    """
+    rows, prefix, flat_valid = estimators.flatten_branches(starts, valid)
+    m = static.mc_rollouts
+    cont = sampling.continue_responses(
+        models.policy, actor_params, exp.prompt_ids[rows], exp.prompt_mask[rows],
+        exp.response_ids[rows], exp.response_mask[rows], prefix,
+        row_keys=jax.random.split(key, rows.shape[0] * m), num_samples=m,
+        temperature=static.temperature, top_k=static.top_k, top_p=static.top_p,
+        eos_id=static.eos_id, pad_id=static.pad_id)
+    cont_mask = cont.mask.astype(jnp.int32)
+    prompt_ids, prompt_mask, documents = (
+        None if a is None else jnp.repeat(a[rows], m, axis=0)
+        for a in (exp.prompt_ids, exp.prompt_mask, exp.documents))
+    cont_scores, _ = sequence_score(static, models, frozen, prompt_ids, prompt_mask, cont.tokens,
+                                    cont_mask, documents)
+    returns = terminal_reward(static, cont_scores,
+                              _ended_with_eos(cont.tokens, cont_mask, static.eos_id))
+    used = jnp.repeat(flat_valid, m).astype(jnp.float32)
+    generated = ((cont_mask.sum(axis=1) - jnp.repeat(prefix, m)) * used).sum()
+    prefilled = ((exp.prompt_mask[rows].sum(axis=1) + prefix) * flat_valid).sum()
+    return returns.reshape(starts.shape + (m,)), {
+        "budget/generated_tokens": generated.astype(jnp.float32),
+        "budget/prefill_tokens": prefilled.astype(jnp.float32)}
+
+
 def segment_stats(segments, variant, static, mask):
     """`macro/num_macros_avg` (per response) and `macro/len_avg` (tokens per macro) of the
     run's variant."""
@@ -297,7 +447,8 @@ def segment_stats(segments, variant, static, mask):
 # ---- update ---------------------------------------------------------------------------------
 def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, adv, ret, key):
     """`ppo_epochs` x `num_minibatches` actor and critic updates from advantages and returns
-    `[B, R]` (every token carrying its macro's A and G)."""
+    `[B, R]` (every token carrying its macro's A and G); the actor alone for the critic-free
+    estimators (`ret` unused)."""
     b = static.batch_size
     mb = b // static.num_minibatches
     data = dict(prompt_ids=exp.prompt_ids, prompt_mask=exp.prompt_mask,
@@ -338,20 +489,22 @@ def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, 
                                                       actor_weight)
         actor_params, actor_opt, a_skip = apply_if_finite(
             a_loss, a_grads, actor_params, actor_opt, models.actor_optimizer)
-        (c_loss, c_m), c_grads = accumulate_gradients(critic_loss, critic_params, batch, k,
-                                                      token_count)
-        critic_params, critic_opt, c_skip = apply_if_finite(
-            c_loss, c_grads, critic_params, critic_opt, models.critic_optimizer)
         metrics = {
-            "loss/policy_avg": a_loss, "loss/value_avg": c_m["value_loss"],
-            "policy/approxkl_avg": a_m["approxkl"], "policy/clipfrac_avg": a_m["clipfrac"],
-            "policy/entropy_avg": a_m["entropy"], "val/ratio": a_m["ratio_mean"],
-            "val/ratio_var": a_m["ratio_var"], "val/clipfrac_avg": c_m["clipfrac"],
+            "loss/policy_avg": a_loss, "policy/approxkl_avg": a_m["approxkl"],
+            "policy/clipfrac_avg": a_m["clipfrac"], "policy/entropy_avg": a_m["entropy"],
+            "val/ratio": a_m["ratio_mean"], "val/ratio_var": a_m["ratio_var"],
             "grad/actor_norm": optax.global_norm(a_grads),
-            "grad/critic_norm": optax.global_norm(c_grads),
         }
-        return (actor_params, actor_opt, critic_params, critic_opt,
-                skipped + a_skip + c_skip), metrics
+        if static.uses_critic:
+            (c_loss, c_m), c_grads = accumulate_gradients(critic_loss, critic_params, batch, k,
+                                                          token_count)
+            critic_params, critic_opt, c_skip = apply_if_finite(
+                c_loss, c_grads, critic_params, critic_opt, models.critic_optimizer)
+            skipped = skipped + c_skip
+            metrics.update({"loss/value_avg": c_m["value_loss"],
+                            "val/clipfrac_avg": c_m["clipfrac"],
+                            "grad/critic_norm": optax.global_norm(c_grads)})
+        return (actor_params, actor_opt, critic_params, critic_opt, skipped + a_skip), metrics
 
     def epoch(carry, epoch_key):
         perm = jax.random.permutation(epoch_key, b)
@@ -364,14 +517,16 @@ def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, 
     carry, metrics = jax.lax.scan(epoch, carry, jax.random.split(key, static.ppo_epochs))
     actor_params, actor_opt, critic_params, critic_opt, skipped = carry
     metrics = jax.tree.map(jnp.mean, metrics)
-    metrics["critic/explained_variance"] = explained_variance(exp.values, ret, exp.response_mask)
     metrics["objective/advantage_avg"] = _masked_mean(adv, exp.response_mask)
-    metrics["objective/return_avg"] = _masked_mean(ret, exp.response_mask)
+    if static.uses_critic:
+        metrics["critic/explained_variance"] = explained_variance(exp.values, ret,
+                                                                  exp.response_mask)
+        metrics["objective/return_avg"] = _masked_mean(ret, exp.response_mask)
     metrics["train/skipped_updates"] = skipped
     first_update = state.step * static.ppo_epochs * static.num_minibatches
     if models.actor_schedule is not None:
         metrics["lr"] = models.actor_schedule(first_update)
-    if models.critic_schedule is not None:
+    if models.critic_schedule is not None and static.uses_critic:
         metrics["lr_critic"] = models.critic_schedule(first_update)
     new_state = state.replace(actor_params=actor_params, actor_opt_state=actor_opt,
                               critic_params=critic_params, critic_opt_state=critic_opt,
@@ -426,7 +581,7 @@ def generate_phase(static: PPOStatic, models: Models, state: PPOState, prompt_id
 
 
 def update_phase(static: PPOStatic, models: Models, state: PPOState, exp: Experience,
-                 roll_metrics: dict, hparams: RunHparams, host_segments=None):
+                 roll_metrics: dict, hparams: RunHparams, host_segments=None, frozen=None):
     """The second half: termination, macro GAE, updates, KL controller. (state, metrics).
 
     `host_segments` (`[B, R]` int32) are the parsing termination's segment ids, computed on the
@@ -436,14 +591,29 @@ def update_phase(static: PPOStatic, models: Models, state: PPOState, exp: Experi
     segments = segment_ids_for(static, hparams, exp, k_segment)
     if host_segments is not None:
         segments["parsing"] = host_segments
-    adv, ret = advantages_and_returns(static, hparams, exp, segments)
+    budget = {"budget/generated_tokens": exp.response_mask.sum().astype(jnp.float32),
+              # Each prompt is prefilled once for its group of samples.
+              "budget/prefill_tokens": exp.prompt_mask.sum().astype(jnp.float32)
+              / static.group_size}
+    if static.uses_critic:
+        adv, ret = advantages_and_returns(static, hparams, exp, segments)
+        est_metrics = {}
+    else:
+        ret = None
+        adv, est_metrics, branch_budget = critic_free_advantages(
+            static, models, state, frozen, hparams, exp, segments,
+            jax.random.fold_in(k_segment, 1))
+        budget = {k: v + branch_budget.get(k, 0.0) for k, v in budget.items()}
     new_state, upd_metrics = update(static, models, state, exp, adv, ret, k_update)
     new_state = new_state.replace(
         step=state.step + 1,
-        kl_coef=adapt_kl_coef(static, state.kl_coef, roll_metrics["objective/kl"]))
-    metrics = {**roll_metrics, **upd_metrics,
+        kl_coef=adapt_kl_coef(static, state.kl_coef, roll_metrics["objective/kl"]),
+        generated_tokens=state.generated_tokens + budget["budget/generated_tokens"],
+        prefill_tokens=state.prefill_tokens + budget["budget/prefill_tokens"])
+    metrics = {**roll_metrics, **upd_metrics, **est_metrics, **budget,
                **segment_stats(segments, hparams.variant, static, exp.response_mask),
-               "objective/kl_coef": state.kl_coef}
+               "objective/kl_coef": state.kl_coef,
+               "budget/generated_tokens_total": new_state.generated_tokens}
     return new_state, metrics
 
 
@@ -452,4 +622,4 @@ def ppo_step(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen,
     """rollout -> termination -> macro GAE -> update, for on-device terminations."""
     exp, roll_metrics = rollout_phase(static, models, state, frozen, prompt_ids, prompt_mask,
                                       documents)
-    return update_phase(static, models, state, exp, roll_metrics, hparams)
+    return update_phase(static, models, state, exp, roll_metrics, hparams, frozen=frozen)

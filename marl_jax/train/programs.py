@@ -4,7 +4,7 @@
     supervised_program   (state, batch) -> (state, metrics)          SFT and reward-model steps
     ppo_step_program     (state, frozen, hparams, ids, mask, documents) -> (state, metrics)
     rollout_program      (state, frozen, ids, mask, documents) -> (experience, metrics)
-    update_program       (state, experience, rollout metrics, hparams, segments)
+    update_program       (state, experience, rollout metrics, hparams, segments, frozen)
                          -> (state, metrics)
 
 Each returns a `Program`: the `jax.jit` of the stage function with the shardings and donation
@@ -77,10 +77,11 @@ def rollout_program(static: core.PPOStatic, mods: core.Models, state_sh: core.PP
 
 
 def update_program(static: core.PPOStatic, mods: core.Models, state_sh: core.PPOState,
-                   mesh) -> Program:
-    """Termination, macro GAE and the updates (`ppo_core.update_phase`: state, experience,
-    rollout metrics, hparams and the host's segment ids `[B, R]` or None), the state donated."""
+                   frozen_sh: core.Frozen, mesh) -> Program:
+    """Termination, advantages and the updates (`ppo_core.update_phase`: state, experience,
+    rollout metrics, hparams, the host's segment ids `[B, R]` or None, and the frozen models
+    that score Monte Carlo branches), the state donated."""
     rep, batch_sh = sharding.replicated(mesh), sharding.batch_sharding(mesh)
     return jit_program(functools.partial(core.update_phase, static, mods),
-                       (state_sh, batch_sh, rep, rep, batch_sh), (state_sh, rep),
+                       (state_sh, batch_sh, rep, rep, batch_sh, frozen_sh), (state_sh, rep),
                        donate_argnums=(0,))

@@ -1,0 +1,327 @@
+"""Critic-free advantage estimators: group baselines, REINFORCE++, Monte Carlo macro values.
+
+Per-token advantages are float `[B, R]` over the response positions, 0 on padding; responses are
+left-aligned (`response_mask[b, :L_b] == 1`). They are targets: no gradient flows through them.
+
+- `group_advantages`: one advantage per sampled response from the scores of the other samples
+  of its prompt ("grpo", "dr_grpo", "rloo"); `sequence_advantages_to_tokens` spreads it over the
+  response.
+- `reinforce_pp_advantages`: REINFORCE++, the undiscounted return-to-go of the per-token rewards,
+  normalised over the batch.
+- Monte Carlo macro values (VinePPO with macro actions): `choose_branch_points` picks macro
+  starts to branch from, the caller samples continuations from each (`flatten_branches` lists
+  them) and averages their scores into `start_values`, and `macro_mc_advantages` turns those
+  values into advantages with no critic.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from marl_jax.macro.advantage import _check_segment_ids
+from marl_jax.macro.checks import (
+    check_choice,
+    check_mask,
+    check_rank,
+    check_same_shape,
+    is_concrete,
+)
+
+GROUP_METHODS = ("grpo", "dr_grpo", "rloo")
+# Every `config.ppo.estimator`: macro GAE with a critic, then the critic-free ones.
+ESTIMATORS = ("gae",) + GROUP_METHODS + ("reinforce_pp", "macro_mc")
+GROUP_STD_EPS = 1e-4  # TRL's GRPO: (score - mean) / (std + 1e-4)
+REINFORCE_PP_VAR_EPS = 1e-8  # OpenRLHF: (x - mean) * rsqrt(max(var, 1e-8))
+
+
+def group_advantages(scores, group_size, *, method):
+    """Advantages of sampled responses relative to the other samples of the same prompt.
+
+    Rows `g * k .. g * k + k - 1` (k = `group_size`) are the k samples of prompt g. With m and s
+    the group's mean and unbiased standard deviation (ddof = 1):
+
+    - "grpo":    (score - m) / (s + 1e-4), as TRL's GRPO;
+    - "dr_grpo": score - m (Dr. GRPO: no division by the standard deviation);
+    - "rloo":    score - the mean of the group's OTHER k - 1 scores, i.e. k / (k - 1) (score - m).
+
+    A group of identical scores gets zeros exactly (the group is centred on its first score
+    before anything is summed), never NaN; so does any group of one under "dr_grpo".
+
+    Args:
+      scores: float `[B]`, one score per response; numpy or jax.
+      group_size: samples per prompt k, a Python int >= 1 dividing B (>= 2 for "grpo" and
+        "rloo"); static under `jax.jit`.
+      method: one of `GROUP_METHODS`; static under `jax.jit`.
+
+    Returns:
+      float `[B]` advantages.
+    """
+    check_choice(method, GROUP_METHODS, "method")
+    check_rank(scores, 1, "scores")
+    group_size = _static_int(group_size, "group_size", 1 if method == "dr_grpo" else 2,
+                             f" for method {method!r}")
+    if np.shape(scores)[0] % group_size:
+        raise ValueError(f"group_size={group_size} must divide the number of scores "
+                         f"{np.shape(scores)[0]}")
+    return _group_advantages(scores, group_size=group_size, method=method)
+
+
+def sequence_advantages_to_tokens(advantages, response_mask):
+    """Every valid token of row b gets the row's advantage: float `[B, R]`, 0 on padding.
+
+    Args:
+      advantages: float `[B]`.
+      response_mask: `[B, R]` 0/1 (or bool) response mask.
+    """
+    check_rank(advantages, 1, "advantages")
+    check_mask(response_mask, "response_mask", left_aligned=False)
+    if np.shape(advantages)[0] != np.shape(response_mask)[0]:
+        raise ValueError(f"advantages has shape {np.shape(advantages)} but response_mask has "
+                         f"{np.shape(response_mask)[0]} rows")
+    return _sequence_advantages_to_tokens(advantages, response_mask)
+
+
+def reinforce_pp_advantages(rewards, response_mask):
+    """REINFORCE++ (Hu, 2025; OpenRLHF's `reinforce_plus_plus` estimator).
+
+    A_t = sum_{i >= t} r_i, the undiscounted return-to-go of the per-token rewards, then
+    normalised over all valid tokens of the batch: (A - mean) * rsqrt(max(var, 1e-8)), with the
+    mean and the (biased, ddof = 0) variance over the valid tokens, as OpenRLHF does.
+
+    Args:
+      rewards: float `[B, R]` per-token rewards as PPO assembles them: the KL penalty of every
+        token, plus the score on the last valid token.
+      response_mask: `[B, R]` left-aligned response mask.
+
+    Returns:
+      float `[B, R]` advantages, 0 on padding (all 0 when no token is valid).
+    """
+    check_rank(rewards, 2, "rewards")
+    check_mask(response_mask, "response_mask", left_aligned=True)
+    check_same_shape(rewards, "rewards", response_mask=response_mask)
+    return _reinforce_pp_advantages(rewards, response_mask)
+
+
+def choose_branch_points(key, segment_ids, response_mask, max_points):
+    """Response positions to branch Monte Carlo rollouts from: where macros start.
+
+    A macro starts at position 0 of a non-empty row and wherever the segment id changes. A row
+    with at most M macro starts gets all of them; a row with more keeps position 0 and M - 1 of
+    the others, drawn uniformly at random without replacement (independently per row).
+
+    Args:
+      key: a `jax.random` key; unused (and may be None) when `max_points` is 0.
+      segment_ids: int `[B, R]` macro index of each token (see `marl_jax.macro.termination`).
+      response_mask: `[B, R]` left-aligned response mask.
+      max_points: M, a Python int >= 0: branch points per row; 0 means every macro start, with
+        M = R.
+
+    Returns:
+      `(starts, valid)`: int32 `[B, M]` chosen positions in ascending order, then unused slots
+      (start 0); bool `[B, M]`, True on the used slots.
+    """
+    check_rank(segment_ids, 2, "segment_ids")
+    check_mask(response_mask, "response_mask", left_aligned=True)
+    check_same_shape(response_mask, "response_mask", segment_ids=segment_ids)
+    _check_segment_ids(segment_ids, response_mask)
+    max_points = _static_int(max_points, "max_points", 0)
+    if max_points == 0:
+        key = jax.random.key(0)  # every start is kept: nothing is drawn
+    elif key is None:
+        raise ValueError("key is required when max_points > 0")
+    return _choose_branch_points(key, segment_ids, response_mask, max_points=max_points)
+
+
+def flatten_branches(starts, valid):
+    """The (row, prefix) pairs of `choose_branch_points`, flattened row-major for sampling.
+
+    Pair i continues response row `row_index[i]` from the state after its first
+    `prefix_lengths[i]` response tokens (0: from the prompt alone). The mean scores of the
+    continuations, in the same order and reshaped to `[B, M]`, are `macro_mc_advantages`'s
+    `start_values` (any value on the unused pairs).
+
+    Args:
+      starts: int `[B, M]` branch positions.
+      valid: bool `[B, M]` used slots.
+
+    Returns:
+      `(row_index, prefix_lengths, flat_valid)`: int32 `[B * M]`, int32 `[B * M]`,
+      bool `[B * M]`.
+    """
+    check_rank(starts, 2, "starts")
+    check_same_shape(starts, "starts", valid=valid)
+    batch, points = np.shape(starts)
+    row_index = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), points)
+    prefix_lengths = jnp.asarray(starts, jnp.int32).reshape(-1)
+    return row_index, prefix_lengths, (jnp.asarray(valid) != 0).reshape(-1)
+
+
+def macro_mc_advantages(starts, valid, start_values, scores, kl_rewards, response_mask):
+    """Advantages from Monte Carlo values of the states where branch points start.
+
+    The used branch points 0 = s_1 < s_2 < ... < s_n of a row cut its response into spans
+    [s_j, s_{j+1}), the last ending at the row's length L. V(s_j) = `start_values[:, j]`, the
+    mean score of continuations sampled from the state after s_j response tokens, and
+    V(L) = `scores`, the observed score of the response. Every token of span j gets
+
+        A_j = V(s_{j+1}) - V(s_j) + sum of `kl_rewards` over the span.
+
+    With every macro start as a branch point (`max_points=0`) this is one advantage per macro;
+    with fewer, the macros between two branch points share one. With `kl_rewards` = 0 the
+    advantages of the spans telescope: their sum is score - V(0).
+
+    Args:
+      starts: int `[B, M]` branch positions (`choose_branch_points`); the used ones of a
+        non-empty row must be distinct positions in [0, L), including 0; an empty row has none.
+        Order does not matter.
+      valid: bool `[B, M]` used slots.
+      start_values: float `[B, M]` V(s_j) of each slot (ignored on unused slots).
+      scores: float `[B]` the responses' scores.
+      kl_rewards: float `[B, R]` per-token KL rewards (-beta * KL), without the score.
+      response_mask: `[B, R]` left-aligned response mask.
+
+    Returns:
+      float `[B, R]` advantages, 0 on padding.
+    """
+    check_rank(starts, 2, "starts")
+    check_same_shape(starts, "starts", valid=valid, start_values=start_values)
+    check_rank(kl_rewards, 2, "kl_rewards")
+    check_mask(response_mask, "response_mask", left_aligned=True)
+    check_same_shape(response_mask, "response_mask", kl_rewards=kl_rewards)
+    check_rank(scores, 1, "scores")
+    batch = np.shape(response_mask)[0]
+    for name, x in (("starts", starts), ("scores", scores)):
+        if np.shape(x)[0] != batch:
+            raise ValueError(f"{name} has shape {np.shape(x)} but response_mask has {batch} rows")
+    _check_starts(starts, valid, response_mask)
+    return _macro_mc_advantages(starts, valid, start_values, scores, kl_rewards, response_mask)
+
+
+def _static_int(value, name, minimum, context=""):
+    """`value` as a Python int >= `minimum`; it sets shapes, so it cannot be traced."""
+    if not is_concrete(value) or np.ndim(value) != 0 or not np.issubdtype(
+            np.asarray(value).dtype, np.integer):
+        raise ValueError(f"{name} must be a Python int (static), got {value!r}")
+    if int(value) < minimum:
+        raise ValueError(f"{name} must be >= {minimum}{context}, got {int(value)}")
+    return int(value)
+
+
+def _float_dtype(*arrays):
+    return jnp.promote_types(jnp.result_type(*arrays), jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "method"))
+def _group_advantages(scores, *, group_size, method):
+    scores = jax.lax.stop_gradient(jnp.asarray(scores, _float_dtype(scores)))
+    groups = scores.reshape(-1, group_size)
+    # Centred on the first score: identical scores become exact zeros, so their mean and
+    # standard deviation are exactly 0 too.
+    centred = groups - groups[:, :1]
+    deviation = centred - jnp.mean(centred, axis=1, keepdims=True)
+    if method == "dr_grpo":
+        advantages = deviation
+    elif method == "rloo":
+        advantages = deviation * (group_size / (group_size - 1))
+    else:
+        std = jnp.sqrt(jnp.sum(deviation * deviation, axis=1, keepdims=True) / (group_size - 1))
+        advantages = deviation / (std + GROUP_STD_EPS)
+    return advantages.reshape(-1)
+
+
+@jax.jit
+def _sequence_advantages_to_tokens(advantages, response_mask):
+    advantages = jax.lax.stop_gradient(jnp.asarray(advantages, _float_dtype(advantages)))
+    return jnp.where(jnp.asarray(response_mask) != 0, advantages[:, None], 0)
+
+
+@jax.jit
+def _reinforce_pp_advantages(rewards, response_mask):
+    valid = jnp.asarray(response_mask) != 0
+    rewards = jax.lax.stop_gradient(jnp.asarray(rewards, _float_dtype(rewards)))
+    rewards = jnp.where(valid, rewards, 0)
+    returns = jnp.flip(jnp.cumsum(jnp.flip(rewards, axis=1), axis=1), axis=1)
+    count = jnp.maximum(jnp.sum(valid), 1).astype(returns.dtype)
+    mean = jnp.sum(jnp.where(valid, returns, 0)) / count
+    centred = jnp.where(valid, returns - mean, 0)
+    variance = jnp.sum(centred * centred) / count
+    return centred * jax.lax.rsqrt(jnp.maximum(variance, REINFORCE_PP_VAR_EPS))
+
+
+@functools.partial(jax.jit, static_argnames="max_points")
+def _choose_branch_points(key, segment_ids, response_mask, *, max_points):
+    valid = jnp.asarray(response_mask) != 0
+    batch, width = valid.shape
+    points = max_points or width
+    ids = jnp.asarray(segment_ids)
+    previous = jnp.concatenate([jnp.full_like(ids[:, :1], -1), ids[:, :-1]], axis=1)
+    is_start = valid & ((jnp.arange(width) == 0) | (ids != previous))
+    # A random priority per start, position 0 above all of them, non-starts below: the top
+    # `points` priorities are position 0 and a uniform sample of the other starts.
+    priority = jax.random.uniform(key, (batch, width))
+    priority = jnp.where(jnp.arange(width) == 0, 2.0, priority)
+    priority = jnp.where(is_start, priority, -1.0)
+    top, positions = jax.lax.top_k(priority, min(points, width))
+    chosen = jnp.sort(jnp.where(top >= 0, positions, width), axis=1).astype(jnp.int32)
+    if points > width:
+        chosen = jnp.pad(chosen, ((0, 0), (0, points - width)), constant_values=width)
+    used = chosen < width
+    return jnp.where(used, chosen, 0), used
+
+
+@jax.jit
+def _macro_mc_advantages(starts, valid, start_values, scores, kl_rewards, response_mask):
+    dtype = _float_dtype(start_values, scores, kl_rewards)
+    tokens = jnp.asarray(response_mask) != 0
+    batch, width = tokens.shape
+    points = starts.shape[1]
+    used = jnp.asarray(valid) != 0
+    start_values = jax.lax.stop_gradient(jnp.asarray(start_values, dtype))
+    scores = jax.lax.stop_gradient(jnp.asarray(scores, dtype))
+    kl_rewards = jax.lax.stop_gradient(jnp.asarray(kl_rewards, dtype))
+    # Used starts in ascending order, unused slots (position `width`) after them: span j is
+    # then slot j, and the value after it is slot j + 1's, or the score after the last span.
+    position = jnp.where(used, jnp.asarray(starts, jnp.int32), width)
+    order = jnp.argsort(position, axis=1)
+    position = jnp.take_along_axis(position, order, axis=1)
+    values = jnp.take_along_axis(start_values, order, axis=1)
+    num_spans = jnp.sum(used, axis=1)
+    next_values = jnp.concatenate([values[:, 1:], jnp.zeros_like(values[:, :1])], axis=1)
+    next_values = jnp.where(jnp.arange(points) == num_spans[:, None] - 1, scores[:, None],
+                            next_values)
+    rows = jnp.arange(batch)[:, None]
+    begins = jnp.zeros((batch, width), bool).at[rows, position].set(True, mode="drop")
+    span = jnp.clip(jnp.cumsum(begins, axis=1) - 1, 0, points - 1)
+    slots = (rows * points + span).reshape(-1)
+    kl_sums = jax.ops.segment_sum(jnp.where(tokens, kl_rewards, 0).reshape(-1), slots,
+                                  num_segments=batch * points).reshape(batch, points)
+    per_span = next_values - values + kl_sums
+    return jnp.where(tokens, jnp.take_along_axis(per_span, span, axis=1), 0)
+
+
+def _check_starts(starts, valid, response_mask):
+    dtype = starts.dtype if hasattr(starts, "dtype") else np.asarray(starts).dtype
+    if not np.issubdtype(dtype, np.integer):
+        raise ValueError(f"starts must be integers, got dtype {dtype}")
+    # Host arrays are checked; device arrays (typically straight from `choose_branch_points`)
+    # are not, since reading them back would stall the dispatch.
+    if any(isinstance(x, jax.Array) or not is_concrete(x)
+           for x in (starts, valid, response_mask)):
+        return
+    used = np.asarray(valid)
+    if not np.all((used == 0) | (used == 1)):
+        raise ValueError("valid must be a boolean (or 0/1) mask")
+    used = used != 0
+    starts = np.asarray(starts).astype(np.int64)
+    lengths = np.sum(np.asarray(response_mask) != 0, axis=1)[:, None]
+    out_of_range = used & ((starts < 0) | (starts >= lengths))
+    # Unused slots get distinct negative keys, so a repeated key is a repeated used start.
+    keys = np.sort(np.where(used, starts, -1 - np.arange(starts.shape[1])), axis=1)
+    repeated = np.any(np.diff(keys, axis=1) == 0, axis=1)
+    no_zero = (lengths[:, 0] > 0) & ~np.any(used & (starts == 0), axis=1)
+    bad = np.nonzero(np.any(out_of_range, axis=1) | repeated | no_zero)[0]
+    if bad.size:
+        raise ValueError(
+            f"starts: the used starts of each row must be distinct positions in [0, L) that "
+            f"include 0 on a non-empty row; rows {bad.tolist()} break this")
