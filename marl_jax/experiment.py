@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -393,18 +394,18 @@ def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats, *, stage_na
             pipe.writer.write(row)
 
     def hooks(state, done):
-        now = _now()
+        now = time.perf_counter()
         if clock["last"] is not None:
             clock["train_s"] += now - clock["last"]
         out = []
         if p.eval_every > 0 and (done % p.eval_every == 0 or done == p.steps):
             out = eval_rows(state, done)
-        clock["last"] = _now()
+        clock["last"] = time.perf_counter()
         return out
 
     metadata = dict(stage="experiment", config=config.to_dict(),
                     runs=[dict(arm=r.arm, seed=r.seed, **r.ppo) for r in runs])
-    clock["last"] = _now()
+    clock["last"] = time.perf_counter()
     state, _ = loop.run(stage, state=state, total_steps=p.steps, step_fn=run_step,
                         writer=writer, metadata=metadata,
                         checkpoint_every=config.checkpoint_every, log_every=config.log_every,
@@ -430,9 +431,6 @@ def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats, *, stage_na
     return runs
 
 
-def _now() -> float:
-    import time
-    return time.perf_counter()
 
 
 def plan_row(config, runs, num_eval_prompts: int) -> dict:
