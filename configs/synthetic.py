@@ -98,6 +98,9 @@ def get_config():
         # kl_coef / n for the `weighted` aggregation), plus token PPO with lam = 1.
         arms=("ppo", "ma_ppo", "ma_ppo_ctrl", "ma_ppo_smdp", "ma_ppo_smdp_ctrl", "ppo_lam1"),
         add_controls=False,  # also run `<arm>_ctrl` for every macro arm listed without one
+        # More arm -> control pairs for the report (besides `<arm>_ctrl`), e.g. a Monte Carlo
+        # macro arm and the token-level one of the same sampling cost.
+        controls=ml_collections.ConfigDict(),
         smoothing=1,  # trailing moving average over eval points, for step counts (1 = none)
         horizons=(),  # summary_items values to repeat the experiment at (each in its own dir)
     ))

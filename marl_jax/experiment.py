@@ -80,6 +80,9 @@ ARMS.update({
     # Monte Carlo values at every token (VinePPO-like) or at the starts of 5-gram macros.
     "macro_mc_n1": lambda p: dict(TOKEN_PPO, estimator="macro_mc"),
     "macro_mc_n5": lambda p: dict(TOKEN_PPO, estimator="macro_mc", ngram=5),
+    # A branch point at every 5-gram start: ceil(R / 5) slots hold all of them.
+    "macro_mc_n5_all": lambda p: dict(TOKEN_PPO, estimator="macro_mc", ngram=5,
+                                      mc_branch_points=-(-int(p.response_length) // 5)),
 })
 
 
@@ -99,6 +102,11 @@ class Run:
     def group(self) -> tuple:
         """The static fields of the run: runs of one group share one compiled step."""
         return tuple(self.ppo[k] for k in STATIC_FIELDS)
+
+
+def is_known_arm(name: str) -> bool:
+    """An arm of `ARMS`, or the matched control `<arm>_ctrl` of one."""
+    return name in ARMS or (name.endswith(CONTROL_SUFFIX) and name[:-len(CONTROL_SUFFIX)] in ARMS)
 
 
 def is_macro_arm(fields: dict) -> bool:
@@ -176,9 +184,10 @@ def plan_runs(config) -> list[Run]:
     if len(set(arms)) != len(arms):
         raise ValueError(f"config.experiment.arms has duplicates: {arms}")
     overrides = dict(config.ppo.get("arm_overrides", None) or {})
-    for arm, fields in overrides.items():
-        if arm not in arms:
-            raise ValueError(f"config.ppo.arm_overrides: {arm!r} is not among the arms {arms}")
+    for arm, fields in overrides.items():  # an arm that is not run ignores its overrides
+        if not is_known_arm(arm):
+            raise ValueError(f"config.ppo.arm_overrides: unknown arm {arm!r}; known: "
+                             f"{sorted(ARMS)} and <macro arm>{CONTROL_SUFFIX}")
         bad = sorted(set(dict(fields)) - set(TRACED_FIELDS + STATIC_FIELDS))
         if bad:
             raise ValueError(f"config.ppo.arm_overrides.{arm}: {bad} cannot vary between arms; "
@@ -192,12 +201,31 @@ def plan_runs(config) -> list[Run]:
         control_of = a[:-len(CONTROL_SUFFIX)] if (a.endswith(CONTROL_SUFFIX)
                                                    and a not in ARMS) else ""
         runs += [Run(a, s, resolve_arm(a, config.ppo), control_of) for s in seeds]
+    controls_of(runs, config)  # a bad config.experiment.controls fails before any training
     return runs
 
 
-def controls_of(runs) -> dict:
-    """macro arm -> the name of its matched control, for the arms that have one."""
-    return {r.control_of: r.arm for r in runs if r.control_of}
+def controls_of(runs, config=None) -> dict:
+    """arm -> the name of its matched control: `<arm>_ctrl` for the macro arms that have one,
+    and the pairs of `config.experiment.controls` (e.g. a Monte Carlo macro arm and the
+    token-level one with the same sampling cost)."""
+    controls = {r.control_of: r.arm for r in runs if r.control_of}
+    explicit = dict(config.experiment.get("controls", None) or {}) if config is not None else {}
+    arms = list(dict.fromkeys(r.arm for r in runs))
+    for arm, control in explicit.items():
+        for role, name in (("arm", arm), ("control", control)):
+            if not is_known_arm(name):
+                raise ValueError(f"config.experiment.controls: unknown {role} {name!r} in "
+                                 f"{arm!r} -> {control!r}; known: {sorted(ARMS)}")
+        if arm not in arms or control not in arms:
+            continue  # a pair is reported when both of its arms are run
+        if arm == control:
+            raise ValueError(f"config.experiment.controls: {arm!r} cannot be its own control")
+        if controls.get(arm, control) != control:
+            raise ValueError(f"config.experiment.controls: {arm!r} already has the control "
+                             f"{controls[arm]!r}")
+        controls[arm] = control
+    return controls
 
 
 def _stack(trees):
@@ -443,7 +471,7 @@ def plan_row(config, runs, num_eval_prompts: int) -> dict:
         first.setdefault(r.arm, r.ppo)
     return dict(
         stage="plan", step=0, arms=arms, seeds=list(dict.fromkeys(r.seed for r in runs)),
-        baseline="ppo", beta=float(config.ppo.kl_coef), controls=controls_of(runs),
+        baseline="ppo", beta=float(config.ppo.kl_coef), controls=controls_of(runs, config),
         macro_arms=[a for a in arms if is_macro_arm(first[a])], runs=first,
         per_run=[dict(arm=r.arm, seed=r.seed, **r.ppo) for r in runs],
         steps=int(config.ppo.steps), eval_every=int(config.ppo.eval_every),

@@ -78,6 +78,43 @@ def test_controls_are_added_for_macro_arms_and_refused_for_token_arms():
         experiment.plan_runs(cfg)
 
 
+def test_explicit_controls_reach_the_plan_row_and_bad_pairs_are_named():
+    import ml_collections
+    cfg = tiny_config()
+    cfg.experiment.arms = ("ppo", "macro_mc_n5_all", "macro_mc_n1")
+    cfg.experiment.controls = ml_collections.ConfigDict(dict(macro_mc_n5_all="macro_mc_n1"))
+    runs = experiment.plan_runs(cfg)
+    by_arm = {r.arm: r.ppo for r in runs if r.seed == 0}
+    # Every 5-gram start of a response fits in the arm's ceil(R / 5) branch slots.
+    r = cfg.ppo.response_length
+    assert by_arm["macro_mc_n5_all"]["mc_branch_points"] == (r + 4) // 5
+    assert by_arm["macro_mc_n5_all"]["ngram"] == 5 and by_arm["macro_mc_n1"]["ngram"] == 1
+    assert experiment.plan_row(cfg, runs, 4)["controls"] == {"macro_mc_n5_all": "macro_mc_n1"}
+    # A pair whose arms are not both run is not reported; an unknown name is an error.
+    cfg.experiment.controls = ml_collections.ConfigDict(dict(macro_mc_n5_all="rloo"))
+    assert experiment.plan_row(cfg, experiment.plan_runs(cfg), 4)["controls"] == {}
+    for pair, message in ((dict(macro_mc_n5_all="rlo"), "unknown control 'rlo'"),
+                          (dict(gpro="ppo"), "unknown arm 'gpro'"),
+                          (dict(ppo="ppo"), "its own control")):
+        cfg.experiment.controls = ml_collections.ConfigDict(pair)
+        with pytest.raises(ValueError, match=message):
+            experiment.plan_runs(cfg)
+    # Overrides of arms that are not run are ignored (a subset of a config's arms can be run
+    # from the command line), of unknown arms refused.
+    cfg.experiment.controls = ml_collections.ConfigDict()
+    cfg.ppo.arm_overrides = ml_collections.ConfigDict(dict(grpo=dict(group_size=4),
+                                                           macro_mc_n1=dict(batch_size=2)))
+    assert {r.arm: r.ppo["batch_size"] for r in experiment.plan_runs(cfg)}["macro_mc_n1"] == 2
+    cfg.ppo.arm_overrides = ml_collections.ConfigDict(dict(grpoo=dict(group_size=4)))
+    with pytest.raises(ValueError, match="arm_overrides: unknown arm 'grpoo'"):
+        experiment.plan_runs(cfg)
+    cfg.ppo.arm_overrides = ml_collections.ConfigDict()
+    cfg.experiment.arms = ("ppo", "ma_ppo", "ma_ppo_ctrl")
+    cfg.experiment.controls = ml_collections.ConfigDict(dict(ma_ppo="ppo"))
+    with pytest.raises(ValueError, match="already has the control 'ma_ppo_ctrl'"):
+        experiment.plan_runs(cfg)
+
+
 def _paired_t(rows, arm, versus, beta, metric):
     """An independent recomputation of a paired difference of final gold or J from eval rows:
     mean and t interval over seeds."""

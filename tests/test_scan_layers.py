@@ -70,7 +70,9 @@ def test_scanned_logits_equal_unrolled(family):
     expected = np.asarray(M.forward_logits(unrolled, params, jnp.asarray(ids), jnp.asarray(mask)))
     got = np.asarray(M.forward_logits(scanned, stacked, jnp.asarray(ids), jnp.asarray(mask)))
     assert got.dtype == np.float32 and got.shape == expected.shape
-    np.testing.assert_allclose(got, expected, atol=1e-6, rtol=0)
+    # float32 rounding accumulated through the layers: the two programs order their operations
+    # differently (up to 1.5e-6 on logits of magnitude ~1 with XLA's CPU optimisations off).
+    np.testing.assert_allclose(got, expected, atol=2e-6, rtol=0)
 
 
 def test_scanned_params_match_a_fresh_scanned_init(family):
