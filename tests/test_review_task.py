@@ -29,12 +29,12 @@ def test_prompts_are_distinct_deterministic_and_the_parts_disjoint():
     record = parts["rl"][0]
     assert reviews.spec_from_record(record).record() == record
     assert record["closing"] in reviews.CLOSINGS and len(record["aspects"]) == 2
-    assert record["prompt"].endswith(f'with the word "{record["closing"]}".')
+    assert record["prompt"].endswith(f'The last word must be "{record["closing"]}".')
 
 
 def test_prompt_text_and_bad_sizes():
-    assert HOTEL.prompt == ('Write a short review of the Riverside Inn (a hotel). Mention the '
-                            'room and the breakfast, and end your review with the word "again".')
+    assert HOTEL.prompt == ('In two short sentences, review the Riverside Inn (a hotel). Mention '
+                            'the room and the breakfast. The last word must be "again".')
     with pytest.raises(ValueError, match="need 12000 prompts but the word lists make 11200"):
         reviews.review_prompts(0, {"eval": 1000, "rl": 11000})
     with pytest.raises(ValueError, match="part 'rl' must be an integer >= 0"):

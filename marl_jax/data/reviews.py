@@ -3,8 +3,11 @@
 Every prompt asks for a short review of a named item that mentions two of its aspects and ends
 with a given word, e.g.
 
-    Write a short review of the Blue Door Bistro (a restaurant). Mention the service and the
-    dessert, and end your review with the word "again".
+    In two short sentences, review the Blue Door Bistro (a restaurant). Mention the service and
+    the dessert. The last word must be "again".
+
+(SmolLM2-135M-Instruct ends 94% of its answers to these within 64 tokens, ~29 tokens on
+average; asked for "a short review" it wrote on past 64 tokens in 98% of its samples.)
 
 The decisions that earn reward are spread over the response: its tone everywhere, the aspects
 wherever they fit, the closing word at the very end (the gold is `marl_jax.eval.review_gold`).
@@ -85,8 +88,8 @@ class ReviewSpec:
     @property
     def prompt(self) -> str:
         mention = " and the ".join(self.aspects)
-        return (f"Write a short review of {self.item} (a {self.category}). Mention the "
-                f"{mention}, and end your review with the word \"{self.closing}\".")
+        return (f"In two short sentences, review {self.item} (a {self.category}). Mention the "
+                f"{mention}. The last word must be \"{self.closing}\".")
 
     def record(self) -> dict:
         """The prompt record the loaders and the gold read (`prompt` plus the spec fields)."""
