@@ -103,5 +103,6 @@ def get_config():
         controls=ml_collections.ConfigDict(),
         smoothing=1,  # trailing moving average over eval points, for step counts (1 = none)
         horizons=(),  # summary_items values to repeat the experiment at (each in its own dir)
+        runs_per_program=0,  # > 0: at most this many runs in one vmapped program (memory)
     ))
     return c

@@ -31,10 +31,17 @@ TASK_CONFIGS = {
     "hh_rlhf": "configs/hh_rlhf_smollm2.py",
     "webgpt": "configs/webgpt_smollm2.py",
     "apps": "configs/apps_smollm2.py",
+    "reviews": "configs/real_text_smollm2.py",
 }
 # What marl_jax/data/tasks.py reads of the synthetic task section besides the world's fields.
 SYNTHETIC_TASK_FIELDS = ("data_seed", "num_sft", "num_pairs", "num_rl_prompts",
                          "num_eval_prompts")
+# What marl_jax/data/review_task.py and the pipeline read of the review task's section.
+REVIEW_TASK_FIELDS = ("data_seed", "tokenizer", "max_prompt_length", "use_chat_template",
+                      "num_eval_prompts", "num_rm_eval", "num_sft", "num_pairs",
+                      "num_rl_prompts", "samples_per_prompt", "annotator_temperature",
+                      "gold_min_words", "gold_max_words", "pairs_per_prompt",
+                      "sample_batch_size")
 
 
 def optimizer_config(lr: float, steps: int, batch_size: int) -> ml_collections.ConfigDict:
@@ -49,6 +56,9 @@ def optimizer_config(lr: float, steps: int, batch_size: int) -> ml_collections.C
         b2=0.95,
         weight_decay=0.1,
         grad_clip=1.0,
+        # Train only the top n decoder layers, the final norm and the heads (trlx's
+        # num_layers_unfrozen; needs model.scan_layers=False); -1 trains every parameter.
+        num_layers_unfrozen=-1,
     ))
 
 
@@ -244,6 +254,11 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
         check(s.learning_rate > 0, f"{stage}.learning_rate", "must be > 0")
         check(s.schedule in SCHEDULES, f"{stage}.schedule", f"must be one of {SCHEDULES}")
         check(0 <= s.warmup_ratio < 1, f"{stage}.warmup_ratio", "must be in [0, 1)")
+        n = s.get("num_layers_unfrozen", -1)
+        check(isinstance(n, int) and n >= -1, f"{stage}.num_layers_unfrozen",
+              "must be an int >= 0 (layers trained from the top) or -1 (every parameter)")
+        check(n < 0 or not c.model.get("scan_layers", False), f"{stage}.num_layers_unfrozen",
+              "needs unrolled decoder layers: set config.model.scan_layers=False")
     for stage in ("sft", "rm"):
         s = c[stage]
         check(s.batch_size % s.grad_accum_steps == 0, f"{stage}.grad_accum_steps",
@@ -278,13 +293,61 @@ def _check_task_fields(c, config_file):
     name = c.task.name
     if name not in TASK_CONFIGS:
         raise ValueError(f"config.task.name={name!r}: must be one of {tuple(TASK_CONFIGS)}")
-    needed = SYNTHETIC_TASK_FIELDS if name == "synthetic" else tuple(base_config().task)
+    needed = {"synthetic": SYNTHETIC_TASK_FIELDS, "reviews": REVIEW_TASK_FIELDS}.get(
+        name, tuple(base_config().task))
     missing = [f for f in needed if f not in c.task]
     if missing:
-        kind = "synthetic" if name == "synthetic" else "real-dataset"
+        kind = {"synthetic": "synthetic", "reviews": "review"}.get(name, "real-dataset")
         raise ValueError(
             f"config.task.name={name!r} needs the {kind} task fields ({', '.join(missing)}) that "
             f"{config_file or 'this config'} does not have; use --config={TASK_CONFIGS[name]}")
+
+
+def resolve_size(config, file_config=None):
+    """Applies the preset of `config.size` from `config.sizes` (configs/real_text_smollm2.py:
+    `--config.size=cpu` or `accelerator`), in place; returns `config`.
+
+    `config.sizes.<size>` mirrors the config's sections (e.g. `ppo.batch_size`). A field whose
+    value differs from `file_config`'s (the config file as written, before command-line
+    overrides) was set on the command line and keeps its value, so
+    `--config.size=accelerator --config.ppo.steps=10` runs 10 steps. Configs without `size` are
+    returned unchanged; a config is resolved once (`config.size_applied`).
+    """
+    if "size" not in config:
+        return config
+    sizes = config.get("sizes", None)
+    if sizes is None or config.size not in sizes:
+        raise ValueError(f"config.size={config.size!r}: must be one of "
+                         f"{tuple(sorted(sizes)) if sizes is not None else ()}")
+    if config.get("size_applied", "") == config.size:
+        return config
+    for dotted, value in _flatten(sizes[config.size]):
+        try:
+            current = _get(config, dotted)
+        except (KeyError, AttributeError):
+            raise ValueError(f"config.sizes.{config.size}.{dotted}: config.{dotted} does not "
+                             "exist") from None
+        if file_config is not None and current != _get(file_config, dotted):
+            continue  # set on the command line
+        _set(config, dotted, value)
+    config.size_applied = config.size
+    return config
+
+
+def _flatten(tree, prefix=""):
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, (ml_collections.ConfigDict, dict)):
+            yield from _flatten(value, dotted + ".")
+        else:
+            yield dotted, value
+
+
+def _set(c, dotted, value):
+    *parents, last = dotted.split(".")
+    for part in parents:
+        c = c[part]
+    c[last] = value
 
 
 def _get(c, dotted):

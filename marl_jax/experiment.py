@@ -9,7 +9,7 @@ Rows in `<workdir>/metrics.jsonl`: training rows `{"stage": "ppo", "arm", "seed"
 evaluation rows `{"stage": "eval", "arm", "seed", "step", "gold", "kl", "rm_score"}` every
 `ppo.eval_every` steps on held-out prompts (step 0 is the SFT policy), and one
 `{"stage": "final", "arm", "seed", "gold_per_prompt": [...], "rm_score_per_prompt": [...]}` per
-run. The report (`marl_jax/eval/report.py`) is computed from these rows alone.
+run, and one of arm `sft` per seed (the SFT policy: the step-0 evaluation). The report (`marl_jax/eval/report.py`) is computed from these rows alone.
 """
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from marl_jax import config as config_lib
 from marl_jax import distributed
 from marl_jax.data import batches
+from marl_jax.data.real_tasks import decode_responses
+from marl_jax.eval.report import SFT_ARM  # the SFT policy's final rows (step-0 evaluations)
 from marl_jax.train import loop, programs, sharding
 from marl_jax.train import ppo as ppo_lib
 from marl_jax.train import ppo_core as core
@@ -267,16 +269,16 @@ def _run_one(config, workdir: str) -> dict:
 
     config_lib.validate_config(config)
     runs = plan_runs(config)
-    groups = run_groups(runs)
+    groups = run_groups(runs, config.experiment.get("runs_per_program", 0))
     pipe = Pipeline(config, workdir)
     try:
         sft_params = pipe.sft()
         rm_params, stats = pipe.rm()
-        measured = []
+        measured, step0 = [], {}
         for i, group in enumerate(groups):
             name = "experiment" if len(groups) == 1 else f"experiment_{i}"
             measured += _run_ppo_group(group_config(config, group[0]), pipe, group, sft_params,
-                                       rm_params, stats, stage_name=name)
+                                       rm_params, stats, stage_name=name, step0=step0)
         if jax.process_index() == 0:
             order = {(r.arm, r.seed): i for i, r in enumerate(runs)}
             measured.sort(key=lambda r: order[(r.arm, r.seed)])
@@ -293,12 +295,21 @@ def _run_one(config, workdir: str) -> dict:
     return report
 
 
-def run_groups(runs) -> list[list[Run]]:
-    """Runs split by their static fields, in the order their arms are listed."""
+def run_groups(runs, runs_per_program: int = 0) -> list[list[Run]]:
+    """Runs split by their static fields, in the order their arms are listed; with
+    `runs_per_program` > 0 each group is cut further into programs of at most that many runs
+    (`config.experiment.runs_per_program`: one vmapped program holds every run's actor, critic
+    and optimizer states, so a large model may fit only a run or two at a time)."""
+    if not isinstance(runs_per_program, int) or runs_per_program < 0:
+        raise ValueError(f"config.experiment.runs_per_program={runs_per_program!r}: must be an "
+                         "int >= 0 (0: every run of a group in one program)")
     groups = {}
     for r in runs:
         groups.setdefault(r.group, []).append(r)
-    return list(groups.values())
+    if not runs_per_program:
+        return list(groups.values())
+    return [group[i:i + runs_per_program] for group in groups.values()
+            for i in range(0, len(group), runs_per_program)]
 
 
 def group_config(config, run: Run):
@@ -311,9 +322,17 @@ def group_config(config, run: Run):
     return out
 
 
-def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats, *, stage_name="experiment"):
+def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats, *, stage_name="experiment",
+                   step0=None):
     """One group of runs (same static fields) as one vmapped step, resumable; returns the runs
-    with their measured mean macro lengths."""
+    with their measured mean macro lengths.
+
+    `step0` (seed -> per-prompt results, shared by the groups of one experiment) holds the
+    step-0 evaluations: the SFT policy on a seed's held-out prompts and keys, the same for every
+    run of the seed, so a later group reuses them. The first evaluation of a seed is also
+    written as its `final` row of arm `sft`.
+    """
+    step0 = {} if step0 is None else step0
     p, task = config.ppo, pipe.task
     variants = tuple(sorted({r.variant for r in runs}))
     static = ppo_lib.static_from_config(config, task.tokenizer, variants=variants)
@@ -390,16 +409,25 @@ def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats, *, stage_na
         return step_fn(state, frozen, hparams, prompts["ids"], prompts["mask"],
                        prompts.get("documents"))
 
+    # A gold computed on the host from decoded text (the review task) instead of on device.
+    text_gold = task.eval_gold
+    fetched = ppo_lib.EVAL_ROW_KEYS + (("response_ids", "response_mask") if text_gold else ())
+
     def evaluate(state):
         result = eval_fn(state.actor_params, frozen, eval_inputs["ids"], eval_inputs["mask"],
                          eval_inputs.get("documents"), eval_keys)
-        return distributed.global_to_host(
-            {k: v for k, v in result.items() if k in ppo_lib.EVAL_ROW_KEYS})
+        result = distributed.global_to_host({k: v for k, v in result.items() if k in fetched})
+        if text_gold is not None:
+            ids, mask = result.pop("response_ids"), result.pop("response_mask")
+            result["gold"] = np.stack([
+                np.asarray(text_gold(decode_responses(task.tokenizer, ids[i], mask[i])))
+                for i in range(len(runs))])
+        return result
 
     clock = {"train_s": 0.0, "last": None}
 
-    def eval_rows(state, step):
-        result = evaluate(state)
+    def eval_rows(state, step, result=None):
+        result = evaluate(state) if result is None else result
         budget = distributed.global_to_host(
             {"generated_tokens": state.generated_tokens, "prefill_tokens": state.prefill_tokens})
         rows = []
@@ -418,8 +446,18 @@ def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats, *, stage_na
     if not stage.latest_step():
         for name in ("eval", "final"):
             writer.truncate_after(name, -1)
-        for row in eval_rows(state, 0):
+        cached = [step0.get(r.seed) for r in runs]
+        if all(c is not None for c in cached):
+            result = {k: np.stack([c[k] for c in cached]) for k in cached[0]}
+        else:
+            result = evaluate(state)
+        for row in eval_rows(state, 0, result):
             pipe.writer.write(row)
+        for i, r in enumerate(runs):
+            if r.seed not in step0:
+                step0[r.seed] = {k: v[i] for k, v in result.items()}
+                pipe.writer.truncate_after("final", -1, arm=SFT_ARM, seed=r.seed)
+                pipe.writer.write(final_row(SFT_ARM, r.seed, 0, result, i))
 
     def hooks(state, done):
         now = time.perf_counter()
@@ -443,21 +481,25 @@ def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats, *, stage_na
                                                      * task.prompt_length))
     # Process 0 alone reads metrics.jsonl; its answer decides for all, since the evaluation
     # below is a collective.
-    arms = {r.arm for r in runs}
-    if not distributed.main_process_value(
-            any(r.get("stage") == "final" and r.get("arm") in arms
-                for r in _read(pipe.workdir))):
+    finished = {(r.get("arm"), r.get("seed")) for r in _read(pipe.workdir)
+                if r.get("stage") == "final"}
+    if not distributed.main_process_value(all((r.arm, r.seed) in finished for r in runs)):
         result = evaluate(state)
         for i, r in enumerate(runs):
-            row = dict(stage="final", arm=r.arm, seed=r.seed, step=p.steps,
-                       rm_score_per_prompt=[float(x) for x in result["rm_score"][i]],
-                       kl_per_prompt=[float(x) for x in result["kl"][i]])
-            if "gold" in result:
-                row["gold_per_prompt"] = [float(x) for x in result["gold"][i]]
-            pipe.writer.write(row)
+            if (r.arm, r.seed) not in finished:
+                pipe.writer.write(final_row(r.arm, r.seed, p.steps, result, i))
     stage.close()
     return runs
 
+
+def final_row(arm: str, seed: int, step: int, result: dict, i: int) -> dict:
+    """The `final` row of run `i` of an evaluation `result` (per-prompt values `[runs, E]`)."""
+    row = dict(stage="final", arm=arm, seed=seed, step=step,
+               rm_score_per_prompt=[float(x) for x in result["rm_score"][i]],
+               kl_per_prompt=[float(x) for x in result["kl"][i]])
+    if "gold" in result:
+        row["gold_per_prompt"] = [float(x) for x in result["gold"][i]]
+    return row
 
 
 
@@ -540,8 +582,9 @@ class _PerRunWriter:
             self.writer.write(one)
 
     def truncate_after(self, stage, step, **match):
-        """Drops this group's rows only (other groups of the experiment keep theirs)."""
+        """Drops this group's rows only, by (arm, seed): other groups of the experiment, the
+        other seeds of an arm among them, keep theirs."""
         if str(stage).startswith("experiment"):
             stage = "ppo"
-        return sum(self.writer.truncate_after(stage, step, **dict(match, arm=arm))
-                   for arm in dict.fromkeys(r.arm for r in self.runs))
+        return sum(self.writer.truncate_after(stage, step, **dict(match, arm=r.arm, seed=r.seed))
+                   for r in self.runs)

@@ -13,11 +13,12 @@ import numpy as np
 
 from marl_jax import distributed
 from marl_jax.config import validate_config
+from marl_jax.data.real_tasks import decode_responses
 from marl_jax.data.tasks import build_task
 from marl_jax.train import build, exports, metrics as metrics_lib, sharding
 from marl_jax.train import ppo as ppo_lib
 from marl_jax.train.ppo import run_ppo
-from marl_jax.train.reward import reward_stats, run_rm, sample_policy_pairs
+from marl_jax.train.reward import PAIR_KEYS, reward_stats, run_rm, sample_policy_pairs
 from marl_jax.train.sft import run_sft
 
 SUMMARY_COLUMNS = {
@@ -53,9 +54,30 @@ class Pipeline:
         self.policy = build.policy_module(cfg)
         self.reward_model = build.reward_module(cfg)
         self.critic = build.critic_module(cfg)
-        self._sft = self._rm = None
+        self._sft = self._rm = self._initial = None
         self._sampled = False  # the policy's preference pairs are in self.task.rm
+        self._sampled_data = None  # the held-out gold pairs, once the sampled data is in
         self.run_earlier_stages = run_earlier_stages
+        self.gold = None
+        if self.task.info.get("task") == "reviews":
+            self._attach_text_gold()
+
+    def _attach_text_gold(self):
+        """The review task's gold on decoded text (`marl_jax.eval.review_gold`), for its
+        sampled data and its held-out prompts (`TaskData.eval_gold`)."""
+        from marl_jax.eval.review_gold import ReviewGold
+
+        t = self.config.task
+        self.gold = ReviewGold(min_words=int(t.gold_min_words), max_words=int(t.gold_max_words))
+        records = self.task.info["records"]
+        self.task.eval_gold = lambda texts: self.gold.score(records["eval"], texts)
+
+    def initial_params(self):
+        """The policy's starting point (the pretrained model), read once."""
+        if self._initial is None:
+            self._initial = build.initial_policy_params(self.config, self.policy,
+                                                        jax.random.key(self.config.seed))
+        return self._initial
 
     def _require(self, name: str, needed_by: str):
         """With `--config.stage=rm` or `ppo`, the earlier stages must have finished already."""
@@ -73,8 +95,9 @@ class Pipeline:
         if self._sft is None:
             if needed_by:
                 self._require("sft", needed_by)
-            init = build.initial_policy_params(self.config, self.policy,
-                                               jax.random.key(self.config.seed))
+            self._add_sampled_data()
+            init = self.initial_params()
+            self._initial = None  # held by `init` only, and freed with it
             self._sft = run_sft(self.config, self.task, self.policy, init, mesh=self.mesh,
                                 writer=self.writer, workdir=self.workdir)
             self._export("sft", self.policy, self._sft)
@@ -93,8 +116,10 @@ class Pipeline:
             # train, or to recompute the reward statistics.
             if exports.latest_checkpoint_step(self.workdir, "rm") < self.config.rm.steps:
                 self._add_policy_pairs(sft_params)
+            self._add_sampled_data()
             params = run_rm(self.config, self.task, self.reward_model, init, mesh=self.mesh,
                             writer=self.writer, workdir=self.workdir)
+            self._write_gold_agreement(params)
             # The statistics belong to these params: reused only from an export of the same
             # checkpoint, recomputed (and re-exported) whenever the reward model changed.
             stats = exports.current_export_file(self.workdir, "rm", exports.REWARD_STATS)
@@ -127,6 +152,77 @@ class Pipeline:
         self.task.rm = {k: np.concatenate([v, sampled[k]]) for k, v in self.task.rm.items()}
         self._sampled = True
 
+    def _add_sampled_data(self) -> None:
+        """For a task that ships prompts only: the SFT set (best of k) and the preference pairs
+        from the initial model's samples, scored by the gold (`marl_jax.train.sampled_data`);
+        sampled once per workdir."""
+        if self.task.sampled_prompts is None or self._sampled_data is not None:
+            return
+        from marl_jax.train import sampled_data
+
+        t, p = self.config.task, self.config.ppo
+        static = ppo_lib.static_from_config(self.config, self.task.tokenizer)
+        sampler = dict(max_new_tokens=int(p.response_length), temperature=static.temperature,
+                       top_k=static.top_k, top_p=static.top_p, eos_id=static.eos_id,
+                       pad_id=static.pad_id)
+        k = int(t.samples_per_prompt)
+        records = self.task.info["records"]
+        out = {}
+        for i, (part, prompts) in enumerate(self.task.sampled_prompts.items()):
+            settings = dict(model=str(self.config.model.path), dtype=str(self.config.model.dtype),
+                            seed=int(self.config.seed), data_seed=int(t.data_seed),
+                            num_prompts=len(prompts["ids"]), samples_per_prompt=k,
+                            prompts=[r["prompt"] for r in records[part][:3]],
+                            **{key: (float(v) if isinstance(v, float) else v)
+                               for key, v in sampler.items()})
+            loaded = sampled_data.load_samples(self.workdir, part, settings)
+            if loaded is None:
+                ids, mask = sampled_data.sample_responses(
+                    self.policy, self.initial_params(), prompts, num_samples=k,
+                    key=jax.random.fold_in(jax.random.key(self.config.seed), 100 + i),
+                    sampler=sampler, batch_size=int(t.sample_batch_size), desc=f"sample {part}")
+                texts = decode_responses(self.task.tokenizer, ids.reshape(-1, ids.shape[-1]),
+                                         mask.reshape(-1, ids.shape[-1]))
+                gold = self.gold.score([r for r in records[part] for _ in range(k)],
+                                       texts).reshape(-1, k)
+                sampled_data.save_samples(self.workdir, part, settings, ids, mask, gold, texts)
+            else:
+                ids, mask, gold = loaded
+            out[part] = (prompts, ids, mask, gold)
+        rng = np.random.default_rng(int(t.data_seed) + 1)
+        self.task.sft = sampled_data.best_of_k(*out["sft"])
+        pairs = sampled_data.labelled_pairs(*out["rm"], rng=rng,
+                                            temperature=float(t.annotator_temperature),
+                                            pairs_per_prompt=int(t.pairs_per_prompt))
+        self.task.rm = {k: pairs[k] for k in PAIR_KEYS}
+        held_out = sampled_data.labelled_pairs(*out["rm_eval"], rng=rng, temperature=0.0)
+        self._sampled_data = dict(
+            held_out_pairs={k: held_out[k] for k in PAIR_KEYS},
+            stats={"sampled/gold_mean": float(np.mean(out["sft"][3])),
+                   "sampled/best_of_k_gold": float(np.mean(np.max(out["sft"][3], axis=1))),
+                   "sampled/pairs": len(pairs["gold_agrees"]),
+                   "sampled/annotator_agreement": float(np.mean(pairs["gold_agrees"]))})
+
+    def _write_gold_agreement(self, rm_params) -> None:
+        """The `rm` row with `rm/gold_agreement`: the fraction of the held-out pairs (labelled
+        by the gold alone) whose gold-preferred response the reward model scores higher."""
+        if self._sampled_data is None:
+            return
+        from marl_jax.train.reward import pair_agreement
+
+        step = int(self.config.rm.steps)
+        # Process 0 reads metrics.jsonl; its answer decides for all (the scoring is collective).
+        if distributed.main_process_value(any(
+                r.get("stage") == "rm" and "rm/gold_agreement" in r and r.get("step") == step
+                for r in metrics_lib.read_metrics(self.workdir))):
+            return
+        pairs = self._sampled_data["held_out_pairs"]
+        agreement = pair_agreement(self.reward_model, rm_params, pairs,
+                                   batch_size=self.config.rm.batch_size)
+        self.writer.write(dict(stage="rm", step=step, **{
+            "rm/gold_agreement": agreement, "rm/gold_pairs": len(pairs["prompt_ids"])},
+            **self._sampled_data["stats"]))
+
     def ppo(self):
         rm_params, stats = self.rm(needed_by="ppo")
         state = run_ppo(self.config, self.task, self.policy, self.critic, self.reward_model,
@@ -144,6 +240,9 @@ class Pipeline:
 
 def run(config, workdir: str) -> None:
     """Runs `config.stage` in `workdir` and prints a closing summary table."""
+    from marl_jax.config import resolve_size
+
+    resolve_size(config)
     stage = config.stage
     if stage == "experiment":
         from marl_jax import experiment

@@ -24,6 +24,25 @@ def test_config_builds_and_validates(name):
         assert len(runs) == len(experiment.experiment_arms(config)) * len(config.seeds)
 
 
+def test_the_real_text_sizes_resolve_and_the_accelerator_size_is_the_study():
+    from marl_jax.config import resolve_size
+
+    module = importlib.import_module("configs.real_text_smollm2")
+    cpu = resolve_size(module.get_config(), file_config=module.get_config())
+    validate_config(cpu)
+    assert experiment.experiment_arms(cpu) == ("ppo", "ma_ppo") and cpu.task.num_eval_prompts >= 64
+    big = module.get_config()
+    big.size = "accelerator"
+    big.ppo.steps = 7  # as on the command line: kept
+    resolve_size(big, file_config=module.get_config())
+    validate_config(big)
+    assert big.ppo.steps == 7 and len(big.seeds) >= 5 and big.ppo.response_length >= 128
+    assert big.ppo.batch_size >= 64 and big.model.dtype == "bfloat16"
+    assert set(experiment.experiment_arms(big)) == {"ppo", "ma_ppo", "ma_ppo_ctrl",
+                                                    "ma_ppo_smdp"}
+    assert big.task.num_rl_prompts >= 1000 and cpu.task.num_rl_prompts >= 1000
+
+
 def test_the_shipped_configs_cover_the_paper_tasks():
     assert {"synthetic", "synthetic_sweep", "tldr_smollm2", "hh_rlhf_smollm2", "webgpt_smollm2",
             "apps_smollm2", "tldr_gemma2b_tpu", "tldr_gemma7b_tpu"} <= set(CONFIG_NAMES)
@@ -120,7 +139,7 @@ def test_good_new_fields_pass(overrides):
 
 
 def test_each_task_name_has_the_config_that_serves_it():
-    assert set(TASK_CONFIGS) == {"synthetic", *REAL_TASKS}
+    assert set(TASK_CONFIGS) == {"synthetic", "reviews", *REAL_TASKS}
     for name, path in TASK_CONFIGS.items():
         module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
         assert module.get_config().task.name == name
@@ -148,5 +167,6 @@ def test_a_task_name_without_its_fields_fails_naming_them_and_the_config():
 
     c.task.name = "tl;dr"
     with pytest.raises(ValueError, match=r"config.task.name='tl;dr': must be one of "
-                                         r"\('synthetic', 'tldr', 'hh_rlhf', 'webgpt', 'apps'\)"):
+                                         r"\('synthetic', 'tldr', 'hh_rlhf', 'webgpt', 'apps', "
+                                         r"'reviews'\)"):
         validate_config(c)

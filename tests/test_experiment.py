@@ -133,6 +133,22 @@ def _paired_t(rows, arm, versus, beta, metric):
     return d.mean(), [d.mean() - half, d.mean() + half]
 
 
+def test_runs_per_program_cuts_each_group_in_arm_order():
+    config = tiny_config(**{"experiment.arms": ("ppo", "ma_ppo", "grpo"), "seeds": (0, 1, 2),
+                            "ppo.arm_overrides": {"grpo": {"group_size": 2}}})
+    runs = experiment.plan_runs(config)
+    names = lambda groups: [[(r.arm, r.seed) for r in g] for g in groups]
+    whole = experiment.run_groups(runs)
+    assert names(whole) == [[(a, s) for a in ("ppo", "ma_ppo") for s in (0, 1, 2)],
+                            [("grpo", s) for s in (0, 1, 2)]]
+    assert names(experiment.run_groups(runs, 4)) == [
+        [("ppo", 0), ("ppo", 1), ("ppo", 2), ("ma_ppo", 0)],
+        [("ma_ppo", 1), ("ma_ppo", 2)], [("grpo", 0), ("grpo", 1), ("grpo", 2)]]
+    assert names(experiment.run_groups(runs, 1)) == [[(r.arm, r.seed)] for r in runs]
+    with pytest.raises(ValueError, match="runs_per_program=-1"):
+        experiment.run_groups(runs, -1)
+
+
 def test_shortened_default_experiment(tmp_path):
     cfg = tiny_config()
     cfg.stage = "experiment"
@@ -195,3 +211,26 @@ def test_shortened_default_experiment(tmp_path):
     # Every arm of a seed starts from the same SFT policy: identical step-0 evaluations.
     step0 = [r for r in rows if r["stage"] == "eval" and r["step"] == 0 and r["seed"] == 3]
     assert len({round(r["gold"], 9) for r in step0}) == 1
+
+
+def test_programs_of_one_run_share_the_sft_evaluation_and_write_one_sft_row(tmp_path):
+    cfg = tiny_config(**{"stage": "experiment", "experiment.arms": ("ppo", "ma_ppo"),
+                         "seeds": (3, 4), "ppo.steps": 1, "ppo.eval_every": 1,
+                         "experiment.runs_per_program": 1})
+    workdir = str(tmp_path)
+    report = experiment.run_experiment(cfg, workdir)
+    rows = read_metrics(workdir)
+    sft = {r["seed"]: r for r in rows if r["stage"] == "final" and r["arm"] == "sft"}
+    assert sorted(sft) == [3, 4] and len([r for r in rows if r.get("arm") == "sft"]) == 2
+    for seed in (3, 4):
+        step0 = [r for r in rows if r["stage"] == "eval" and r["step"] == 0 and r["seed"] == seed]
+        assert sorted(r["arm"] for r in step0) == ["ma_ppo", "ppo"]
+        for r in step0:  # every program's step 0 is the SFT policy's evaluation of the seed
+            assert r["gold"] == pytest.approx(np.mean(sft[seed]["gold_per_prompt"]), abs=1e-6)
+            assert r["rm_score"] == pytest.approx(np.mean(sft[seed]["rm_score_per_prompt"]),
+                                                  abs=1e-6)
+    finals = {(r["arm"], r["seed"]): r for r in rows if r["stage"] == "final"}
+    d = np.concatenate([np.subtract(finals[("ppo", s)]["gold_per_prompt"],
+                                    sft[s]["gold_per_prompt"]) for s in (3, 4)])
+    assert report["versus_sft"]["ppo"]["mean"] == pytest.approx(d.mean())
+    assert report["versus_sft"]["ppo"]["n"] == 2 * cfg.task.num_eval_prompts

@@ -77,3 +77,70 @@ def test_schedule_config_is_unchanged_by_a_critic_override():
                                          schedule="constant"))
     optim.stage_schedule(cfg, 10, learning_rate=0.25)
     assert cfg.learning_rate == 1.0
+
+
+def _tiny_reward_model(num_layers=3, scan_layers=False):
+    from marl_jax import models
+
+    cfg = models.ModelConfig(family="llama", vocab_size=32, hidden_size=16, intermediate_size=32,
+                             num_layers=num_layers, num_heads=2, num_kv_heads=2, head_dim=8,
+                             max_position_embeddings=16, eos_token_id=(1,), pad_token_id=0,
+                             scan_layers=scan_layers)
+    module = models.ScalarHeadModel(cfg)
+    return module, models.init_params(module, jax.random.key(0))
+
+
+def test_num_layers_unfrozen_trains_the_top_layers_with_the_full_models_gradients():
+    from marl_jax.models import last_token_score
+
+    module, params = _tiny_reward_model()
+    mask = optim.trainable_mask(params, 1)
+    flat = {"/".join(str(k.key) for k in path): v
+            for path, v in jax.tree_util.tree_flatten_with_path(mask)[0]}
+    trained = sorted(k for k, v in flat.items() if v)
+    assert trained and all(k.startswith(("backbone/layers_2/", "backbone/final_norm/", "head/"))
+                           for k in trained)
+    assert any(k.startswith("backbone/layers_2/") for k in trained)
+    assert not any(v for k, v in flat.items() if k.startswith(("backbone/embed", "backbone/layers_0",
+                                                                "backbone/layers_1")))
+    ids = jnp.asarray(np.random.default_rng(0).integers(2, 32, (4, 8)), jnp.int32)
+    mask_ids = jnp.ones_like(ids)
+
+    def loss(p, batch):
+        scores = last_token_score(module.apply({"params": p}, batch, mask_ids), mask_ids)
+        return jnp.mean((scores - jnp.arange(4.0)) ** 2), {}
+
+    (_, _), full = jax.value_and_grad(loss, has_aux=True)(params, ids)
+    (_, _), frozen = optim.accumulate_gradients(loss, params, ids, 1, lambda b: 1.0,
+                                                num_layers_unfrozen=1)
+    for (path, g_full), g in zip(jax.tree_util.tree_flatten_with_path(full)[0],
+                                 jax.tree.leaves(frozen)):
+        name = "/".join(str(k.key) for k in path)
+        if flat[name]:  # the top layer's gradient is the full model's
+            np.testing.assert_allclose(g, g_full, rtol=1e-5, atol=1e-7, err_msg=name)
+        else:
+            assert not np.any(np.asarray(g)), name
+
+    cfg = optimizer_config(lr=1e-2, steps=10, batch_size=4)
+    cfg.num_layers_unfrozen = 1
+    tx = optim.make_optimizer(cfg, 10)
+    state = tx.init(params)
+    # Adam moments exist for the trained leaves only.
+    moments = [x for x in jax.tree.leaves(state) if np.ndim(x) > 0]
+    assert sum(np.size(x) for x in moments) == 2 * sum(
+        np.size(v) for v, t in zip(jax.tree.leaves(params), jax.tree.leaves(mask)) if t)
+    updates, _ = tx.update(full, state, params)
+    # The trained leaves move as plain AdamW moves them on the gradients of the trained leaves
+    # alone (clipping included: the frozen leaves add nothing to the global norm).
+    cfg.num_layers_unfrozen = -1
+    plain = optim.make_optimizer(cfg, 10)
+    masked = jax.tree.map(lambda g, t: g if t else jnp.zeros_like(g), full, mask)
+    want, _ = plain.update(masked, plain.init(params), params)
+    for u, w, t in zip(jax.tree.leaves(updates), jax.tree.leaves(want), jax.tree.leaves(mask)):
+        np.testing.assert_allclose(u, w if t else np.zeros_like(w), rtol=1e-6, atol=1e-9)
+    assert any(np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
+    with pytest.raises(ValueError, match="the model has 3 layers"):
+        optim.trainable_mask(params, 4)
+    _, scanned = _tiny_reward_model(scan_layers=True)
+    with pytest.raises(ValueError, match="scan_layers=False"):
+        optim.trainable_mask(scanned, 1)

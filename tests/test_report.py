@@ -500,3 +500,26 @@ def test_readme_results_needs_the_markers(tmp_path, capsys):
     assert not (tmp_path / "results.json").exists()
     assert rr.main([str(tmp_path / "nowhere"), "--readme", str(readme)]) == 2
     assert "report.json does not exist" in capsys.readouterr().err
+
+
+def test_arms_against_the_sft_policy_paired_per_prompt_by_hand():
+    rows = _hand_rows() + [
+        dict(stage="final", arm="sft", seed=0, step=0, gold_per_prompt=[0.1, 0.3, 0.5],
+             rm_score_per_prompt=[0, 0, 0]),
+        dict(stage="final", arm="sft", seed=1, step=0, gold_per_prompt=[0.5, 0.2],
+             rm_score_per_prompt=[0, 0]),
+    ]
+    report = report_lib.compute_report(rows, beta=0.05)
+    # ppo - sft: seed 0: 0, 0.2, 0.4; seed 1: -0.5, -0.2.
+    d = np.array([0.0, 0.2, 0.4, -0.5, -0.2])
+    se = math.sqrt(sum((x - d.mean()) ** 2 for x in d) / 4) / math.sqrt(5)
+    got = report["versus_sft"]["ppo"]
+    assert got["n"] == 5
+    assert got["mean"] == pytest.approx(-0.02) and got["se"] == pytest.approx(se)
+    assert got["z"] == pytest.approx(-0.02 / se)
+    # ma_ppo - sft: 0.1, 0.2, -0.2, 0.5, 0.8.
+    assert report["versus_sft"]["ma_ppo"]["mean"] == pytest.approx(0.28)
+    text = report_lib.markdown(report)
+    assert "## Against the SFT policy (paired per held-out prompt)" in text
+    assert f"| `ppo` | -0.0200 | {se:.4f} | {-0.02 / se:+.2f} | 5 |" in text
+    assert "versus_sft" not in report_lib.compute_report(_hand_rows(), beta=0.05)

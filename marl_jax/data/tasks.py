@@ -1,8 +1,8 @@
 """The data of one RLHF pipeline, tokenised into the arrays every stage uses.
 
-`build_task(config, workdir)` returns a `TaskData` for the synthetic task or for a real dataset
-(tldr, hh_rlhf, webgpt, apps): SFT demonstrations, preference pairs, RL prompts and held-out
-evaluation prompts, plus, for the synthetic task, the gold reward.
+`build_task(config, workdir)` returns a `TaskData` for the synthetic task, a real dataset (tldr,
+hh_rlhf, webgpt, apps) or the review task (reviews): SFT demonstrations, preference pairs, RL
+prompts and held-out evaluation prompts, plus, for the synthetic task, the gold reward.
 """
 from __future__ import annotations
 
@@ -40,6 +40,13 @@ class TaskData:
     # label_pairs(documents [K, D], ids_a, mask_a, ids_b, mask_b [K, R]) -> [K] bool (a wins).
     policy_pair_prompts: Optional[dict] = None
     label_pairs: Optional[Callable] = None
+    # Prompts `{"ids", "mask"}` [N, P] per part whose responses are sampled from the initial
+    # model to make the SFT set and the preference pairs (the review task; see
+    # `marl_jax.data.review_task`); their records are in `info["records"][part]`.
+    sampled_prompts: Optional[dict] = None
+    # The gold of decoded responses to the held-out prompts, attached by the pipeline for tasks
+    # whose gold runs on the host: eval_gold(texts [E]) -> [E] float, in `eval` order.
+    eval_gold: Optional[Callable] = None
     info: dict = dataclasses.field(default_factory=dict)
 
 
@@ -54,6 +61,9 @@ def build_task(config, workdir: str) -> TaskData:
     name = config.task.name
     if name == "synthetic":
         return _synthetic(config, workdir)
+    if name == "reviews":
+        from marl_jax.data.review_task import build_review_task
+        return build_review_task(config, workdir)
     from marl_jax.data import real_tasks
     return real_tasks.build_real_task(config, workdir)
 

@@ -70,11 +70,18 @@ DEFINITIONS = {
                   "ppo_gain / the largest half-width of the macro arms that do not hack the "
                   "reward model in at least half of their seeds (hacking_arms; the target is "
                   ">= 5); gain_over_max_half_width_all counts every macro arm",
+    "versus_sft": "over every (seed, held-out prompt) of an arm's final row and the SFT "
+                  "policy's (arm `sft`: the step-0 evaluation with the same prompts and sampling "
+                  "keys): the mean difference in gold, its standard error (sample std / "
+                  "sqrt(n)) and their ratio",
     "win_rate_vs_baseline": "over every (seed, held-out prompt), from the final rows: 1 when "
                             "the arm's final response has higher gold than the baseline's for "
                             f"the same prompt and seed, 0.5 on a tie (|difference| <= {TIE}), "
                             "0 otherwise; averaged",
 }
+
+
+SFT_ARM = "sft"  # the arm of the SFT policy's final rows, written by marl_jax.experiment
 
 
 # ---- what was run --------------------------------------------------------------------------------
@@ -235,6 +242,9 @@ def compute_report(rows, *, beta=None, smoothing: int = 1, baseline=None, arms=N
         "ppo_gain": report_arms[base]["gain_over_sft"],
         "definitions": DEFINITIONS,
     }
+    if SFT_ARM in finals:
+        report["versus_sft"] = {arm: _paired_prompts(finals[arm], finals[SFT_ARM])
+                                for arm in arms if arm in finals}
     report["resolution"] = _resolution(report)
     report["verdict"] = verdict_lines(report)
     report["claims"] = claims(report)
@@ -272,6 +282,18 @@ def _resolution(report) -> dict:
             "hacking_arms": hacking, "target_half_widths": target, "max_half_width": widest,
             "gain_over_max_half_width": gain / widest if widest else None,
             "gain_over_max_half_width_all": gain / widest_all if widest_all else None}
+
+
+def _paired_prompts(arm_finals, sft_finals):
+    """Final gold minus the SFT policy's over every (seed, held-out prompt) of both: mean,
+    standard error of the mean (sample std / sqrt(n)) and mean / SE."""
+    d = np.concatenate([arm_finals[s] - sft_finals[s] for s in sorted(arm_finals)
+                        if s in sft_finals and len(sft_finals[s]) == len(arm_finals[s])]
+                       or [np.zeros(0)])
+    if len(d) < 2:
+        return None
+    mean, se = float(d.mean()), float(d.std(ddof=1) / np.sqrt(len(d)))
+    return {"mean": mean, "se": se, "n": int(len(d)), "z": mean / se if se > 0 else None}
 
 
 def _win_rate(arm_finals, base_finals):
@@ -417,6 +439,14 @@ def markdown(report: dict) -> str:
     missing = [a for a, c in report["comparisons"].items() if c["macro"] and not c["control"]]
     if missing:
         lines += ["", f"No matched control in this run for: {', '.join(missing)}."]
+    if report.get("versus_sft"):
+        lines += ["", "## Against the SFT policy (paired per held-out prompt)", "",
+                  "| arm | final gold - SFT gold | SE | mean / SE | prompts x seeds |",
+                  "| --- | --- | --- | --- | --- |"]
+        for arm, v in report["versus_sft"].items():
+            if v is not None:
+                z = "-" if v["z"] is None else f"{v['z']:+.2f}"
+                lines.append(f"| `{arm}` | {v['mean']:+.4f} | {v['se']:.4f} | {z} | {v['n']} |")
     lines += ["", "## Verdict", ""]
     lines += [f"- {v}" for v in report["verdict"]] or ["- (no arm besides the baseline)"]
     lines += ["", "![curves](curves.png)", "", "![RM scores](rm_hist.png)", ""]

@@ -1,6 +1,8 @@
 """Optimizers: AdamW with warmup + constant / linear / cosine decay and global-norm clipping."""
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -41,12 +43,71 @@ def weight_decay_mask(params):
 
 def make_optimizer(cfg, total_updates: int, learning_rate: float | None = None):
     """AdamW (b1, b2, weight_decay on matrices only) after global-norm clipping, on the stage's
-    schedule over `total_updates` optimizer updates."""
-    return optax.chain(
+    schedule over `total_updates` optimizer updates.
+
+    With `cfg.num_layers_unfrozen` = n >= 0 (trlx's knob) only the top n decoder layers, the
+    final norm and the heads train (`trainable_mask`): the other leaves get no update and no
+    optimizer state."""
+    adamw = optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity(),
         optax.adamw(stage_schedule(cfg, total_updates, learning_rate), b1=cfg.b1, b2=cfg.b2,
                     weight_decay=cfg.weight_decay, mask=weight_decay_mask),
     )
+    n = int(cfg.get("num_layers_unfrozen", -1))
+    if n < 0:
+        return adamw
+    labels = lambda params: jax.tree.map(lambda t: "train" if t else "frozen",
+                                         trainable_mask(params, n))
+    return optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()}, labels)
+
+
+_LAYER = re.compile(r"layers_(\d+)")
+
+
+def trainable_mask(params, num_layers_unfrozen: int):
+    """A pytree of bools like `params`: the leaves a stage with `num_layers_unfrozen` = n trains
+    (every leaf for n < 0; else the top n of the decoder's unrolled `layers_<i>`, its
+    `final_norm`, and the `head` / untied `lm_head`; embeddings and the lower layers frozen)."""
+    keys = lambda path: [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+    if num_layers_unfrozen < 0:
+        return jax.tree.map(lambda _: True, params)
+    paths = [keys(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    if any(len(k) > 1 and k[0] == "backbone" and k[1] == "layers" for k in paths):
+        raise ValueError("num_layers_unfrozen needs unrolled decoder layers: set "
+                         "config.model.scan_layers=False")
+    depth = 1 + max((int(m.group(1)) for k in paths if len(k) > 1
+                     for m in [_LAYER.fullmatch(k[1])] if m), default=-1)
+    if num_layers_unfrozen > depth:
+        raise ValueError(f"num_layers_unfrozen={num_layers_unfrozen}: the model has {depth} "
+                         "layers")
+
+    def trains(path, _):
+        k = keys(path)
+        if k[0] in ("head", "lm_head"):
+            return True
+        if k[0] == "backbone" and len(k) > 1:
+            if k[1] == "final_norm":
+                return True
+            m = _LAYER.fullmatch(k[1])
+            return bool(m) and int(m.group(1)) >= depth - num_layers_unfrozen
+        return False
+
+    return jax.tree_util.tree_map_with_path(trains, params)
+
+
+def with_frozen_leaves(loss_fn, num_layers_unfrozen: int):
+    """`loss_fn(params, ...)` with the leaves `trainable_mask` freezes behind `stop_gradient`, so
+    autodiff neither computes their gradients (zeros) nor backpropagates below the lowest
+    trained layer."""
+    if num_layers_unfrozen < 0:
+        return loss_fn
+
+    def wrapped(params, *args):
+        mask = trainable_mask(params, num_layers_unfrozen)
+        params = jax.tree.map(lambda x, t: x if t else jax.lax.stop_gradient(x), params, mask)
+        return loss_fn(params, *args)
+
+    return wrapped
 
 
 def stage_schedule(cfg, total_updates: int, learning_rate: float | None = None):
@@ -58,7 +119,8 @@ def stage_schedule(cfg, total_updates: int, learning_rate: float | None = None):
     return learning_rate_schedule(cfg, total_updates)
 
 
-def accumulate_gradients(loss_fn, params, batch, num_micro: int, weight_fn):
+def accumulate_gradients(loss_fn, params, batch, num_micro: int, weight_fn,
+                         num_layers_unfrozen: int = -1):
     """`(loss, metrics), grads` of `loss_fn(params, batch)` computed over `num_micro`
     micro-batches, one after another (a scan), so activation memory is a micro-batch's.
 
@@ -67,7 +129,7 @@ def accumulate_gradients(loss_fn, params, batch, num_micro: int, weight_fn):
     for losses that are weighted means. Micro-batch j holds rows j, j + num_micro, ..., so each
     keeps the batch's even spread over the devices of a data-sharded leading axis.
     """
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    grad_fn = jax.value_and_grad(with_frozen_leaves(loss_fn, num_layers_unfrozen), has_aux=True)
     if num_micro == 1:
         return grad_fn(params, batch)
     size = jax.tree.leaves(batch)[0].shape[0]

@@ -44,7 +44,8 @@ def static_from_config(config, tokenizer, variants=None) -> core.PPOStatic:
         estimator=p.get("estimator", "gae"), group_size=int(p.get("group_size", 1)),
         mc_rollouts=int(p.get("mc_rollouts", 4)),
         mc_branch_points=int(p.get("mc_branch_points", 4)),
-        entropy_quantile=float(p.get("entropy_quantile", 0.2)))
+        entropy_quantile=float(p.get("entropy_quantile", 0.2)),
+        num_layers_unfrozen=int(p.get("num_layers_unfrozen", -1)))
 
 
 def hparams_from_config(p, variant: int = 0) -> core.RunHparams:

@@ -72,6 +72,7 @@ class PPOStatic:
     mc_rollouts: int = 4  # macro_mc: continuations per branch point
     mc_branch_points: int = 4  # macro_mc: branch points per response (0: every macro start)
     entropy_quantile: float = 0.2  # entropy termination: the top fraction of tokens start macros
+    num_layers_unfrozen: int = -1  # actor and critic train their top n layers only (-1: all)
 
     @property
     def uses_critic(self) -> bool:
@@ -486,7 +487,7 @@ def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, 
     def minibatch_step(carry, batch):
         actor_params, actor_opt, critic_params, critic_opt, skipped = carry
         (a_loss, a_m), a_grads = accumulate_gradients(actor_loss, actor_params, batch, k,
-                                                      actor_weight)
+                                                      actor_weight, static.num_layers_unfrozen)
         actor_params, actor_opt, a_skip = apply_if_finite(
             a_loss, a_grads, actor_params, actor_opt, models.actor_optimizer)
         metrics = {
@@ -497,7 +498,7 @@ def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, 
         }
         if static.uses_critic:
             (c_loss, c_m), c_grads = accumulate_gradients(critic_loss, critic_params, batch, k,
-                                                          token_count)
+                                                          token_count, static.num_layers_unfrozen)
             critic_params, critic_opt, c_skip = apply_if_finite(
                 c_loss, c_grads, critic_params, critic_opt, models.critic_optimizer)
             skipped = skipped + c_skip

@@ -32,24 +32,48 @@ def rm_loss(reward_model, params, batch):
     return losses.bradley_terry_loss(chosen, rejected)
 
 
-def reward_stats(reward_model, params, data, *, batch_size: int, max_rows: int = 1024):
-    """Mean and std of scores over up to `max_rows` pairs' chosen and rejected responses.
+def all_pair_scores(reward_model, params, data, *, batch_size: int, max_rows: int = 0):
+    """Host arrays (chosen `[M]`, rejected `[M]`) of the scores of the first `max_rows` (0: all)
+    pairs of `data` (the `TaskData.rm` arrays).
 
     With params on a mesh (global arrays, possibly over several processes) the pairs are placed
     on the same mesh and the scores gathered back, so every process gets the same numbers.
+    Batches are whole (the last one padded with its final pair), so one shape compiles.
     """
-    n = min(len(data["prompt_ids"]), max_rows)
-    mesh = _mesh_of(params)
+    total = len(data["prompt_ids"])
+    n = min(total, max_rows) if max_rows else total
+    mesh = mesh_of(params)
     score = jax.jit(lambda p, b: pair_scores(reward_model, p, b))
-    all_scores = []
+    chosen, rejected = [], []
     for start in range(0, n, batch_size):
-        batch = {k: v[start:min(start + batch_size, n)] for k, v in data.items()}
+        rows = np.minimum(np.arange(start, start + batch_size), n - 1)
+        batch = {k: np.asarray(data[k])[rows] for k in PAIR_KEYS}
         if mesh is not None:
             batch = sharding.put_global(batch, mesh)
-        all_scores += score(params, batch)
+        c, r = score(params, batch)
+        chosen.append(c)
+        rejected.append(r)
     # One fetch at the end: the batches run back to back, without a host round trip each.
-    s = distributed.global_to_host(jnp.concatenate(all_scores))
+    c, r = distributed.global_to_host((jnp.concatenate(chosen), jnp.concatenate(rejected)))
+    return np.asarray(c)[:n], np.asarray(r)[:n]
+
+
+PAIR_KEYS = ("prompt_ids", "prompt_mask", "chosen_ids", "chosen_mask", "rejected_ids",
+             "rejected_mask")
+
+
+def reward_stats(reward_model, params, data, *, batch_size: int, max_rows: int = 1024):
+    """Mean and std of scores over up to `max_rows` pairs' chosen and rejected responses."""
+    c, r = all_pair_scores(reward_model, params, data, batch_size=batch_size, max_rows=max_rows)
+    s = np.concatenate([c, r])
     return {"mean": float(s.mean()), "std": float(max(s.std(), 1e-6))}
+
+
+def pair_agreement(reward_model, params, pairs, *, batch_size: int) -> float:
+    """The fraction of `pairs` (chosen / rejected as a reference labelled them, e.g. the gold)
+    whose chosen response the reward model scores higher."""
+    c, r = all_pair_scores(reward_model, params, pairs, batch_size=batch_size)
+    return float(np.mean(c > r))
 
 
 def sample_policy_pairs(policy, params, prompts: dict, label_pairs, *, key, sampler: dict,
@@ -65,7 +89,7 @@ def sample_policy_pairs(policy, params, prompts: dict, label_pairs, *, key, samp
     """
     from marl_jax import sampling
 
-    mesh = _mesh_of(params)
+    mesh = mesh_of(params)
 
     @jax.jit
     def generate(p, ids, mask, k):
@@ -92,7 +116,7 @@ def sample_policy_pairs(policy, params, prompts: dict, label_pairs, *, key, samp
                 rejected_ids=pick(ids_b, ids_a), rejected_mask=pick(mask_b, mask_a))
 
 
-def _mesh_of(params):
+def mesh_of(params):
     """The mesh the params live on, or None for host arrays."""
     for leaf in jax.tree.leaves(params):
         if isinstance(leaf, jax.Array) and isinstance(leaf.sharding, jax.sharding.NamedSharding):

