@@ -9,21 +9,14 @@ target is at most 3% overhead on a whole step.
 """
 import argparse
 import functools
-import importlib.util
 import pathlib
 import tempfile
 
 import jax
 import jax.numpy as jnp
 
-from bench_timing import best_time
+from bench_timing import best_time, load_config
 
-
-def _load_config(path):
-    spec = importlib.util.spec_from_file_location("bench_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
 
 
 def main(argv):
@@ -39,7 +32,7 @@ def main(argv):
     from marl_jax.train import ppo_core as core
     from marl_jax import models
 
-    config = _load_config(args.config)
+    config = load_config(args.config)
     config.ppo.batch_size = args.batch
     with tempfile.TemporaryDirectory() as workdir:
         pipe = Pipeline(config, workdir)

@@ -1,4 +1,8 @@
-"""The one timer the benchmarks share: best wall-clock time of a call, after a warm-up call."""
+"""What the benchmarks share: the timer (best wall-clock time of a call, after a warm-up call) and
+the config loader."""
+import importlib.util
+import pathlib
+import sys
 import time
 
 import jax
@@ -15,3 +19,15 @@ def best_time(fn, repeats: int, *, warmup: bool = True) -> float:
         jax.block_until_ready(fn())
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def load_config(path):
+    """`get_config()` of the config file at `path` (configs import one another as
+    `configs.<name>`, so the repository root goes on the path)."""
+    root = str(pathlib.Path(__file__).resolve().parent.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    spec = importlib.util.spec_from_file_location("bench_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()

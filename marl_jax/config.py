@@ -179,6 +179,10 @@ def base_config() -> ml_collections.ConfigDict:
     # group size or batch size of a critic-free arm, configs/synthetic_estimators.py).
     p.arm_overrides = ml_collections.ConfigDict()
     p.eval_every = 10
+    # Responses sampled per held-out prompt at each evaluation (the prompt prefilled once): a
+    # prompt's gold is the mean over its m samples, which divides the sampling noise of a paired
+    # per-prompt difference by about sqrt(m); KL and RM score are those of its first sample.
+    p.eval_samples_per_prompt = 1
 
     # `--config.stage=eval`: the SFT and final PPO policies of a workdir on held-out prompts.
     c.eval = ml_collections.ConfigDict(dict(
@@ -243,6 +247,8 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
     check(p.cliprange_value > 0, "ppo.cliprange_value", "must be > 0")
     check(p.response_length >= 1, "ppo.response_length", "must be >= 1")
     check(p.ppo_epochs >= 1, "ppo.ppo_epochs", "must be >= 1")
+    check(isinstance(p.eval_samples_per_prompt, int) and p.eval_samples_per_prompt >= 1,
+          "ppo.eval_samples_per_prompt", "must be an integer >= 1")
     check(p.num_minibatches >= 1 and p.batch_size % p.num_minibatches == 0,
           "ppo.num_minibatches", f"must divide ppo.batch_size={p.batch_size}")
     for stage in ("sft", "rm", "ppo"):

@@ -355,6 +355,8 @@ def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats, *, stage_na
         critics.append(ppo_lib.initial_critic_params(
             critic_cfg, pipe.critic, sft_params, rm_params,
             jax.random.fold_in(jax.random.key(r.seed), 1), stats))
+    static = ppo_lib.with_shared_trunk(static, pipe.policy.config.num_layers, sft_params,
+                                       rm_params, critics)
     run_sh = ppo_lib.state_shardings(mods, mesh, sft_params, critics[0])
     critic_sh = run_sh.critic_params
     states = []
@@ -375,8 +377,9 @@ def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats, *, stage_na
                                in_axes=(0, None, 0, 0, 0, 0)),
                       in_shardings=(state_sh, frozen_sh, rep, prompts_sh, prompts_sh, prompts_sh),
                       out_shardings=(state_sh, rep), donate_argnums=0)
+    m = int(p.eval_samples_per_prompt)  # responses per held-out prompt at each evaluation
     eval_fn = jax.jit(jax.vmap(functools.partial(ppo_lib.evaluate_from_key_data, static, mods,
-                                                 gold_fn=task.gold_fn),
+                                                 gold_fn=task.gold_fn, samples_per_prompt=m),
                                in_axes=(0, None, None, None, None, 0)))
     seeds = np.array([r.seed for r in runs])
     num_prompts = len(task.rl["ids"])
@@ -418,16 +421,17 @@ def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats, *, stage_na
                          eval_inputs.get("documents"), eval_keys)
         result = distributed.global_to_host({k: v for k, v in result.items() if k in fetched})
         if text_gold is not None:
-            ids, mask = result.pop("response_ids"), result.pop("response_mask")
-            result["gold"] = np.stack([
-                np.asarray(text_gold(decode_responses(task.tokenizer, ids[i], mask[i])))
-                for i in range(len(runs))])
+            result["gold"] = host_gold_per_prompt(
+                text_gold, functools.partial(decode_responses, task.tokenizer),
+                result.pop("response_ids"), result.pop("response_mask"), m)
         return result
 
     clock = {"train_s": 0.0, "last": None}
+    latest = {"step": None, "result": None}  # the last evaluation (the final rows reuse it)
 
     def eval_rows(state, step, result=None):
         result = evaluate(state) if result is None else result
+        latest["step"], latest["result"] = step, result
         budget = distributed.global_to_host(
             {"generated_tokens": state.generated_tokens, "prefill_tokens": state.prefill_tokens})
         rows = []
@@ -484,12 +488,24 @@ def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats, *, stage_na
     finished = {(r.get("arm"), r.get("seed")) for r in _read(pipe.workdir)
                 if r.get("stage") == "final"}
     if not distributed.main_process_value(all((r.arm, r.seed) in finished for r in runs)):
-        result = evaluate(state)
+        result = latest["result"] if latest["step"] == p.steps else evaluate(state)
         for i, r in enumerate(runs):
             if (r.arm, r.seed) not in finished:
                 pipe.writer.write(final_row(r.arm, r.seed, p.steps, result, i))
     stage.close()
     return runs
+
+
+def host_gold_per_prompt(text_gold, decode, response_ids, response_mask,
+                         samples_per_prompt: int) -> np.ndarray:
+    """`[runs, E]` gold of each run's held-out prompts from its responses `[runs, E m, R]`
+    (row e m + j: sample j of prompt e, as `ppo.evaluate` samples them): the mean over a
+    prompt's m samples of `text_gold(texts [E] in held-out order)`, the texts from
+    `decode(ids [E, R], mask [E, R])`."""
+    m = int(samples_per_prompt)
+    return np.stack([np.mean([
+        np.asarray(text_gold(decode(ids[j::m], mask[j::m]))) for j in range(m)], axis=0)
+        for ids, mask in zip(np.asarray(response_ids), np.asarray(response_mask))])
 
 
 def final_row(arm: str, seed: int, step: int, result: dict, i: int) -> dict:

@@ -169,7 +169,7 @@ class Pipeline:
         records = self.task.info["records"]
         out = {}
         for i, (part, prompts) in enumerate(self.task.sampled_prompts.items()):
-            settings = dict(model=str(self.config.model.path), dtype=str(self.config.model.dtype),
+            settings = dict(model=sampled_data.model_identity(self.config.model.path), dtype=str(self.config.model.dtype),
                             seed=int(self.config.seed), data_seed=int(t.data_seed),
                             num_prompts=len(prompts["ids"]), samples_per_prompt=k,
                             prompts=[r["prompt"] for r in records[part][:3]],

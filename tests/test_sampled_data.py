@@ -119,3 +119,18 @@ def test_sizes_apply_their_presets_and_the_command_line_wins():
     with pytest.raises(ValueError, match="config.sizes.cpu.ppo.epochs: config.ppo.epochs does "
                                          "not exist"):
         config_lib.resolve_size(missing)
+
+
+def test_samples_name_their_model_by_file_not_by_where_it_lies(tmp_path):
+    for where in ("env_a", "env_b"):
+        (tmp_path / where).mkdir()
+        (tmp_path / where / "m.gguf").write_bytes(b"x" * 10)
+    a, b = (sampled_data.model_identity(str(tmp_path / w / "m.gguf")) for w in ("env_a", "env_b"))
+    assert a == b == "m.gguf (10 bytes)"
+    (tmp_path / "env_b" / "m.gguf").write_bytes(b"x" * 11)
+    assert sampled_data.model_identity(str(tmp_path / "env_b" / "m.gguf")) != a
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"y" * 5)
+    assert sampled_data.model_identity(str(tmp_path / "hf")) == \
+        "hf [('config.json', 2), ('model.safetensors', 5)]"

@@ -304,15 +304,8 @@ class Decoder(nn.Module):
         if cache is not None and isinstance(cache, dict) != cfg.scan_layers:
             raise ValueError(f"the cache layout does not match config.scan_layers={cfg.scan_layers}; "
                              "build the cache with init_cache(config, ...)")
-        x = self.embed(input_ids)
-        if cfg.scale_embeddings:
-            x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
-        rotary = None
-        if cfg.position_embedding == "learned":
-            x = x + jnp.take(self.position_embed, positions, axis=0).astype(x.dtype)
-        else:
-            rotary = rotary_tables(cfg, positions)
-        x = nn.with_logical_constraint(x, ("activation_batch", "activation_length", "activation_embed"))
+        x = self._embed(input_ids, positions)
+        rotary = None if cfg.position_embedding == "learned" else rotary_tables(cfg, positions)
         key_valid = attention_mask.astype(bool)
         if cache is None:
             query_slot = jnp.arange(length)
@@ -339,6 +332,50 @@ class Decoder(nn.Module):
             if cache is not None:
                 new_cache.append(layer_cache)
         return self.final_norm(x), new_cache
+
+    def _embed(self, input_ids, positions):
+        """Token (and learned position) embeddings `[B, T, D]`."""
+        cfg = self.config
+        x = self.embed(input_ids)
+        if cfg.scale_embeddings:
+            x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
+        if cfg.position_embedding == "learned":
+            x = x + jnp.take(self.position_embed, positions, axis=0).astype(x.dtype)
+        return nn.with_logical_constraint(x, ("activation_batch", "activation_length", "activation_embed"))
+
+    def _unrolled_inputs(self, attention_mask, name: str):
+        """(rotary tables, causal mask, sliding-window mask) of a full sequence (no cache)."""
+        cfg = self.config
+        if cfg.scan_layers:
+            raise ValueError(f"Decoder.{name} runs a range of layers: it needs unrolled layers "
+                             "(config.scan_layers=False)")
+        positions = positions_from_mask(attention_mask)
+        rotary = None if cfg.position_embedding == "learned" else rotary_tables(cfg, positions)
+        slot = jnp.arange(attention_mask.shape[1])
+        distance = slot[:, None] - slot[None, :]
+        mask = (distance >= 0)[None] & attention_mask.astype(bool)[:, None, :]
+        window_mask = mask & (distance < cfg.sliding_window)[None] if cfg.sliding_layers else None
+        return positions, rotary, mask, window_mask
+
+    def _layer_range(self, x, rotary, mask, window_mask, start: int, stop: int):
+        for i in range(start, stop):
+            x, _ = self.layers[i](x, rotary, window_mask if i in self.config.sliding_layers else mask)
+        return x
+
+    def trunk(self, input_ids, attention_mask, num_layers: int):
+        """The embeddings and the first `num_layers` layers: hidden states `[B, T, D]` (positions
+        from the mask, no cache), which `top` finishes. Models whose embeddings and first
+        `num_layers` layers are equal share them."""
+        positions, rotary, mask, window_mask = self._unrolled_inputs(attention_mask, "trunk")
+        return self._layer_range(self._embed(input_ids, positions), rotary, mask, window_mask, 0,
+                                 num_layers)
+
+    def top(self, x, attention_mask, start: int):
+        """Layers `start..L-1` and the final norm on `trunk(input_ids, attention_mask, start)`:
+        the hidden states `[B, T, D]` of `__call__`."""
+        _, rotary, mask, window_mask = self._unrolled_inputs(attention_mask, "top")
+        return self.final_norm(self._layer_range(x, rotary, mask, window_mask, start,
+                                                 self.config.num_layers))
 
 
 def init_cache(config: ModelConfig, batch: int, length: int, dtype=None) -> Cache:

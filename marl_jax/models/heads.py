@@ -144,17 +144,46 @@ def token_scores(config: ModelConfig, params, hidden, targets, temperature=1.0,
     return TokenScores(*(x.swapaxes(0, 1).reshape(batch, -1)[:, :length] for x in out))
 
 
+def trunk_states(config: ModelConfig, params, input_ids, attention_mask, num_layers: int):
+    """`Decoder.trunk` of a causal LM's or scalar-head model's `params`: the hidden states after
+    the embeddings and the first `num_layers` layers `[B, T, D]`."""
+    return Decoder(config).apply({"params": params["backbone"]}, input_ids, attention_mask,
+                                 num_layers, method=Decoder.trunk)
+
+
+def backbone_hidden(config: ModelConfig, params, input_ids, attention_mask, trunk=None):
+    """The backbone's final hidden states `[B, T, D]` of a causal LM's or scalar-head model's
+    `params`. With `trunk` = (hidden states after the first k layers `[B, T, D]`, k), as
+    `trunk_states` gives for any model with the same embeddings and first k layers, only layers
+    k.. run."""
+    backbone = {"params": params["backbone"]}
+    if trunk is None:
+        return Decoder(config).apply(backbone, input_ids, attention_mask)[0]
+    states, start = trunk
+    return Decoder(config).apply(backbone, states, attention_mask, start, method=Decoder.top)
+
+
+def scalar_outputs(config: ModelConfig, params, hidden) -> jax.Array:
+    """A `ScalarHeadModel`'s head on its backbone's final hidden states: `[B, T]` float32."""
+    head = _ScalarHead(config, 0.0, use_bias="bias" in params["head"])
+    return head.apply({"params": params["head"]}, hidden)
+
+
 def continuation_scores(policy: "CausalLM", params, prompt_ids, prompt_mask, response_ids,
-                        response_mask, temperature=1.0) -> TokenScores:
+                        response_mask, temperature=1.0, trunk=None) -> TokenScores:
     """`TokenScores` `[B, R]` of the response tokens given the prompt, zero on padding.
 
-    The decoder runs over prompt + response; the LM head only over the positions that predict
-    a response token, in chunks (`token_scores`), so no `[B, P + R, V]` logits are ever built.
-    Prompts `[B, P]` are left-padded, responses `[B, R]` left-aligned.
+    The decoder runs over prompt + response (from `trunk`, see `backbone_hidden`, when given);
+    the LM head only over the positions that predict a response token, in chunks
+    (`token_scores`), so no `[B, P + R, V]` logits are ever built. Prompts `[B, P]` are
+    left-padded, responses `[B, R]` left-aligned.
     """
     ids = jnp.concatenate([prompt_ids, response_ids], axis=1)
     mask = jnp.concatenate([prompt_mask, response_mask], axis=1)
-    hidden = policy.apply({"params": params}, ids, mask, method=CausalLM.hidden_states)
+    if trunk is None:
+        hidden = policy.apply({"params": params}, ids, mask, method=CausalLM.hidden_states)
+    else:
+        hidden = backbone_hidden(policy.config, params, ids, mask, trunk)
     p = prompt_ids.shape[1]
     out = token_scores(policy.config, params, hidden[:, p - 1:-1], response_ids, temperature)
     m = response_mask.astype(jnp.float32)

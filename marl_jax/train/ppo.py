@@ -6,6 +6,7 @@ backbone or from scratch).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -46,6 +47,38 @@ def static_from_config(config, tokenizer, variants=None) -> core.PPOStatic:
         mc_branch_points=int(p.get("mc_branch_points", 4)),
         entropy_quantile=float(p.get("entropy_quantile", 0.2)),
         num_layers_unfrozen=int(p.get("num_layers_unfrozen", -1)))
+
+
+def with_shared_trunk(static: core.PPOStatic, num_layers: int, actor_params, rm_params,
+                      critics=()) -> core.PPOStatic:
+    """`static` with `shared_trunk_layers` = k = L - n when the actor trains only its top n
+    layers (`num_layers_unfrozen` = n >= 0, unrolled layers) and the reward model (when it
+    scores) and every critic have the actor's embeddings and first k layers, value for value
+    (SFT, reward model and PPO each training n or fewer top layers, the critic started from
+    either model): the four models then share a frozen trunk, which a PPO step runs once
+    instead of once per model. Otherwise `static` unchanged."""
+    n = static.num_layers_unfrozen
+    if n < 0 or n >= num_layers:
+        return static
+    k = num_layers - n
+
+    def bottom(params):
+        backbone = params["backbone"]
+        if "layers" in backbone:  # scanned layers: no layer range to share
+            return None
+        return {name: v for name, v in backbone.items() if name != "final_norm" and not (
+            name.startswith("layers_") and int(name[len("layers_"):]) >= k)}
+
+    shared = bottom(actor_params)
+    others = ([rm_params] if static.reward_source == "rm" else []) + \
+        (list(critics) if static.uses_critic else [])
+    for other in others:
+        theirs = None if shared is None else bottom(other)
+        if theirs is None or jax.tree.structure(theirs) != jax.tree.structure(shared) or not all(
+                bool(jnp.array_equal(a, b))
+                for a, b in zip(jax.tree.leaves(shared), jax.tree.leaves(theirs))):
+            return static
+    return dataclasses.replace(static, shared_trunk_layers=k)
 
 
 def hparams_from_config(p, variant: int = 0) -> core.RunHparams:
@@ -134,39 +167,57 @@ def state_shardings(mods: core.Models, mesh, actor_params, critic_params):
 
 
 def evaluate(static: core.PPOStatic, mods: core.Models, actor_params, frozen: core.Frozen,
-             prompt_ids, prompt_mask, documents, key, gold_fn=None):
-    """Held-out evaluation: per-sample gold, KL to the reference (nats), RM score. Jittable."""
+             prompt_ids, prompt_mask, documents, key, gold_fn=None, samples_per_prompt=1):
+    """Held-out evaluation of `prompt_ids [E, P]`, jittable: per prompt `[E]` the gold, length
+    and KL to the reference (nats) and RM score.
+
+    With m = `samples_per_prompt` > 1 each prompt is prefilled once and sampled m times
+    (`response_ids` / `response_mask` `[E m, R]`, row e m + j sample j of prompt e); gold and
+    length are the means over a prompt's m samples, KL and RM score those of its first sample
+    (scoring is the costly part: one sample per prompt keeps it at E sequences).
+    """
+    m = int(samples_per_prompt)
     sample = sampling.generate(
         mods.policy, actor_params, prompt_ids, prompt_mask, key=key,
         max_new_tokens=static.response_length, temperature=static.temperature,
-        top_k=static.top_k, top_p=static.top_p, eos_id=static.eos_id, pad_id=static.pad_id)
-    ids, mask = sample.tokens, sample.mask.astype(jnp.int32)
+        top_k=static.top_k, top_p=static.top_p, eos_id=static.eos_id, pad_id=static.pad_id,
+        **({"num_samples": m} if m > 1 else {}))
+    all_ids, all_mask = sample.tokens, sample.mask.astype(jnp.int32)
+    ids, mask = all_ids[::m], all_mask[::m]  # the first sample of every prompt
     args = (prompt_ids, prompt_mask, ids, mask)
+    trunk = core.shared_trunk(static, mods, frozen.ref_params, *args)
     if core.sampler_logprobs_are_exact(static):
-        logp = sample.logprobs * mask
+        logp = sample.logprobs[::m] * mask
     else:
-        logp, _ = core.token_logprobs(mods.policy, actor_params, *args, static.temperature)
-    ref, _ = core.token_logprobs(mods.policy, frozen.ref_params, *args, static.temperature)
+        logp, _ = core.token_logprobs(mods.policy, actor_params, *args, static.temperature,
+                                      trunk)
+    ref, _ = core.token_logprobs(mods.policy, frozen.ref_params, *args, static.temperature,
+                                 trunk)
     kl = ((logp - ref) * mask).sum(axis=1)
-    score = core.sequence_scores(mods.reward, frozen.rm_params, *args)
+    score = core.sequence_scores(mods.reward, frozen.rm_params, *args,
+                                 trunk if static.reward_source == "rm" else None)
     if static.normalize_reward:
         score = (score - frozen.reward_mean) / frozen.reward_std
-    out = {"kl": kl, "rm_score": score, "length": mask.sum(axis=1).astype(jnp.float32),
-           "response_ids": ids, "response_mask": mask}
+    per_prompt = lambda x: x.reshape(-1, m).mean(axis=1)
+    out = {"kl": kl, "rm_score": score,
+           "length": per_prompt(all_mask.sum(axis=1).astype(jnp.float32)),
+           "response_ids": all_ids, "response_mask": all_mask}
     if gold_fn is not None:
-        out["gold"] = gold_fn(documents, ids, mask)
+        docs = None if documents is None else jnp.repeat(documents, m, axis=0)
+        out["gold"] = per_prompt(gold_fn(docs, all_ids, all_mask))
     return out
+
+
+def evaluate_from_key_data(static, mods, actor_params, frozen, prompt_ids, prompt_mask,
+                           documents, key_data, gold_fn=None, samples_per_prompt=1):
+    """`evaluate` with the key as raw key data (a global array on multi-process meshes)."""
+    return evaluate(static, mods, actor_params, frozen, prompt_ids, prompt_mask, documents,
+                    jax.random.wrap_key_data(key_data), gold_fn=gold_fn,
+                    samples_per_prompt=samples_per_prompt)
 
 
 # What `eval_row` reads: the evaluation outputs fetched to the host.
 EVAL_ROW_KEYS = ("kl", "rm_score", "length", "gold")
-
-
-def evaluate_from_key_data(static, mods, actor_params, frozen, prompt_ids, prompt_mask,
-                           documents, key_data, gold_fn=None):
-    """`evaluate` with the key as raw key data (a global array on multi-process meshes)."""
-    return evaluate(static, mods, actor_params, frozen, prompt_ids, prompt_mask, documents,
-                    jax.random.wrap_key_data(key_data), gold_fn=gold_fn)
 
 
 def eval_row(result: dict) -> dict:
@@ -192,6 +243,8 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
     key = jax.random.key(config.seed)
     critic_params = initial_critic_params(config, critic, sft_params, rm_params,
                                           jax.random.fold_in(key, 1), reward_stats)
+    static = with_shared_trunk(static, policy.config.num_layers, sft_params, rm_params,
+                               [critic_params])
     state_sh = state_shardings(mods, mesh, sft_params, critic_params)
     frozen_sh = programs.frozen_shardings(mods, mesh, state_sh, rm_params)
     rep, batch_sh = sharding.replicated(mesh), sharding.batch_sharding(mesh)
@@ -207,7 +260,8 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
                            state_sh, may_alias=False)
     step_fn = programs.ppo_step_program(static, mods, state_sh, frozen_sh, mesh).fn
     eval_fn = jax.jit(functools.partial(evaluate_from_key_data, static, mods,
-                                        gold_fn=task.gold_fn))
+                                        gold_fn=task.gold_fn,
+                                        samples_per_prompt=p.eval_samples_per_prompt))
     num_prompts = len(task.rl["ids"])
     # Held-out prompts and the evaluation key enter as global arrays on the mesh (on several
     # processes a jitted computation cannot take host arrays), the results come back whole.

@@ -24,7 +24,8 @@ import optax
 from marl_jax import estimators, losses, sampling
 from marl_jax.macro import advantage, termination
 from marl_jax.models import last_token_score
-from marl_jax.models.heads import continuation_scores
+from marl_jax.models.heads import (backbone_hidden, continuation_scores, scalar_outputs,
+                                   trunk_states)
 from marl_jax.train.optim import accumulate_gradients, apply_if_finite
 
 
@@ -73,6 +74,9 @@ class PPOStatic:
     mc_branch_points: int = 4  # macro_mc: branch points per response (0: every macro start)
     entropy_quantile: float = 0.2  # entropy termination: the top fraction of tokens start macros
     num_layers_unfrozen: int = -1  # actor and critic train their top n layers only (-1: all)
+    # > 0: the actor, reference, critic and reward model have the same embeddings and first k
+    # layers (all frozen), which the scoring pass and the update run once for all of them.
+    shared_trunk_layers: int = 0
 
     @property
     def uses_critic(self) -> bool:
@@ -135,6 +139,7 @@ class Experience:
     ended_with_eos: jax.Array  # [B]
     entropies: jax.Array = None  # [B, R] sampling entropy of each token (entropy termination)
     documents: Any = None  # [B, D] the synthetic task's documents (gold scores of branches)
+    trunk: Any = None  # [B, P + R, D] the shared trunk's output (`shared_trunk`), or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,36 +162,60 @@ def _concat(prompt_ids, prompt_mask, response_ids, response_mask):
 
 
 def token_logprobs(policy, params, prompt_ids, prompt_mask, response_ids, response_mask,
-                   temperature):
+                   temperature, trunk=None):
     """(logprobs `[B, R]`, entropy `[B, R]`): the logprob of each response token and the entropy
     of the temperature-scaled next-token distribution it was sampled from, 0 on padding,
     differentiable with respect to `params`. The one scoring path for old, reference and new
-    logprobs."""
+    logprobs. `trunk`: the shared trunk's output (`shared_trunk`), or None."""
     out = continuation_scores(policy, params, prompt_ids, prompt_mask, response_ids,
-                              response_mask, temperature)
+                              response_mask, temperature, trunk)
     return out.logprobs, out.entropy
 
 
-def critic_outputs(critic, params, prompt_ids, prompt_mask, response_ids, response_mask):
+def _scalar_per_token(module, params, ids, mask, trunk):
+    if trunk is None:
+        return module.apply({"params": params}, ids, mask)
+    return scalar_outputs(module.config, params,
+                          backbone_hidden(module.config, params, ids, mask, trunk))
+
+
+def critic_outputs(critic, params, prompt_ids, prompt_mask, response_ids, response_mask,
+                   trunk=None):
     """(values `[B, R]`, final `[B]`): the value of the state in which each response token is
     chosen (zero on padding), and the critic's output at the last valid token of prompt +
     response, where the reward model reads its score."""
     ids, mask = _concat(prompt_ids, prompt_mask, response_ids, response_mask)
-    per_token = critic.apply({"params": params}, ids, mask)
+    per_token = _scalar_per_token(critic, params, ids, mask, trunk)
     p = prompt_ids.shape[1]
     return per_token[:, p - 1:-1] * response_mask, last_token_score(per_token, mask)
 
 
-def response_values(critic, params, prompt_ids, prompt_mask, response_ids, response_mask):
+def response_values(critic, params, prompt_ids, prompt_mask, response_ids, response_mask,
+                    trunk=None):
     """Critic values `[B, R]`: the value of the state in which each response token is chosen."""
     return critic_outputs(critic, params, prompt_ids, prompt_mask, response_ids,
-                          response_mask)[0]
+                          response_mask, trunk)[0]
 
 
-def sequence_scores(reward_model, params, prompt_ids, prompt_mask, response_ids, response_mask):
+def sequence_scores(reward_model, params, prompt_ids, prompt_mask, response_ids, response_mask,
+                    trunk=None):
     """Reward-model score `[B]` read at the last valid token of prompt + response."""
     ids, mask = _concat(prompt_ids, prompt_mask, response_ids, response_mask)
-    return last_token_score(reward_model.apply({"params": params}, ids, mask), mask)
+    return last_token_score(_scalar_per_token(reward_model, params, ids, mask, trunk), mask)
+
+
+def shared_trunk(static: PPOStatic, models: Models, params, prompt_ids, prompt_mask,
+                 response_ids, response_mask):
+    """(hidden states after the first `static.shared_trunk_layers` layers `[B, P + R, D]`, that
+    count) of prompt + response, computed once for the actor, reference, critic and reward
+    model, which share those layers and the embeddings (`ppo.shared_trunk_layers` checks it);
+    None when they do not. Constant: no gradient flows into it."""
+    k = static.shared_trunk_layers
+    if not k:
+        return None
+    ids, mask = _concat(prompt_ids, prompt_mask, response_ids, response_mask)
+    states = trunk_states(models.policy.config, params, ids, mask, k)
+    return jax.lax.stop_gradient(states), k
 
 
 def generate_responses(static: PPOStatic, models: Models, state: PPOState, prompt_ids,
@@ -210,7 +239,7 @@ def sampler_logprobs_are_exact(static: PPOStatic) -> bool:
 
 
 def sequence_score(static: PPOStatic, models: Models, frozen: Frozen, prompt_ids, prompt_mask,
-                   response_ids, response_mask, documents=None, host_scores=None):
+                   response_ids, response_mask, documents=None, host_scores=None, trunk=None):
     """(score, raw score) `[B]`: the reward model's (normalised when `normalize_reward`), the
     gold function's on `documents`, or the host's `host_scores`, before clipping."""
     if static.reward_source == "host":
@@ -220,7 +249,7 @@ def sequence_score(static: PPOStatic, models: Models, frozen: Frozen, prompt_ids
         scores = models.gold_fn(documents, response_ids, response_mask)
         return scores, scores
     raw = sequence_scores(models.reward, frozen.rm_params, prompt_ids, prompt_mask, response_ids,
-                          response_mask)
+                          response_mask, trunk)
     if static.normalize_reward:
         return (raw - frozen.reward_mean) / frozen.reward_std, raw
     return raw, raw
@@ -247,21 +276,24 @@ def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, pr
     `sampler_logprobs_are_exact(static)`.
     """
     args = (prompt_ids, prompt_mask, response_ids, response_mask)
+    trunk = shared_trunk(static, models, frozen.ref_params, *args)
     entropies = None if sampled_entropy is None else sampled_entropy * response_mask
     if sampled_logprobs is not None and sampler_logprobs_are_exact(static):
         old_logprobs = sampled_logprobs * response_mask
     else:
         old_logprobs, actor_entropy = token_logprobs(models.policy, state.actor_params, *args,
-                                                     static.temperature)
+                                                     static.temperature, trunk)
         entropies = actor_entropy if entropies is None else entropies
-    ref = continuation_scores(models.policy, frozen.ref_params, *args, static.temperature)
+    ref = continuation_scores(models.policy, frozen.ref_params, *args, static.temperature,
+                              trunk)
     if entropies is None:
         entropies = jnp.zeros_like(old_logprobs)
     if static.uses_critic:
-        values, final_values = critic_outputs(models.critic, state.critic_params, *args)
+        values, final_values = critic_outputs(models.critic, state.critic_params, *args, trunk)
     else:
         values = final_values = None
-    scores, raw_scores = sequence_score(static, models, frozen, *args, documents, host_scores)
+    scores, raw_scores = sequence_score(static, models, frozen, *args, documents, host_scores,
+                                        trunk)
     ended_with_eos = _ended_with_eos(response_ids, response_mask, static.eos_id)
     rewards, reward_metrics = losses.assemble_rewards(
         old_logprobs, ref.logprobs, scores, response_mask, kl_coef=state.kl_coef,
@@ -272,7 +304,8 @@ def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, pr
                      jnp.zeros_like(old_logprobs) if values is None else values, scores, rewards,
                      ended_with_eos, entropies,
                      # Only Monte Carlo branches score again (with the gold function).
-                     documents if static.estimator == "macro_mc" else None)
+                     documents if static.estimator == "macro_mc" else None,
+                     None if trunk is None else trunk[0])
     seq_kl = (losses.kl_per_token(old_logprobs, ref.logprobs, "k1") * response_mask).sum(axis=1)
     metrics = {
         "objective/kl": seq_kl.mean(),
@@ -456,11 +489,21 @@ def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, 
                 response_ids=exp.response_ids, response_mask=exp.response_mask,
                 old_logprobs=exp.old_logprobs, old_values=exp.values, advantages=adv,
                 returns=ret)
+    # The frozen trunk's output, once for every epoch and minibatch of actor and critic (the
+    # scoring pass's, when the experience carries it).
+    if exp.trunk is not None and static.shared_trunk_layers:
+        trunk = (exp.trunk, static.shared_trunk_layers)
+    else:
+        trunk = shared_trunk(static, models, state.actor_params, exp.prompt_ids,
+                             exp.prompt_mask, exp.response_ids, exp.response_mask)
+    if trunk is not None:
+        data["trunk"] = trunk[0]
+    trunk_of = lambda batch: None if trunk is None else (batch["trunk"], trunk[1])
 
     def actor_loss(params, batch):
         logprobs, entropy = token_logprobs(
             models.policy, params, batch["prompt_ids"], batch["prompt_mask"],
-            batch["response_ids"], batch["response_mask"], static.temperature)
+            batch["response_ids"], batch["response_mask"], static.temperature, trunk_of(batch))
         loss, m = losses.ppo_policy_loss(logprobs, batch["old_logprobs"], batch["advantages"],
                                          batch["response_mask"], cliprange=static.cliprange,
                                          aggregation=static.loss_aggregation)
@@ -469,7 +512,7 @@ def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, 
     def critic_loss(params, batch):
         values = response_values(models.critic, params, batch["prompt_ids"],
                                  batch["prompt_mask"], batch["response_ids"],
-                                 batch["response_mask"])
+                                 batch["response_mask"], trunk_of(batch))
         loss, m = losses.ppo_value_loss(values, batch["old_values"], batch["returns"],
                                         batch["response_mask"],
                                         cliprange_value=static.cliprange_value)

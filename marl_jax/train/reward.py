@@ -32,32 +32,53 @@ def rm_loss(reward_model, params, batch):
     return losses.bradley_terry_loss(chosen, rejected)
 
 
+def sequence_scores(reward_model, params, batch):
+    """Scores `[B]` of the sequences `prompt_ids, prompt_mask, response_ids, response_mask`."""
+    ids = jnp.concatenate([batch["prompt_ids"], batch["response_ids"]], axis=1)
+    mask = jnp.concatenate([batch["prompt_mask"], batch["response_mask"]], axis=1)
+    return last_token_score(reward_model.apply({"params": params}, ids, mask), mask)
+
+
 def all_pair_scores(reward_model, params, data, *, batch_size: int, max_rows: int = 0):
     """Host arrays (chosen `[M]`, rejected `[M]`) of the scores of the first `max_rows` (0: all)
     pairs of `data` (the `TaskData.rm` arrays).
 
-    With params on a mesh (global arrays, possibly over several processes) the pairs are placed
-    on the same mesh and the scores gathered back, so every process gets the same numbers.
-    Batches are whole (the last one padded with its final pair), so one shape compiles.
+    Each distinct (prompt, response) sequence is scored once: pairs cut from k samples of a
+    prompt share their responses (k (k - 1) / 2 pairs, 2 k sequences scored). Batches hold
+    `2 batch_size` sequences and are whole (the last one padded with its final sequence), so
+    one shape compiles. With params on a mesh (global arrays, possibly over several processes)
+    the sequences are placed on the same mesh and the scores gathered back, so every process
+    gets the same numbers.
     """
     total = len(data["prompt_ids"])
     n = min(total, max_rows) if max_rows else total
+    if n == 0:
+        return np.zeros((0,), np.float32), np.zeros((0,), np.float32)
+    data = {k: np.asarray(data[k])[:n] for k in PAIR_KEYS}
+    seqs = dict(prompt_ids=np.concatenate([data["prompt_ids"]] * 2),
+                prompt_mask=np.concatenate([data["prompt_mask"]] * 2),
+                response_ids=np.concatenate([data["chosen_ids"], data["rejected_ids"]]),
+                response_mask=np.concatenate([data["chosen_mask"], data["rejected_mask"]]))
+    rows = np.concatenate([seqs[k].astype(np.int64) for k in SEQUENCE_KEYS], axis=1)
+    _, first, inverse = np.unique(rows, axis=0, return_index=True, return_inverse=True)
+    unique = {k: v[first] for k, v in seqs.items()}
+    u, size = len(first), 2 * batch_size
     mesh = mesh_of(params)
-    score = jax.jit(lambda p, b: pair_scores(reward_model, p, b))
-    chosen, rejected = [], []
-    for start in range(0, n, batch_size):
-        rows = np.minimum(np.arange(start, start + batch_size), n - 1)
-        batch = {k: np.asarray(data[k])[rows] for k in PAIR_KEYS}
+    score = jax.jit(lambda p, b: sequence_scores(reward_model, p, b))
+    scores = []
+    for start in range(0, u, size):
+        idx = np.minimum(np.arange(start, start + size), u - 1)
+        batch = {k: v[idx] for k, v in unique.items()}
         if mesh is not None:
             batch = sharding.put_global(batch, mesh)
-        c, r = score(params, batch)
-        chosen.append(c)
-        rejected.append(r)
+        scores.append(score(params, batch))
     # One fetch at the end: the batches run back to back, without a host round trip each.
-    c, r = distributed.global_to_host((jnp.concatenate(chosen), jnp.concatenate(rejected)))
-    return np.asarray(c)[:n], np.asarray(r)[:n]
+    per_sequence = np.asarray(distributed.global_to_host(jnp.concatenate(scores)))[:u]
+    out = per_sequence[np.reshape(inverse, -1)]
+    return out[:n], out[n:]
 
 
+SEQUENCE_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 PAIR_KEYS = ("prompt_ids", "prompt_mask", "chosen_ids", "chosen_mask", "rejected_ids",
              "rejected_mask")
 

@@ -150,6 +150,20 @@ def _check_shapes(prompts, ids, mask, gold):
 
 
 # ---- the samples on disk -------------------------------------------------------------------
+def model_identity(path: str) -> str:
+    """The model in the samples' settings: its name and the sizes of its files, not where it
+    lies (the same GGUF file in another environment is the same model)."""
+    path = os.path.abspath(str(path))
+    if os.path.isdir(path):
+        sizes = sorted((name, os.path.getsize(os.path.join(path, name)))
+                       for name in os.listdir(path)
+                       if name.endswith((".safetensors", ".bin", ".gguf", "config.json")))
+        return f"{os.path.basename(path)} {sizes}"
+    if os.path.isfile(path):
+        return f"{os.path.basename(path)} ({os.path.getsize(path)} bytes)"
+    return path
+
+
 def sample_path(workdir: str, part: str) -> str:
     return os.path.join(workdir, SAMPLED_DIR, f"{part}.npz")
 

@@ -1,0 +1,93 @@
+"""A PPO step's phases with and without the shared frozen trunk, side by side.
+
+`python experiments/bench.py trunk [--config configs/real_text_smollm2.py] [--batch 8]
+[--repeats 2]`
+
+With `num_layers_unfrozen` = n the actor, reference, critic and reward model share their
+embeddings and first L - n layers (`ppo.with_shared_trunk`); the step then runs those layers
+once for the scoring pass and once for the update instead of once per model and pass. Times
+sampling, scoring and the update separately (best of `--repeats` after a compiling call), on
+the config's model with its real weights (the reward model and critic take the policy's
+backbone, as when they start from the SFT policy).
+"""
+import argparse
+import functools
+import pathlib
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+from bench_timing import best_time, load_config
+
+
+
+def main(argv):
+    root = pathlib.Path(__file__).resolve().parent.parent
+    parser = argparse.ArgumentParser(prog="bench.py trunk", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(root / "configs" / "real_text_smollm2.py"))
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args(argv)
+
+    from marl_jax import models
+    from marl_jax.pipeline import Pipeline
+    from marl_jax.train import ppo as ppo_lib
+    from marl_jax.train import ppo_core as core
+
+    config = load_config(args.config)
+    config.ppo.batch_size = args.batch
+    if config.ppo.num_layers_unfrozen < 0:
+        raise SystemExit(f"{args.config}: ppo.num_layers_unfrozen = -1 trains every layer; "
+                         "nothing is shared")
+    with tempfile.TemporaryDirectory() as workdir:
+        pipe = Pipeline(config, workdir)
+        policy_params = pipe.initial_params()
+        fresh = models.init_params(pipe.reward_model, jax.random.key(1))
+        rm_params = dict(fresh, backbone=policy_params["backbone"])
+        ids = jnp.asarray(pipe.task.rl["ids"][:args.batch])
+        mask = jnp.asarray(pipe.task.rl["mask"][:args.batch])
+        frozen = core.Frozen(policy_params, rm_params, jnp.float32(0), jnp.float32(1))
+        mods = ppo_lib.make_models(config, pipe.policy, pipe.critic, pipe.reward_model)
+        critic_params = ppo_lib.initial_critic_params(
+            config, pipe.critic, policy_params, rm_params, jax.random.key(2),
+            {"mean": 0.0, "std": 1.0})
+        hp = ppo_lib.hparams_from_config(config.ppo)
+        whole = ppo_lib.static_from_config(config, pipe.task.tokenizer)
+        shared = ppo_lib.with_shared_trunk(whole, pipe.policy.config.num_layers, policy_params,
+                                           rm_params, [critic_params])
+        layers = pipe.policy.config.num_layers
+        times = {}
+        for name, static in (("whole", whole), ("shared", shared)):
+            state = ppo_lib.initial_state(config, mods, policy_params, critic_params, seed=0)
+            generate = jax.jit(functools.partial(core.generate_phase, static, mods))
+            score = jax.jit(functools.partial(core.score, static, mods))
+            update = jax.jit(functools.partial(core.update_phase, static, mods))
+            sample = generate(state, ids, mask)
+            scored = lambda: score(state, frozen, ids, mask, sample.tokens,
+                                   sample.mask.astype(jnp.int32), None, None, sample.logprobs,
+                                   sample.entropy)
+            exp, roll_metrics = scored()
+            times[name] = dict(
+                generate=best_time(lambda: generate(state, ids, mask), args.repeats),
+                score=best_time(scored, args.repeats),
+                update=best_time(lambda: update(state, exp, roll_metrics, hp), args.repeats))
+        pipe.close()
+
+    print(f"PPO step phases, {layers} layers, {shared.shared_trunk_layers} shared "
+          f"(num_layers_unfrozen={config.ppo.num_layers_unfrozen}), batch {args.batch}, "
+          f"response {config.ppo.response_length} tokens, prompt {ids.shape[1]}, "
+          f"backend={jax.default_backend()}, best of {args.repeats}")
+    for name, t in times.items():
+        total = sum(t.values())
+        print(f"  {name:6s} generate {t['generate']:6.2f} s   score {t['score']:6.2f} s   "
+              f"update {t['update']:6.2f} s   sum {total:6.2f} s")
+    w, s = (sum(times[k].values()) for k in ("whole", "shared"))
+    print(f"  shared / whole: score {times['shared']['score'] / times['whole']['score']:.2f}, "
+          f"update {times['shared']['update'] / times['whole']['update']:.2f}, "
+          f"sum {s / w:.2f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,130 @@
+"""Reward-model scores of preference pairs (each distinct sequence once) and the held-out
+evaluation with several samples per prompt."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from marl_jax import models
+from marl_jax.models import last_token_score
+from marl_jax.train import ppo as ppo_lib
+from marl_jax.train import reward
+
+
+def _reward_model():
+    cfg = models.ModelConfig(family="llama", vocab_size=32, hidden_size=16, intermediate_size=32,
+                             num_layers=2, num_heads=2, num_kv_heads=2, head_dim=8,
+                             max_position_embeddings=16, eos_token_id=(1,), pad_token_id=0)
+    module = models.ScalarHeadModel(cfg, head_init_std=1.0)
+    return module, models.init_params(module, jax.random.key(0))
+
+
+def _pairs_sharing_responses(rng, prompts=3, k=3, p=3, r=4):
+    """Every pair (a, b), a < b, of k samples of each prompt, as the review task cuts them."""
+    prompt_ids = rng.integers(2, 32, (prompts, p)).astype(np.int32)
+    prompt_mask = np.ones((prompts, p), np.int32)
+    prompt_mask[0, 0] = 0  # a left-padded prompt
+    ids = rng.integers(2, 32, (prompts, k, r)).astype(np.int32)
+    mask = np.ones((prompts, k, r), np.int32)
+    mask[:, 1, -1] = 0
+    rows = [(i, a, b) for i in range(prompts) for a in range(k) for b in range(a + 1, k)]
+    i, a, b = (np.array(x) for x in zip(*rows))
+    return dict(prompt_ids=prompt_ids[i], prompt_mask=prompt_mask[i], chosen_ids=ids[i, a],
+                chosen_mask=mask[i, a], rejected_ids=ids[i, b], rejected_mask=mask[i, b])
+
+
+def _one_sequence_score(module, params, prompt_ids, prompt_mask, response_ids, response_mask):
+    ids = jnp.asarray(np.concatenate([prompt_ids, response_ids])[None])
+    mask = jnp.asarray(np.concatenate([prompt_mask, response_mask])[None])
+    return float(last_token_score(module.apply({"params": params}, ids, mask), mask)[0])
+
+
+def test_pair_scores_score_each_distinct_sequence_once_and_equal_one_by_one_scores():
+    module, params = _reward_model()
+    data = _pairs_sharing_responses(np.random.default_rng(0))
+    n = len(data["prompt_ids"])  # 3 prompts x 3 pairs, 9 distinct responses in 18 slots
+    traced, scored = [], []
+    apply = module.apply
+
+    class Recording:
+        def apply(self, variables, ids, mask):
+            traced.append(ids.shape)
+            jax.debug.callback(lambda x: scored.append(np.asarray(x)), ids)
+            return apply(variables, ids, mask)
+
+    chosen, rejected = reward.all_pair_scores(Recording(), params, data, batch_size=2)
+    # 9 distinct sequences in batches of 2 x 2 rows: one compile, three batches (the last
+    # padded with its final sequence), each distinct sequence in them once.
+    jax.effects_barrier()
+    assert traced == [(4, 7)]
+    rows = np.concatenate(scored)
+    assert rows.shape == (12, 7) and len(np.unique(rows, axis=0)) == 9
+    for j in range(n):
+        for side, got in (("chosen", chosen), ("rejected", rejected)):
+            want = _one_sequence_score(module, params, data["prompt_ids"][j],
+                                       data["prompt_mask"][j], data[f"{side}_ids"][j],
+                                       data[f"{side}_mask"][j])
+            np.testing.assert_allclose(got[j], want, rtol=1e-5, atol=1e-5)
+    # A pair's two responses of one prompt are distinct sequences with distinct scores.
+    assert np.all(chosen != rejected)
+    # max_rows: the first pairs only, the same numbers.
+    c2, r2 = reward.all_pair_scores(module, params, data, batch_size=3, max_rows=4)
+    np.testing.assert_allclose(c2, chosen[:4], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(r2, rejected[:4], rtol=1e-5, atol=1e-6)
+    # The statistics weight a response by the pairs it is in, as the pairs' scores do.
+    stats = reward.reward_stats(module, params, data, batch_size=2)
+    both = np.concatenate([chosen, rejected])
+    np.testing.assert_allclose([stats["mean"], stats["std"]], [both.mean(), both.std()],
+                               rtol=1e-5)
+
+
+def test_several_evaluation_samples_per_prompt_average_the_gold_per_prompt():
+    from marl_jax.train import ppo_core as core
+
+    reward_model, rm_params = _reward_model()
+    policy = models.CausalLM(reward_model.config)
+    params = models.init_params(policy, jax.random.key(4))
+    mods = core.Models(policy=policy, critic=reward_model, reward=reward_model,
+                       actor_optimizer=None, critic_optimizer=None)
+    static = core.PPOStatic(batch_size=4, response_length=5, eos_id=1, pad_id=0, top_k=0)
+    frozen = core.Frozen(params, rm_params, jnp.float32(0.5), jnp.float32(2.0))
+    prompts = jnp.asarray(np.random.default_rng(2).integers(2, 32, (3, 4)), jnp.int32)
+    prompt_mask = jnp.asarray(np.array([[0, 1, 1, 1], [1, 1, 1, 1], [0, 0, 1, 1]]), jnp.int32)
+    documents = jnp.arange(3)[:, None] * 100
+    # A gold that depends on the document and on the response: doc + tokens' sum.
+    gold_fn = lambda docs, ids, mask: docs[:, 0] + (ids * mask).sum(axis=1).astype(jnp.float32)
+    out = ppo_lib.evaluate(static, mods, params, frozen, prompts, prompt_mask, documents,
+                           jax.random.key(0), gold_fn=gold_fn, samples_per_prompt=3)
+    ids, mask = np.asarray(out["response_ids"]), np.asarray(out["response_mask"])
+    assert ids.shape == (9, 5)
+    # Row 3 e + j is sample j of prompt e: the samples of a prompt differ.
+    assert len({tuple(r) for r in ids[:3]}) > 1
+    per_row = np.repeat([0, 100, 200], 3) + (ids * mask).sum(axis=1)
+    np.testing.assert_allclose(out["gold"], per_row.reshape(3, 3).mean(axis=1), rtol=1e-6)
+    np.testing.assert_allclose(out["length"], mask.sum(axis=1).reshape(3, 3).mean(axis=1))
+    # KL and RM score: the first sample of each prompt, scored one sequence at a time.
+    assert out["kl"].shape == out["rm_score"].shape == (3,)
+    np.testing.assert_allclose(out["kl"], 0.0, atol=1e-5)  # the policy is the reference
+    for e in range(3):
+        want = _one_sequence_score(reward_model, rm_params, np.asarray(prompts[e]),
+                                   np.asarray(prompt_mask[e]), ids[3 * e], mask[3 * e])
+        np.testing.assert_allclose(out["rm_score"][e], (want - 0.5) / 2.0, rtol=1e-4,
+                                   atol=1e-5)
+
+
+def test_the_host_gold_of_a_prompt_is_the_mean_over_its_samples_in_held_out_order():
+    from marl_jax.experiment import host_gold_per_prompt
+
+    # 1 run, 2 prompts x 3 samples, row 3 e + j = sample j of prompt e; token t decodes to "t".
+    ids = np.array([[[10, 11], [12, 0], [13, 14], [20, 0], [21, 22], [23, 0]]])
+    mask = (ids > 0).astype(np.int32)
+    decode = lambda i, m: [" ".join(str(t) for t in row[k == 1]) for row, k in zip(i, m)]
+    calls = []
+
+    def text_gold(texts):
+        calls.append(list(texts))
+        return [float(sum(int(w) for w in t.split())) for t in texts]
+
+    gold = host_gold_per_prompt(text_gold, decode, ids, mask, 3)
+    # Each call holds sample j of every prompt, in held-out order.
+    assert calls == [["10 11", "20"], ["12", "21 22"], ["13 14", "23"]]
+    np.testing.assert_allclose(gold, [[(21 + 12 + 27) / 3, (20 + 43 + 23) / 3]])
