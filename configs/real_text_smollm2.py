@@ -75,14 +75,18 @@ def get_config():
                      warmup_ratio=0.05, weight_decay=0.0, num_layers_unfrozen=8))
 
     p = c.ppo
-    p.steps = 30
+    # 2 epochs x 2 minibatches: four updates per batch of 8 responses, ~16 s a step here (one
+    # update per batch moved the policy by 0.06-0.2 nats of KL in 30 steps, at ~10 s a step).
+    p.steps = 20
     p.batch_size = 8
+    p.ppo_epochs = 2
+    p.num_minibatches = 2
     p.learning_rate = 2e-5
     p.critic_learning_rate = 2e-5
     p.warmup_ratio = 0.0
     p.weight_decay = 0.0
     p.response_length = 40
-    p.eval_every = 30
+    p.eval_every = 20
     # 4 responses per held-out prompt: a prompt's gold is their mean, which halves the
     # sampling noise of the paired per-prompt difference from the SFT policy.
     p.eval_samples_per_prompt = 4
@@ -114,8 +118,9 @@ def get_config():
                       num_rl_prompts=4096, sample_batch_size=64),
             sft=dict(steps=128, batch_size=16, num_layers_unfrozen=-1),
             rm=dict(steps=192, batch_size=16, learning_rate=1e-5, num_layers_unfrozen=-1),
-            ppo=dict(steps=100, batch_size=64, response_length=128, eval_every=10,
-                     learning_rate=3e-6, critic_learning_rate=1e-5, num_layers_unfrozen=-1),
+            ppo=dict(steps=100, batch_size=64, ppo_epochs=1, num_minibatches=1,
+                     response_length=128, eval_every=10, learning_rate=3e-6,
+                     critic_learning_rate=1e-5, num_layers_unfrozen=-1),
             experiment=dict(arms=("ppo", "ma_ppo", "ma_ppo_ctrl", "ma_ppo_smdp"),
                             runs_per_program=5),
         ),

@@ -1,13 +1,25 @@
-"""Shared test setup: eight fake CPU devices for sharding tests, and the real SmolLM2 file."""
+"""Shared test setup: eight fake CPU devices for sharding tests, one compilation cache for the
+session, and the real SmolLM2 file."""
+import atexit
 import importlib.util
 import os
 import pathlib
+import shutil
+import tempfile
 
 # XLA's CPU backend optimisations off: the tests' programs are small, and compiling them, not
 # running them, is most of the suite's time (numerics are checked against tolerances).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
                       "--xla_backend_optimization_level=0 "
                       "--xla_llvm_disable_expensive_passes=true")
+# Many tests build the same small programs afresh (a new run, a new jitted closure): JAX's
+# persistent cache, in a directory of this session's (inherited by the run.py subprocesses),
+# compiles each distinct program once. Set JAX_COMPILATION_CACHE_DIR to keep one elsewhere.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache_dir = tempfile.mkdtemp(prefix="marl_jax_test_xla_cache_")
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

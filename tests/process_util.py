@@ -28,6 +28,9 @@ def run_processes(commands, env, logdir, timeout_s) -> list:
     Stops at the first failure (the others would block in a collective) or at the timeout, and
     fails the test with the log of any process that did not exit with 0.
     """
+    # Processes started together do not share the session's compilation cache: one could read
+    # an entry while another is still writing it.
+    env = dict(env, JAX_ENABLE_COMPILATION_CACHE="false")
     paths = [logdir / f"worker{i}.log" for i in range(len(commands))]
     logs = [open(path, "w") for path in paths]
     procs = [subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
