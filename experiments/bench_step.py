@@ -7,25 +7,19 @@ token for token; they differ only in termination + macro GAE (MA-PPO: fixed 5-gr
 weighting, `weighted` rewards; PPO: n = 1). The paper claims macro actions add no compute; the
 target is at most 3% overhead on a whole step.
 """
-import argparse
 import functools
-import pathlib
 import tempfile
 
 import jax
 import jax.numpy as jnp
 
-from bench_timing import best_time, load_config
+from bench_timing import best_time, load_config, step_timing_args
 
 
 
 def main(argv):
-    root = pathlib.Path(__file__).resolve().parent.parent
-    parser = argparse.ArgumentParser(prog="bench.py step", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=str(root / "configs" / "synthetic.py"))
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args(argv)
+    args = step_timing_args(argv, prog="bench.py step", doc=__doc__, config="synthetic.py",
+                            batch=16, repeats=5)
 
     from marl_jax.pipeline import Pipeline
     from marl_jax.train import ppo as ppo_lib

@@ -1,5 +1,6 @@
-"""What the benchmarks share: the timer (best wall-clock time of a call, after a warm-up call) and
-the config loader."""
+"""What the benchmarks share: the timer (best wall-clock time of a call, after a warm-up call),
+the config loader and the command line of the step timings."""
+import argparse
 import importlib.util
 import pathlib
 import sys
@@ -31,3 +32,14 @@ def load_config(path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config()
+
+
+def step_timing_args(argv, *, prog: str, doc: str, config: str, batch: int, repeats: int):
+    """`--config` (a file under configs/, default `config`), `--batch` and `--repeats` of a
+    step-timing benchmark."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    parser = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
+    parser.add_argument("--config", default=str(root / "configs" / config))
+    parser.add_argument("--batch", type=int, default=batch)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    return parser.parse_args(argv)

@@ -10,26 +10,20 @@ sampling, scoring and the update separately (best of `--repeats` after a compili
 the config's model with its real weights (the reward model and critic take the policy's
 backbone, as when they start from the SFT policy).
 """
-import argparse
 import functools
-import pathlib
 import sys
 import tempfile
 
 import jax
 import jax.numpy as jnp
 
-from bench_timing import best_time, load_config
+from bench_timing import best_time, load_config, step_timing_args
 
 
 
 def main(argv):
-    root = pathlib.Path(__file__).resolve().parent.parent
-    parser = argparse.ArgumentParser(prog="bench.py trunk", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=str(root / "configs" / "real_text_smollm2.py"))
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=2)
-    args = parser.parse_args(argv)
+    args = step_timing_args(argv, prog="bench.py trunk", doc=__doc__, config="real_text_smollm2.py",
+                            batch=8, repeats=2)
 
     from marl_jax import models
     from marl_jax.pipeline import Pipeline
