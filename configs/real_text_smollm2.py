@@ -57,7 +57,11 @@ def get_config():
     t.use_chat_template = True
     t.max_prompt_length = 68  # the longest of the 11,200 prompts in the chat template: 67
     t.data_seed = 20261201
-    t.num_eval_prompts = 64
+    # 128 held-out prompts x 4 responses: the paired per-prompt difference from the SFT policy is
+    # all sampling noise here (its variance ~0.01 = 2 x 0.02 / 4, 0.02 the variance of one
+    # response's gold given its prompt; the prompts' own spread adds ~0), so its standard error
+    # falls as one over the root of the number of responses scored.
+    t.num_eval_prompts = 128
     t.num_rm_eval = 32
     t.num_sft = 64
     t.num_pairs = 96

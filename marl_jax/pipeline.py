@@ -15,10 +15,10 @@ from marl_jax import distributed
 from marl_jax.config import validate_config
 from marl_jax.data.real_tasks import decode_responses
 from marl_jax.data.tasks import build_task
-from marl_jax.train import build, exports, metrics as metrics_lib, sharding
+from marl_jax.train import build, exports, metrics as metrics_lib, reward, sharding
 from marl_jax.train import ppo as ppo_lib
 from marl_jax.train.ppo import run_ppo
-from marl_jax.train.reward import PAIR_KEYS, reward_stats, run_rm, sample_policy_pairs
+from marl_jax.train.reward import PAIR_KEYS, run_rm, sample_policy_pairs
 from marl_jax.train.sft import run_sft
 
 SUMMARY_COLUMNS = {
@@ -114,11 +114,18 @@ class Pipeline:
                 if self.config.rm.init_from == "sft" else fresh
             # Pairs sampled from the SFT policy join the data whenever the data is read: to
             # train, or to recompute the reward statistics.
-            if exports.latest_checkpoint_step(self.workdir, "rm") < self.config.rm.steps:
+            trains = exports.latest_checkpoint_step(self.workdir, "rm") < self.config.rm.steps
+            if trains:
                 self._add_policy_pairs(sft_params)
             self._add_sampled_data()
+            # Training only its top layers, the reward model runs the frozen ones once per
+            # distinct training sequence (their states reused by every step and the statistics).
+            frozen = reward.frozen_trunk_layers(init, int(self.config.rm.num_layers_unfrozen))
+            trunk = reward.pair_trunk(self.reward_model, init, self.task.rm, frozen,
+                                      batch_size=self.config.rm.batch_size) \
+                if trains and frozen and len(self.task.rm["prompt_ids"]) else None
             params = run_rm(self.config, self.task, self.reward_model, init, mesh=self.mesh,
-                            writer=self.writer, workdir=self.workdir)
+                            writer=self.writer, workdir=self.workdir, trunk=trunk)
             self._write_gold_agreement(params)
             # The statistics belong to these params: reused only from an export of the same
             # checkpoint, recomputed (and re-exported) whenever the reward model changed.
@@ -128,8 +135,12 @@ class Pipeline:
                 if len(self.task.rm["prompt_ids"]) == 0:
                     stats = {"mean": 0.0, "std": 1.0}  # no preference pairs (APPS): nothing to centre
                 else:
-                    stats = reward_stats(self.reward_model, params, self.task.rm,
-                                         batch_size=self.config.rm.batch_size)
+                    stats = reward.reward_stats(
+                        self.reward_model, params, self.task.rm,
+                        batch_size=self.config.rm.batch_size,
+                        trunk=trunk if trunk is not None and trunk.num_pairs == len(
+                            self.task.rm["prompt_ids"]) else None)
+            del trunk
             self._export("rm", self.reward_model, params, extra={exports.REWARD_STATS: stats})
             self._rm = (params, stats)
         return self._rm

@@ -1,18 +1,25 @@
-"""Reward-model scores of preference pairs (each distinct sequence once) and the held-out
-evaluation with several samples per prompt."""
+"""Reward-model scores of preference pairs (each distinct sequence once), the reward model
+that trains its top layers on its frozen trunk's states (the same scores, loss, gradients and
+trained params as the full model), and the held-out evaluation with several samples per
+prompt."""
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from marl_jax import models
+from marl_jax.config import base_config
 from marl_jax.models import last_token_score
+from marl_jax.train import metrics, optim, sharding
 from marl_jax.train import ppo as ppo_lib
 from marl_jax.train import reward
 
 
-def _reward_model():
+def _reward_model(num_layers=2):
     cfg = models.ModelConfig(family="llama", vocab_size=32, hidden_size=16, intermediate_size=32,
-                             num_layers=2, num_heads=2, num_kv_heads=2, head_dim=8,
+                             num_layers=num_layers, num_heads=2, num_kv_heads=2, head_dim=8,
                              max_position_embeddings=16, eos_token_id=(1,), pad_token_id=0)
     module = models.ScalarHeadModel(cfg, head_init_std=1.0)
     return module, models.init_params(module, jax.random.key(0))
@@ -75,6 +82,113 @@ def test_pair_scores_score_each_distinct_sequence_once_and_equal_one_by_one_scor
     both = np.concatenate([chosen, rejected])
     np.testing.assert_allclose([stats["mean"], stats["std"]], [both.mean(), both.std()],
                                rtol=1e-5)
+
+
+def test_frozen_trunk_layers_counts_the_layers_below_the_trained_ones():
+    _, params = _reward_model(num_layers=3)
+    assert [reward.frozen_trunk_layers(params, n) for n in (-1, 0, 1, 2, 3, 5)] == \
+        [0, 3, 2, 1, 0, 0]
+    scanned = dict(params, backbone=dict(layers={}, embed_tokens={}))
+    assert reward.frozen_trunk_layers(scanned, 1) == 0
+
+
+def test_trunk_scores_equal_full_model_scores_one_sequence_at_a_time():
+    module, params = _reward_model(num_layers=3)
+    data = _pairs_sharing_responses(np.random.default_rng(0))
+    trunk = reward.pair_trunk(module, params, data, 2, batch_size=2)
+    # 3 prompts x 3 samples: 9 distinct sequences in 18 pair slots.
+    assert trunk.states.shape == (9, 7, 16) and trunk.num_pairs == 9
+    chosen, rejected = reward.all_pair_scores(module, params, data, batch_size=2, trunk=trunk)
+    for j in range(trunk.num_pairs):
+        for side, got in (("chosen", chosen), ("rejected", rejected)):
+            want = _one_sequence_score(module, params, data["prompt_ids"][j], data["prompt_mask"][j],
+                               data[f"{side}_ids"][j], data[f"{side}_mask"][j])
+            np.testing.assert_allclose(got[j], want, rtol=1e-5, atol=1e-5)
+    stats = reward.reward_stats(module, params, data, batch_size=2, trunk=trunk)
+    both = np.concatenate([chosen, rejected])
+    np.testing.assert_allclose([stats["mean"], stats["std"]], [both.mean(), both.std()],
+                               rtol=1e-5)
+    with pytest.raises(ValueError, match="trunk states are of 9 pairs, the data has 4"):
+        reward.all_pair_scores(module, params, {k: v[:4] for k, v in data.items()},
+                               batch_size=2, trunk=trunk)
+
+
+def test_trunk_loss_and_gradients_equal_the_full_models():
+    module, params = _reward_model(num_layers=3)
+    data = _pairs_sharing_responses(np.random.default_rng(1))
+    trunk = reward.pair_trunk(module, params, data, 2, batch_size=4)
+    rows = np.array([0, 4, 8, 2])
+    batch = {k: jnp.asarray(v[rows]) for k, v in trunk.training_data(data).items()}
+    full = optim.with_frozen_leaves(lambda p, b: reward.rm_loss(module, p, b), 1)
+    top = lambda p, b: reward.rm_loss_from_trunk(module, 2, p, b)
+    (want, want_metrics), want_grads = jax.value_and_grad(full, has_aux=True)(params, batch)
+    (got, got_metrics), got_grads = jax.value_and_grad(top, has_aux=True)(params, batch)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    np.testing.assert_allclose(got_metrics["accuracy"], want_metrics["accuracy"])
+    trained = optim.trainable_mask(params, 1)
+    for (path, g), w, t in zip(jax.tree_util.tree_flatten_with_path(got_grads)[0],
+                               jax.tree.leaves(want_grads), jax.tree.leaves(trained)):
+        if t:
+            assert np.abs(np.asarray(w)).max() > 0, path
+        np.testing.assert_allclose(g, w, rtol=2e-4, atol=1e-6, err_msg=str(path))
+
+
+def test_run_rm_on_trunk_states_trains_the_same_params(tmp_path):
+    module, init = _reward_model(num_layers=3)
+    init = jax.tree.map(np.asarray, init)  # host arrays: each run gets its own device copy
+    data = _pairs_sharing_responses(np.random.default_rng(2))
+    config = base_config()
+    config.rm.update(dict(steps=4, batch_size=8, learning_rate=1e-2, warmup_ratio=0.0,
+                          num_layers_unfrozen=1))
+    config.checkpoint_every = 1000
+    mesh = sharding.make_mesh(config.mesh)
+    task = types.SimpleNamespace(rm=data)
+    out = {}
+    for name, trunk in (("full", None), ("trunk", reward.pair_trunk(module, init, data, 2,
+                                                                    batch_size=4))):
+        workdir = str(tmp_path / name)
+        writer = metrics.MetricsWriter(workdir, tensorboard=False)
+        out[name] = reward.run_rm(config, task, module, init, mesh=mesh, writer=writer,
+                                  workdir=workdir, trunk=trunk)
+        writer.close()
+    moved = 0.0
+    for a, b, c in zip(jax.tree.leaves(out["full"]), jax.tree.leaves(out["trunk"]),
+                       jax.tree.leaves(init)):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+        moved = max(moved, float(np.abs(np.asarray(a) - np.asarray(c)).max()))
+    assert moved > 1e-3  # the top layers trained
+    # A trunk reaching into the trained layers, or of other pairs, is refused.
+    deep = reward.pair_trunk(module, init, data, 3, batch_size=4)
+    with pytest.raises(ValueError, match="trunk of 3 layers and 9 pairs: the stage freezes 2"):
+        reward.run_rm(config, task, module, init, mesh=mesh, writer=None,
+                      workdir=str(tmp_path / "deep"), trunk=deep)
+
+
+def test_the_pipelines_reward_model_and_statistics_do_not_depend_on_the_trunk(tmp_path,
+                                                                            monkeypatch):
+    """Pipeline.rm with every stage training its top layer of 2: trained on trunk states (the
+    shipped path) and on whole sequences (the trunk turned off) the same model and statistics."""
+    from marl_jax import pipeline as pipeline_lib
+    from train_util import tiny_config
+
+    overrides = {"model.config.num_layers": 2, "model.scan_layers": False,
+                 "sft.num_layers_unfrozen": 1, "rm.num_layers_unfrozen": 1}
+    built = []
+    real = reward.pair_trunk
+    monkeypatch.setattr(reward, "pair_trunk", lambda *a, **k: built.append(a[3]) or real(*a, **k))
+    out = {}
+    for name in ("trunk", "full"):
+        if name == "full":
+            monkeypatch.setattr(reward, "frozen_trunk_layers", lambda params, n: 0)
+        pipe = pipeline_lib.Pipeline(tiny_config(**overrides), str(tmp_path / name))
+        out[name] = pipe.rm()
+        pipe.close()
+    assert built == [1]  # the first run trained on the states after layer 1 of 2
+    (trunk_params, trunk_stats), (full_params, full_stats) = out["trunk"], out["full"]
+    for a, b in zip(jax.tree.leaves(full_params), jax.tree.leaves(trunk_params)):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose([trunk_stats["mean"], trunk_stats["std"]],
+                               [full_stats["mean"], full_stats["std"]], rtol=1e-4, atol=1e-5)
 
 
 def test_several_evaluation_samples_per_prompt_average_the_gold_per_prompt():
