@@ -135,11 +135,9 @@ class Pipeline:
                 if len(self.task.rm["prompt_ids"]) == 0:
                     stats = {"mean": 0.0, "std": 1.0}  # no preference pairs (APPS): nothing to centre
                 else:
-                    stats = reward.reward_stats(
-                        self.reward_model, params, self.task.rm,
-                        batch_size=self.config.rm.batch_size,
-                        trunk=trunk if trunk is not None and trunk.num_pairs == len(
-                            self.task.rm["prompt_ids"]) else None)
+                    stats = reward.reward_stats(self.reward_model, params, self.task.rm,
+                                                batch_size=self.config.rm.batch_size,
+                                                trunk=trunk)
             del trunk
             self._export("rm", self.reward_model, params, extra={exports.REWARD_STATS: stats})
             self._rm = (params, stats)
