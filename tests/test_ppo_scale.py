@@ -1,6 +1,7 @@
 """PPO at the settings of real-scale runs: minibatches, epochs and gradient accumulation keep the
 schedule and the update; the critic starts on the normalised reward's scale; exports and reward
 statistics follow the checkpoints; the synthetic reward model sees responses without EOS."""
+import dataclasses
 import functools
 import json
 import os
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from marl_jax import pipeline as pipeline_lib
+from marl_jax.macro import termination
 from marl_jax.train import exports, ppo as ppo_lib, ppo_core as core
 from marl_jax.train.metrics import read_metrics
 
@@ -105,6 +107,54 @@ def test_gradient_accumulation_gives_the_same_ppo_update(tiny_pipe, aggregation)
     moved = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(
         jax.tree.leaves(one.actor_params), jax.tree.leaves(sft)))
     assert moved > 1e-5
+
+
+def test_critic_from_sft_is_the_sft_backbone_under_a_fresh_head(tiny_pipe):
+    from marl_jax.models import params as params_lib
+    pipe, sft, rm, stats = tiny_pipe
+    cfg = tiny_config(**{"ppo.critic_init": "sft"})
+    key = jax.random.key(3)
+    critic = ppo_lib.initial_critic_params(cfg, pipe.critic, sft, rm, key, stats)
+    for a, b in zip(jax.tree.leaves(critic["backbone"]), jax.tree.leaves(sft["backbone"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # Not the reward model's backbone (it trained every layer of the tiny model).
+    assert any(not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
+        jax.tree.leaves(critic["backbone"]), jax.tree.leaves(rm["backbone"])))
+    fresh = params_lib.init_params(pipe.critic, key)["head"]
+    assert set(critic["head"]) == set(fresh)
+    for name in fresh:
+        np.testing.assert_array_equal(np.asarray(critic["head"][name]), np.asarray(fresh[name]))
+    assert not np.array_equal(np.asarray(critic["head"]["kernel"]),
+                              np.asarray(rm["head"]["kernel"]))
+
+
+def test_whitened_advantages_leave_the_returns_unwhitened(tiny_pipe):
+    pipe, sft, rm, stats = tiny_pipe
+    cfg = tiny_config(**{"ppo.critic_init": "sft"})
+    static = ppo_lib.static_from_config(cfg, pipe.task.tokenizer)
+    mods = ppo_lib.make_models(cfg, pipe.policy, pipe.critic, pipe.reward_model)
+    critic = ppo_lib.initial_critic_params(cfg, pipe.critic, sft, rm, jax.random.key(0), stats)
+    state = ppo_lib.initial_state(cfg, mods, sft, critic, seed=0)
+    frozen = core.Frozen(sft, rm, jnp.float32(stats["mean"]), jnp.float32(stats["std"]))
+    exp, _ = jax.jit(functools.partial(core.rollout, static, mods))(
+        state, frozen, pipe.task.rl["ids"][:8], pipe.task.rl["mask"][:8], jax.random.key(1))
+    hp = ppo_lib.hparams_from_config(cfg.ppo)
+    segments = {"fixed": termination.fixed_ngram(exp.response_mask, 1)}
+    plain_adv, plain_ret = core.advantages_and_returns(
+        dataclasses.replace(static, whiten_advantages=False), hp, exp, segments)
+    adv, ret = core.advantages_and_returns(
+        dataclasses.replace(static, whiten_advantages=True), hp, exp, segments)
+    mask = np.asarray(exp.response_mask) != 0
+    plain = np.asarray(plain_adv, np.float64)[mask]
+    np.testing.assert_allclose(np.asarray(adv)[mask],
+                               (plain - plain.mean()) / plain.std(ddof=1), rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(adv)[~mask], 0.0)
+    # The critic regresses onto returns from the unwhitened advantages: A + V.
+    np.testing.assert_array_equal(np.asarray(ret), np.asarray(plain_ret))
+    np.testing.assert_allclose(np.asarray(ret)[mask],
+                               (np.asarray(plain_adv) + np.asarray(exp.values))[mask], rtol=1e-5,
+                               atol=1e-6)
+    assert plain.std() > 0 and abs(plain.mean()) > 1e-3  # whitening changed something
 
 
 def _export_params(path):
