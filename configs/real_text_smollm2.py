@@ -17,8 +17,9 @@ The pipeline, all offline:
 2. SFT on each sft prompt's best response (best of k);
 3. a Bradley-Terry reward model, started from the SFT policy, on pairs of the rm part's
    responses labelled by a noisy annotator (prefers a with probability
-   sigmoid((gold_a - gold_b) / annotator_temperature)); its agreement with the gold on the
-   rm_eval part's pairs is `rm/gold_agreement` on an `rm` row of metrics.jsonl;
+   sigmoid((gold_a - gold_b) / annotator_temperature)), a batch being prompts with all their
+   pairs (`rm.group_by_prompt`); its agreement with the gold on the rm_eval part's pairs is
+   `rm/gold_agreement` on an `rm` row of metrics.jsonl;
 4. the arms (PPO against the reward model), evaluated by the gold on the held-out prompts
    (`ppo.eval_samples_per_prompt` responses each, their gold averaged per prompt); `final` rows
    per run and for the SFT policy (arm `sft`), and the study's report.
@@ -64,7 +65,7 @@ def get_config():
     t.num_eval_prompts = 128
     t.num_rm_eval = 32
     t.num_sft = 64
-    t.num_pairs = 96
+    t.num_pairs = 160
     t.num_rl_prompts = 1024
     t.samples_per_prompt = 4
     t.pairs_per_prompt = 0  # 0: every pair of a prompt's samples that differ in gold
@@ -75,8 +76,13 @@ def get_config():
 
     c.sft.update(dict(steps=16, batch_size=8, learning_rate=1e-5, schedule="cosine",
                       warmup_ratio=0.1, weight_decay=0.0, num_layers_unfrozen=8))
-    c.rm.update(dict(steps=64, batch_size=8, learning_rate=3e-5, schedule="cosine",
-                     warmup_ratio=0.05, weight_decay=0.0, num_layers_unfrozen=8))
+    # The reward model: 4 prompts a step with all their pairs (`rm.group_by_prompt`, each
+    # response scored once: ~6 labelled pairs per prompt for 4 forward passes), 64 steps (1.6
+    # passes over the 160 prompts' pairs), lr 1e-3 on its top 8 layers and fresh head; chosen
+    # with experiments/review_rm_study.py (README, "Real text").
+    c.rm.update(dict(steps=64, batch_size=4, group_by_prompt=True, learning_rate=1e-3,
+                     schedule="cosine", warmup_ratio=0.05, weight_decay=0.0,
+                     num_layers_unfrozen=8))
 
     p = c.ppo
     # 2 epochs x 2 minibatches: four updates per batch of 8 responses, ~16 s a step here (one
@@ -128,7 +134,8 @@ def get_config():
             task=dict(num_eval_prompts=256, num_rm_eval=128, num_sft=512, num_pairs=512,
                       num_rl_prompts=4096, sample_batch_size=64),
             sft=dict(steps=128, batch_size=16, num_layers_unfrozen=-1),
-            rm=dict(steps=192, batch_size=16, learning_rate=1e-5, num_layers_unfrozen=-1),
+            # 8 prompts with all their pairs a step: the 32 sequences of 16 pairs, 3x the pairs.
+            rm=dict(steps=192, batch_size=8, learning_rate=1e-5, num_layers_unfrozen=-1),
             ppo=dict(steps=100, batch_size=64, ppo_epochs=1, num_minibatches=1,
                      response_length=128, eval_every=10, learning_rate=3e-6,
                      critic_learning_rate=1e-5, num_layers_unfrozen=-1,

@@ -126,6 +126,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.rm = optimizer_config(lr=1e-5, steps=1000, batch_size=32)
     c.rm.num_examples = 0
     c.rm.init_from = "sft"  # the paper initialises the reward model from the SFT policy
+    # True: a batch is `rm.batch_size` prompts with every pair of their responses (InstructGPT:
+    # each response scored once per step, all K-choose-2 comparisons of a prompt in the loss);
+    # False: `rm.batch_size` pairs.
+    c.rm.group_by_prompt = False
 
     p = c.ppo = optimizer_config(lr=1.5e-5, steps=1000, batch_size=256)
     p.critic_learning_rate = 1.5e-5
@@ -265,6 +269,8 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
               "must be an int >= 0 (layers trained from the top) or -1 (every parameter)")
         check(n < 0 or not c.model.get("scan_layers", False), f"{stage}.num_layers_unfrozen",
               "needs unrolled decoder layers: set config.model.scan_layers=False")
+    check(isinstance(c.rm.get("group_by_prompt", False), bool), "rm.group_by_prompt",
+          "must be True or False")
     for stage in ("sft", "rm"):
         s = c[stage]
         check(s.batch_size % s.grad_accum_steps == 0, f"{stage}.grad_accum_steps",

@@ -192,11 +192,13 @@ def assemble_rewards(logprobs, ref_logprobs, scores, response_mask, *, kl_coef,
     return rewards, metrics
 
 
-def bradley_terry_loss(chosen, rejected):
+def bradley_terry_loss(chosen, rejected, weights=None):
     """Reward-model loss mean(-log sigmoid(chosen - rejected)).
 
     Args:
       chosen, rejected: float `[B]` scores of the preferred and the other response.
+      weights: optional `[B]` pair weights (0 drops a padding pair); the loss and metrics are
+        then weighted means (0 when every weight is 0).
 
     Returns:
       `(loss, metrics)` with metrics accuracy (fraction with chosen > rejected), margin
@@ -206,14 +208,20 @@ def bradley_terry_loss(chosen, rejected):
     check_same_shape(chosen, "chosen", rejected=rejected)
     chosen = jnp.asarray(chosen, jnp.float32)
     rejected = jnp.asarray(rejected, jnp.float32)
-    batch = max(np.shape(chosen)[0], 1)
+    if weights is None:
+        w = jnp.ones_like(chosen)
+        total = max(np.shape(chosen)[0], 1)
+    else:
+        check_same_shape(chosen, "chosen", weights=weights)
+        w = jnp.asarray(weights, jnp.float32)
+        total = jnp.maximum(w.sum(), 1e-9)
     margin = chosen - rejected
-    loss = jnp.sum(-jax.nn.log_sigmoid(margin)) / batch
+    loss = jnp.sum(w * -jax.nn.log_sigmoid(margin)) / total
     metrics = {
-        "accuracy": jnp.sum((margin > 0).astype(jnp.float32)) / batch,
-        "margin": jnp.sum(margin) / batch,
-        "chosen_mean": jnp.sum(chosen) / batch,
-        "rejected_mean": jnp.sum(rejected) / batch,
+        "accuracy": jnp.sum(w * (margin > 0).astype(jnp.float32)) / total,
+        "margin": jnp.sum(w * margin) / total,
+        "chosen_mean": jnp.sum(w * chosen) / total,
+        "rejected_mean": jnp.sum(w * rejected) / total,
     }
     return loss, metrics
 

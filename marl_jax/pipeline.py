@@ -250,8 +250,10 @@ class Pipeline:
 def run(config, workdir: str) -> None:
     """Runs `config.stage` in `workdir` and prints a closing summary table."""
     from marl_jax.config import resolve_size
+    from marl_jax.train import compile_cache
 
     resolve_size(config)
+    compile_cache.use_run_cache()
     stage = config.stage
     if stage == "experiment":
         from marl_jax import experiment

@@ -165,6 +165,25 @@ def test_bradley_terry():
     np.testing.assert_allclose(metrics["rejected_mean"], -0.125)
 
 
+def test_weighted_bradley_terry_is_the_weighted_mean_over_pairs():
+    chosen = np.array([2.0, 0.0, 1.0, -1.0], np.float32)
+    rejected = np.array([1.0, 0.5, 1.0, -3.0], np.float32)
+    weights = np.array([1.0, 0.0, 2.0, 1.0], np.float32)  # pair 1 is padding
+    loss, metrics = losses.bradley_terry_loss(chosen, rejected, weights)
+    per_pair = np.log1p(np.exp(-(chosen - rejected)))
+    np.testing.assert_allclose(loss, (per_pair[0] + 2 * per_pair[2] + per_pair[3]) / 4, rtol=1e-6)
+    np.testing.assert_allclose(metrics["accuracy"], 2 / 4)  # pairs 0 and 3; the tie counts 0
+    np.testing.assert_allclose(metrics["margin"], (1.0 + 0.0 + 2.0) / 4, rtol=1e-6)
+    np.testing.assert_allclose(metrics["chosen_mean"], (2.0 + 2.0 - 1.0) / 4, rtol=1e-6)
+    # Unit weights are the plain mean; all-zero weights give 0, not NaN.
+    plain, _ = losses.bradley_terry_loss(chosen, rejected)
+    np.testing.assert_allclose(losses.bradley_terry_loss(chosen, rejected, np.ones(4))[0], plain,
+                               rtol=1e-6)
+    assert float(losses.bradley_terry_loss(chosen, rejected, np.zeros(4))[0]) == 0.0
+    with pytest.raises(ValueError, match="weights has shape"):
+        losses.bradley_terry_loss(chosen, rejected, np.ones(3))
+
+
 def test_sft_cross_entropy_matches_numpy_log_softmax():
     rng = np.random.default_rng(3)
     logits = rng.normal(size=(3, 4, 7)).astype(np.float32)

@@ -164,6 +164,107 @@ def test_run_rm_on_trunk_states_trains_the_same_params(tmp_path):
                       workdir=str(tmp_path / "deep"), trunk=deep)
 
 
+def _pairs_with_a_lone_pair(rng):
+    """3 prompts x 3 samples (every pair) and a fourth prompt with one pair, the chosen and
+    rejected sides of the first prompts' pairs swapped in places (annotator labels)."""
+    data = _pairs_sharing_responses(rng)
+    swap = np.array([1, 0, 0, 0, 1, 0, 1, 0, 0], bool)
+    for side in ("ids", "mask"):
+        c, r = data[f"chosen_{side}"].copy(), data[f"rejected_{side}"].copy()
+        data[f"chosen_{side}"] = np.where(swap[:, None], r, c)
+        data[f"rejected_{side}"] = np.where(swap[:, None], c, r)
+    lone = dict(prompt_ids=rng.integers(2, 32, (1, 3)), prompt_mask=np.ones((1, 3)),
+                chosen_ids=rng.integers(2, 32, (1, 4)), chosen_mask=np.ones((1, 4)),
+                rejected_ids=rng.integers(2, 32, (1, 4)), rejected_mask=np.ones((1, 4)))
+    return {k: np.concatenate([data[k], lone[k].astype(np.int32)]) for k in data}
+
+
+def test_prompt_groups_hold_each_prompts_responses_once_and_every_pair():
+    data = _pairs_with_a_lone_pair(np.random.default_rng(3))
+    groups = reward.prompt_groups(data)
+    # 4 prompts in order of their first pair; at most 3 responses and 3 pairs a prompt.
+    assert groups.sequences.shape == (4, 3) and groups.win.shape == (4, 3)
+    np.testing.assert_array_equal(groups.pair_mask, [[1, 1, 1]] * 3 + [[1, 0, 0]])
+    assert groups.num_pairs == 10
+    rows = groups.training_data(data)
+    assert rows["response_ids"].shape == (4, 3, 4)
+    # Every pair, rebuilt from its group's slots, is an input pair with the same label.
+    rebuilt = []
+    for g in range(4):
+        np.testing.assert_array_equal(rows["prompt_ids"][g], data["prompt_ids"][min(3 * g, 9)])
+        for j in range(3):
+            if groups.pair_mask[g, j]:
+                w, lose = groups.win[g, j], groups.lose[g, j]
+                rebuilt.append((g, tuple(rows["response_ids"][g, w]),
+                                tuple(rows["response_ids"][g, lose])))
+    want = [(min(i // 3, 3), tuple(data["chosen_ids"][i]), tuple(data["rejected_ids"][i]))
+            for i in range(10)]
+    assert sorted(rebuilt) == sorted(want)
+    # The lone pair's group repeats its first response in the unused slot.
+    assert groups.sequences[3, 2] == groups.sequences[3, 0]
+
+
+def test_grouped_loss_and_gradients_equal_the_pair_loss_of_the_same_pairs():
+    module, params = _reward_model(num_layers=3)
+    data = _pairs_with_a_lone_pair(np.random.default_rng(4))
+    groups = reward.prompt_groups(data)
+    trunk = reward.pair_trunk(module, params, data, 2, batch_size=4)
+    for chosen_groups, pairs in (([0, 1, 2, 3], np.arange(10)), ([3, 1], np.array([9, 3, 4, 5]))):
+        pair_batch = {k: jnp.asarray(data[k][pairs]) for k in reward.PAIR_KEYS}
+        full = optim.with_frozen_leaves(lambda p, b: reward.rm_loss(module, p, b), 1)
+        (want, want_metrics), want_grads = jax.value_and_grad(full, has_aux=True)(params,
+                                                                                  pair_batch)
+        for use_trunk in (False, True):
+            rows = groups.training_data(data, trunk if use_trunk else None)
+            batch = {k: jnp.asarray(v[chosen_groups]) for k, v in rows.items()}
+            grouped = optim.with_frozen_leaves(
+                lambda p, b: reward.grouped_rm_loss(module, p, b, 2 if use_trunk else 0), 1)
+            (got, got_metrics), got_grads = jax.value_and_grad(grouped, has_aux=True)(params,
+                                                                                     batch)
+            np.testing.assert_allclose(got, want, rtol=1e-5)
+            for key in ("accuracy", "margin", "chosen_mean", "rejected_mean"):
+                np.testing.assert_allclose(got_metrics[key], want_metrics[key], rtol=1e-4,
+                                           atol=1e-6)
+            for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+                np.testing.assert_allclose(g, w, rtol=2e-4, atol=1e-6)
+
+
+def test_run_rm_by_prompt_trains_the_same_params_with_and_without_trunk_or_accumulation(
+        tmp_path):
+    module, init = _reward_model(num_layers=3)
+    init = jax.tree.map(np.asarray, init)
+    data = _pairs_with_a_lone_pair(np.random.default_rng(5))
+    task = types.SimpleNamespace(rm=data)
+    out = {}
+    for name, accum, trunk in (("full", 1, None), ("accum", 2, None),
+                               ("trunk", 1, reward.pair_trunk(module, init, data, 2,
+                                                              batch_size=4))):
+        config = base_config()
+        # 8 prompts a step (each of the 4 twice: two shuffled epochs), over the 8 devices.
+        config.rm.update(dict(steps=3, batch_size=8, learning_rate=1e-2, warmup_ratio=0.0,
+                              num_layers_unfrozen=1, group_by_prompt=True,
+                              grad_accum_steps=accum))
+        config.checkpoint_every = 1000
+        workdir = str(tmp_path / name)
+        writer = metrics.MetricsWriter(workdir, tensorboard=False)
+        out[name] = reward.run_rm(config, task, module, init, mesh=sharding.make_mesh(
+            config.mesh), writer=writer, workdir=workdir, trunk=trunk)
+        writer.close()
+    # The first step's two micro-batches (rows j, j + 2, ...) hold 12 and 8 pairs: equal
+    # micro-batch weights would not give the mean over the step's pairs.
+    from marl_jax.data import batches
+    rows = batches.batch_indices(4, 8, base_config().seed + 1, 0)
+    pairs = reward.prompt_groups(data).pair_mask.sum(axis=1)
+    assert pairs[rows[0::2]].sum() != pairs[rows[1::2]].sum()
+    for a, b, c in zip(jax.tree.leaves(out["full"]), jax.tree.leaves(out["accum"]),
+                       jax.tree.leaves(out["trunk"])):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(c, a, rtol=1e-4, atol=1e-5)
+    moved = max(float(np.abs(np.asarray(a) - np.asarray(c)).max())
+                for a, c in zip(jax.tree.leaves(out["full"]), jax.tree.leaves(init)))
+    assert moved > 1e-3
+
+
 def test_the_pipelines_reward_model_and_statistics_do_not_depend_on_the_trunk(tmp_path,
                                                                             monkeypatch):
     """Pipeline.rm with every stage training its top layer of 2: trained on trunk states (the

@@ -123,6 +123,101 @@ def rm_loss_from_trunk(reward_model, num_layers: int, params, batch):
     return losses.bradley_terry_loss(scores[:b], scores[b:])
 
 
+@dataclasses.dataclass(frozen=True)
+class PromptGroups:
+    """Preference pairs grouped by prompt, InstructGPT's "all K-choose-2 comparisons of a prompt
+    as one batch element": a step scores each distinct response of its prompts once and puts
+    every labelled pair among them into the loss (k samples of a prompt give k (k - 1) / 2
+    pairs for k forward passes, where pair batches need k (k - 1)).
+
+    sequences `[G, K]`: each group's distinct sequences, as rows of `unique_sequences` of the
+    pairs (a group with fewer than K repeats its first); win, lose `[G, M]`: the slots in
+    `0..K-1` of each pair's preferred and other response; pair_mask `[G, M]` float32, 0 on the
+    padding of a group with fewer than M pairs.
+    """
+    sequences: np.ndarray
+    win: np.ndarray
+    lose: np.ndarray
+    pair_mask: np.ndarray
+
+    @property
+    def num_pairs(self) -> int:
+        return int(self.pair_mask.sum())
+
+    def training_data(self, data: dict, trunk: "PairTrunk | None" = None) -> dict:
+        """Rows of groups: the pairs' slots and either the groups' token arrays (`prompt_ids`,
+        `prompt_mask` `[G, P]`, `response_ids`, `response_mask` `[G, K, R]`) or, with `trunk`
+        (the `PairTrunk` of the same pairs), their trunk `states [G, K, P + R, D]` and
+        `mask [G, K, P + R]`; what `grouped_rm_loss` reads."""
+        out = dict(win=self.win, lose=self.lose, pair_mask=self.pair_mask)
+        if trunk is not None:
+            return dict(out, states=trunk.states[self.sequences], mask=trunk.mask[self.sequences])
+        unique, _ = unique_sequences(data, len(data["prompt_ids"]))
+        first = self.sequences[:, 0]
+        return dict(out, prompt_ids=unique["prompt_ids"][first],
+                    prompt_mask=unique["prompt_mask"][first],
+                    response_ids=unique["response_ids"][self.sequences],
+                    response_mask=unique["response_mask"][self.sequences])
+
+
+def prompt_groups(data) -> PromptGroups:
+    """The `PromptGroups` of the pairs of `data` (`TaskData.rm` arrays): pairs with the same
+    prompt tokens form a group, in the order of their first pair."""
+    n = len(data["prompt_ids"])
+    if n == 0:
+        raise ValueError("prompt_groups: no preference pairs")
+    _, inverse = unique_sequences(data, n)
+    chosen, rejected = inverse[:n], inverse[n:]
+    prompts = np.concatenate([np.asarray(data["prompt_ids"]), np.asarray(data["prompt_mask"])],
+                             axis=1)
+    _, first, group = np.unique(prompts, axis=0, return_index=True, return_inverse=True)
+    rank = np.empty(len(first), np.int64)
+    rank[np.argsort(first, kind="stable")] = np.arange(len(first))
+    group = rank[np.reshape(group, -1)]
+    members = [[] for _ in first]
+    pairs = [[] for _ in first]
+    for g, c, r in zip(group, chosen, rejected):
+        slots = members[g]
+        for seq in (c, r):
+            if seq not in slots:
+                slots.append(seq)
+        pairs[g].append((slots.index(c), slots.index(r)))
+    k = max(len(m) for m in members)
+    m = max(len(p) for p in pairs)
+    win, lose = np.zeros((len(first), m), np.int32), np.zeros((len(first), m), np.int32)
+    pair_mask = np.zeros((len(first), m), np.float32)
+    for g, group_pairs in enumerate(pairs):
+        for j, (a, b) in enumerate(group_pairs):
+            win[g, j], lose[g, j], pair_mask[g, j] = a, b, 1.0
+    sequences = np.array([s + [s[0]] * (k - len(s)) for s in members], np.int64)
+    return PromptGroups(sequences=sequences, win=win, lose=lose, pair_mask=pair_mask)
+
+
+def grouped_scores(reward_model, params, batch, num_layers: int = 0):
+    """Scores `[B, K]` of the responses of a batch of `PromptGroups.training_data` rows (from
+    their trunk states when the batch has them: `num_layers` is then the trunk's depth)."""
+    if "states" in batch:
+        b, k = batch["mask"].shape[:2]
+        flat = dict(states=batch["states"].reshape((b * k,) + batch["states"].shape[2:]),
+                    mask=batch["mask"].reshape(b * k, -1))
+        return trunk_sequence_scores(reward_model, params, flat, num_layers).reshape(b, k)
+    b, k, r = batch["response_ids"].shape
+    flat = dict(prompt_ids=jnp.repeat(batch["prompt_ids"], k, axis=0),
+                prompt_mask=jnp.repeat(batch["prompt_mask"], k, axis=0),
+                response_ids=batch["response_ids"].reshape(b * k, r),
+                response_mask=batch["response_mask"].reshape(b * k, r))
+    return sequence_scores(reward_model, params, flat).reshape(b, k)
+
+
+def grouped_rm_loss(reward_model, params, batch, num_layers: int = 0):
+    """The Bradley-Terry loss averaged over every pair of a batch of prompt groups: the
+    `rm_loss` of those pairs as one pair batch, each response run once."""
+    scores = grouped_scores(reward_model, params, batch, num_layers)
+    pick = lambda slots: jnp.take_along_axis(scores, slots, axis=1).reshape(-1)
+    return losses.bradley_terry_loss(pick(batch["win"]), pick(batch["lose"]),
+                                     batch["pair_mask"].reshape(-1))
+
+
 def unique_sequences(data, n: int):
     """The distinct (prompt, response) sequences of the first `n` pairs of `data`: (their
     `SEQUENCE_KEYS` arrays `[U, ...]`, the index `[2 n]` into them of each pair's chosen then
@@ -257,15 +352,28 @@ def mesh_of(params):
 def run_rm(config, task, reward_model, init_params, *, mesh, writer, workdir, trunk=None):
     """Trains the reward model on `task.rm`; returns its params (resumes, or reuses a finished
     run). With `trunk` (the `PairTrunk` of `task.rm` under `init_params`, whose first
-    `trunk.num_layers` layers the stage leaves frozen) each step runs only the layers above."""
-    if trunk is None:
-        data, loss_fn = task.rm, lambda p, batch: rm_loss(reward_model, p, batch)
-    else:
+    `trunk.num_layers` layers the stage leaves frozen) each step runs only the layers above.
+    With `config.rm.group_by_prompt` a batch is `rm.batch_size` prompts with all their pairs
+    (`PromptGroups`), else `rm.batch_size` pairs."""
+    if trunk is not None:
         frozen = frozen_trunk_layers(init_params, int(config.rm.get("num_layers_unfrozen", -1)))
         if trunk.num_layers > frozen or trunk.num_pairs != len(task.rm["prompt_ids"]):
             raise ValueError(f"a reward-model trunk of {trunk.num_layers} layers and "
                              f"{trunk.num_pairs} pairs: the stage freezes {frozen} layers and "
                              f"has {len(task.rm['prompt_ids'])} pairs")
+    weight_fn = tokens = None
+    if config.rm.get("group_by_prompt", False):
+        groups = prompt_groups(task.rm)
+        data = groups.training_data(task.rm, trunk)
+        layers = 0 if trunk is None else trunk.num_layers
+        loss_fn = lambda p, batch: grouped_rm_loss(reward_model, p, batch, layers)
+        # Micro-batches of gradient accumulation weigh by their pairs: the mean over the pairs.
+        weight_fn = lambda batch: batch["pair_mask"].sum()
+        tokens = groups.sequences.shape[1] * (task.rm["prompt_ids"].shape[1]
+                                              + task.rm["chosen_ids"].shape[1])
+    elif trunk is None:
+        data, loss_fn = task.rm, lambda p, batch: rm_loss(reward_model, p, batch)
+    else:
         data = trunk.training_data(task.rm)
         loss_fn = lambda p, batch: rm_loss_from_trunk(reward_model, trunk.num_layers, p, batch)
     return supervised.train(
@@ -273,4 +381,5 @@ def run_rm(config, task, reward_model, init_params, *, mesh, writer, workdir, tr
         init_params=init_params, loss_fn=loss_fn, data=data, mesh=mesh,
         writer=writer, workdir=workdir, checkpoint_every=config.checkpoint_every,
         log_every=config.log_every, max_to_keep=config.max_to_keep,
-        metadata=dict(stage="rm", config=config.to_dict()), progress_keys=("loss", "accuracy"))
+        metadata=dict(stage="rm", config=config.to_dict()), progress_keys=("loss", "accuracy"),
+        weight_fn=weight_fn, tokens_per_example=tokens)

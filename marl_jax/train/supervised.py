@@ -46,7 +46,8 @@ def make_train_step(loss_fn: Callable, optimizer, *, schedule=None, grad_accum_s
 
 def train(*, name: str, cfg, seed: int, module, init_params, loss_fn: Callable, data: dict,
           mesh, writer, workdir: str, checkpoint_every: int, log_every: int, max_to_keep: int,
-          metadata: dict, progress_keys=(), weight_fn: Callable | None = None) -> Any:
+          metadata: dict, progress_keys=(), weight_fn: Callable | None = None,
+          tokens_per_example: int | None = None) -> Any:
     """Trains `module` from `init_params` for `cfg.steps` steps; returns the final params.
 
     Args:
@@ -54,6 +55,8 @@ def train(*, name: str, cfg, seed: int, module, init_params, loss_fn: Callable, 
       loss_fn: `(params, batch) -> (loss, metrics)`.
       data: dict of host arrays with a common leading axis; batches are rows of it.
       weight_fn: a micro-batch's weight in gradient accumulation (see `make_train_step`).
+      tokens_per_example: tokens a row of `data` stands for, for the tokens/s metric (default:
+        the widths of its `*ids` arrays).
     """
     if cfg.steps == 0:
         return init_params
@@ -68,6 +71,8 @@ def train(*, name: str, cfg, seed: int, module, init_params, loss_fn: Callable, 
                         num_layers_unfrozen=int(cfg.get("num_layers_unfrozen", -1))),
         shardings, mesh).fn
     num_examples = len(next(iter(data.values())))
+    if tokens_per_example is None:
+        tokens_per_example = sum(v.shape[1] for k, v in data.items() if k.endswith("ids"))
     stage = loop.Stage(name, workdir, max_to_keep=max_to_keep)
 
     def run_step(state, step):
@@ -90,7 +95,6 @@ def train(*, name: str, cfg, seed: int, module, init_params, loss_fn: Callable, 
         state, _ = loop.run(stage, state=state, total_steps=cfg.steps, step_fn=run_step,
                             writer=writer, metadata=metadata, checkpoint_every=checkpoint_every,
                             log_every=log_every, progress_keys=progress_keys,
-                            tokens_per_step=cfg.batch_size * sum(
-                                v.shape[1] for k, v in data.items() if k.endswith("ids")))
+                            tokens_per_step=cfg.batch_size * tokens_per_example)
     stage.close()
     return state.params
