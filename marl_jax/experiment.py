@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import sys
 import time
 
 import jax
@@ -31,6 +32,12 @@ from marl_jax.eval.report import SFT_ARM  # the SFT policy's final rows (step-0 
 from marl_jax.train import loop, programs, sharding
 from marl_jax.train import ppo as ppo_lib
 from marl_jax.train import ppo_core as core
+
+
+def _status(line: str) -> None:
+    """One plain progress line on process 0's stderr (flushed: logs show it as it happens)."""
+    if jax.process_index() == 0:
+        print(line, file=sys.stderr, flush=True)
 
 
 # Token-level PPO: every macro field reset, whatever the base config says (n = 1 with any
@@ -416,7 +423,13 @@ def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats, *, stage_na
     text_gold = task.eval_gold
     fetched = ppo_lib.EVAL_ROW_KEYS + (("response_ids", "response_mask") if text_gold else ())
 
+    num_eval_responses = len(task.eval["ids"]) * m * len(runs)
+
     def evaluate(state):
+        # One call with no steps to report: a line before and after it (minutes on a CPU).
+        start = time.monotonic()
+        _status(f"[eval] {num_eval_responses} held-out responses ({len(runs)} run(s) x "
+                f"{len(task.eval['ids'])} prompts x {m}): sampling and scoring")
         result = eval_fn(state.actor_params, frozen, eval_inputs["ids"], eval_inputs["mask"],
                          eval_inputs.get("documents"), eval_keys)
         result = distributed.global_to_host({k: v for k, v in result.items() if k in fetched})
@@ -424,6 +437,7 @@ def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats, *, stage_na
             result["gold"] = host_gold_per_prompt(
                 text_gold, functools.partial(decode_responses, task.tokenizer),
                 result.pop("response_ids"), result.pop("response_mask"), m)
+        _status(f"[eval] done in {time.monotonic() - start:.0f} s")
         return result
 
     clock = {"train_s": 0.0, "last": None}

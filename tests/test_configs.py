@@ -41,6 +41,9 @@ def test_the_real_text_sizes_resolve_and_the_accelerator_size_is_the_study():
     assert set(experiment.experiment_arms(big)) == {"ppo", "ma_ppo", "ma_ppo_ctrl",
                                                     "ma_ppo_smdp"}
     assert big.task.num_rl_prompts >= 1000 and cpu.task.num_rl_prompts >= 1000
+    # The CPU size's short run with a fresh value head uses Monte-Carlo returns; the study keeps
+    # the paper's lam, which its matched control takes to the power 1/n.
+    assert cpu.ppo.lam == 1.0 and big.ppo.lam == 0.95
 
 
 def test_the_shipped_configs_cover_the_paper_tasks():
