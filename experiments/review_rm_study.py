@@ -50,15 +50,11 @@ SAMPLES = 4
 
 def setting_config(overrides: dict):
     from configs import real_text_smollm2
-    from marl_jax.config import resolve_size
+    from marl_jax.config import resolve_size, set_field
 
     config = resolve_size(real_text_smollm2.get_config())
     for dotted, value in overrides.items():
-        *path, field = dotted.split(".")
-        node = config
-        for part in path:
-            node = node[part]
-        node[field] = value
+        set_field(config, dotted, value)
     return config
 
 

@@ -341,7 +341,7 @@ def resolve_size(config, file_config=None):
                              "exist") from None
         if file_config is not None and current != _get(file_config, dotted):
             continue  # set on the command line
-        _set(config, dotted, value)
+        set_field(config, dotted, value)
     config.size_applied = config.size
     return config
 
@@ -355,7 +355,8 @@ def _flatten(tree, prefix=""):
             yield dotted, value
 
 
-def _set(c, dotted, value):
+def set_field(c, dotted: str, value) -> None:
+    """Sets the field `dotted` ("ppo.lam") of config `c` to `value`."""
     *parents, last = dotted.split(".")
     for part in parents:
         c = c[part]

@@ -7,6 +7,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from configs import synthetic  # noqa: E402
+from marl_jax.config import set_field  # noqa: E402
 
 
 def tiny_config(**overrides):
@@ -23,11 +24,7 @@ def tiny_config(**overrides):
     c.checkpoint_every = 2
     c.seeds = (0, 1)
     for dotted, value in overrides.items():
-        node = c
-        *parents, leaf = dotted.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
+        set_field(c, dotted, value)
     return c
 
 
