@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import sys
 import time
 
 import jax
@@ -30,14 +29,9 @@ from marl_jax.data import batches
 from marl_jax.data.real_tasks import decode_responses
 from marl_jax.eval.report import SFT_ARM  # the SFT policy's final rows (step-0 evaluations)
 from marl_jax.train import loop, programs, sharding
+from marl_jax.train.metrics import status_line
 from marl_jax.train import ppo as ppo_lib
 from marl_jax.train import ppo_core as core
-
-
-def _status(line: str) -> None:
-    """One plain progress line on process 0's stderr (flushed: logs show it as it happens)."""
-    if jax.process_index() == 0:
-        print(line, file=sys.stderr, flush=True)
 
 
 # Token-level PPO: every macro field reset, whatever the base config says (n = 1 with any
@@ -428,7 +422,7 @@ def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats, *, stage_na
     def evaluate(state):
         # One call with no steps to report: a line before and after it (minutes on a CPU).
         start = time.monotonic()
-        _status(f"[eval] {num_eval_responses} held-out responses ({len(runs)} run(s) x "
+        status_line(f"[eval] {num_eval_responses} held-out responses ({len(runs)} run(s) x "
                 f"{len(task.eval['ids'])} prompts x {m}): sampling and scoring")
         result = eval_fn(state.actor_params, frozen, eval_inputs["ids"], eval_inputs["mask"],
                          eval_inputs.get("documents"), eval_keys)
@@ -437,7 +431,7 @@ def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats, *, stage_na
             result["gold"] = host_gold_per_prompt(
                 text_gold, functools.partial(decode_responses, task.tokenizer),
                 result.pop("response_ids"), result.pop("response_mask"), m)
-        _status(f"[eval] done in {time.monotonic() - start:.0f} s")
+        status_line(f"[eval] done in {time.monotonic() - start:.0f} s")
         return result
 
     clock = {"train_s": 0.0, "last": None}

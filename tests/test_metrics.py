@@ -264,3 +264,17 @@ def test_nested_dicts_round_trip(tmp_path):
     assert back["controls"] == {"ma_ppo": "ma_ppo_ctrl"}
     assert back["runs"]["ppo"]["lam"] == 0.95 and back["runs"]["ppo"]["mean_macro_length"] is None
     assert np.isnan(back["runs"]["ppo"]["kl"])
+
+
+def test_status_line_is_one_flushed_line_on_process_zero_only():
+    class Log(io.StringIO):
+        flushes = 0
+
+        def flush(self):
+            Log.flushes += 1
+            super().flush()
+
+    log = Log()
+    metrics.status_line("[eval] 512 held-out responses", process_index=0, file=log)
+    metrics.status_line("[eval] from process 1", process_index=1, file=log)
+    assert log.getvalue() == "[eval] 512 held-out responses\n" and Log.flushes >= 1

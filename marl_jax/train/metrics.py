@@ -270,6 +270,16 @@ def _format_value(value: Any) -> str:
     return str(value)
 
 
+def status_line(line: str, *, process_index: int | None = None,
+                file: TextIO | None = None) -> None:
+    """One plain progress line on process 0's stderr, flushed (a log file shows it as it
+    happens): for a long call with no steps to count, such as an evaluation. Silent on other
+    processes."""
+    process_index = jax.process_index() if process_index is None else process_index
+    if process_index == 0:
+        print(line, file=sys.stderr if file is None else file, flush=True)
+
+
 class ProgressBar:
     """Training progress on process 0, with a few live metrics.
 
