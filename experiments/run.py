@@ -23,7 +23,8 @@ from ml_collections import config_flags
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-config_flags.DEFINE_config_file("config", str(ROOT / "configs" / "synthetic.py"),
+DEFAULT_CONFIG = str(ROOT / "configs" / "synthetic.py")
+config_flags.DEFINE_config_file("config", DEFAULT_CONFIG,
                                 "Experiment config file.", lock_config=True)
 flags.DEFINE_string("workdir", None, "Output directory (default: runs/<config name>).")
 flags.DEFINE_bool("traceback", False,
@@ -84,16 +85,52 @@ def _shown(path: str) -> str:
     return str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else path
 
 
-def _file_config(path: str):
-    """The config of the file as written (before command-line overrides), or None when the
-    file has no `size` presets."""
+def _load_config_file(path: str):
+    """The config of the file as written, before command-line overrides."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("_marl_config_file", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    config = module.get_config()
+    return module.get_config()
+
+
+def _file_config(path: str):
+    """The config of the file as written, or None when the file has no `size` presets."""
+    config = _load_config_file(path)
     return config if "size" in config else None
+
+
+def _config_arguments(argv):
+    """The config file and the overridden fields ("ppo.ngram") that `argv` names."""
+    config_file, fields = DEFAULT_CONFIG, []
+    for i, arg in enumerate(argv[1:], start=1):
+        if arg.startswith("--config="):
+            config_file = arg.split("=", 1)[1]
+        elif arg == "--config" and i + 1 < len(argv):
+            config_file = argv[i + 1]
+        elif arg.startswith("--config."):
+            fields.append(arg[len("--config."):].split("=", 1)[0])
+    return config_file, fields
+
+
+def parse_flags(argv):
+    """absl's flag parsing, except that an override of a field the config file does not have
+    (ml_collections raises AttributeError or KeyError for it) ends with one line and status 2."""
+    try:
+        return app.parse_flags_with_usage(argv)
+    except (AttributeError, KeyError):
+        if "--traceback" in argv:
+            raise
+        from marl_jax import config as config_lib
+
+        config_file, fields = _config_arguments(argv)
+        try:
+            config_lib.check_fields_exist(_load_config_file(config_file), fields)
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(2)
+        raise
 
 
 def main(argv):
@@ -119,4 +156,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

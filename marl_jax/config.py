@@ -10,6 +10,7 @@ temperature 0.8, top-k 50, top-p 1, fixed 5-gram macros with `equal` weighting a
 """
 from __future__ import annotations
 
+import difflib
 import re
 
 import ml_collections
@@ -353,6 +354,20 @@ def _flatten(tree, prefix=""):
             yield from _flatten(value, dotted + ".")
         else:
             yield dotted, value
+
+
+def check_fields_exist(c, dotted_fields) -> None:
+    """Raises ValueError naming the first of `dotted_fields` ("ppo.ngram", as overridden on the
+    command line) that config `c` does not have, with the nearest existing field of its section."""
+    for dotted in dotted_fields:
+        section, path = c, "config"
+        for part in dotted.split("."):
+            keys = list(section.keys()) if isinstance(section, ml_collections.ConfigDict) else []
+            if part not in keys:
+                nearest = difflib.get_close_matches(part, keys, n=1)
+                hint = f"; did you mean {path}.{nearest[0]}?" if nearest else ""
+                raise ValueError(f"{path}.{part}: no such field{hint}")
+            section, path = section[part], f"{path}.{part}"
 
 
 def set_field(c, dotted: str, value) -> None:

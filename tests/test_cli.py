@@ -40,6 +40,16 @@ def test_a_task_name_without_its_fields_names_the_config_to_use(tmp_path):
         "configs/synthetic.py does not have; use --config=configs/tldr_smollm2.py")
 
 
+def test_an_unknown_field_is_one_line_naming_the_nearest_field(tmp_path):
+    workdir = tmp_path / "run"
+    result = run_cli("--config", "configs/synthetic.py", "--config.ppo.ngrm=5",
+                     f"--workdir={workdir}", cwd=ROOT)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        "error: config.ppo.ngrm: no such field; did you mean config.ppo.ngram?"]
+    assert not workdir.exists()
+
+
 def test_traceback_flag_shows_the_traceback(tmp_path):
     result = run_cli("--config.ppo.ngram=0", "--traceback", f"--workdir={tmp_path / 'run'}")
     assert result.returncode == 1
