@@ -142,11 +142,11 @@ def main(argv):
     config_file = flags.FLAGS["config"].config_filename
     workdir = flags.FLAGS.workdir or os.path.join("runs", pathlib.Path(config_file).stem)
     try:
-        from marl_jax import config as config_lib, pipeline
+        from marl_jax import config as config_lib, stages
 
         config_lib.resolve_size(config, file_config=_file_config(config_file))
         config_lib.validate_config(config, config_file=_shown(config_file))
-        pipeline.run(config, workdir)
+        stages.run(config, workdir)
     except INPUT_ERRORS as error:
         if flags.FLAGS.traceback or not is_input_error(error):
             raise

@@ -28,6 +28,7 @@ from marl_jax import distributed
 from marl_jax.data import batches
 from marl_jax.data.real_tasks import decode_responses
 from marl_jax.eval.report import SFT_ARM  # the SFT policy's final rows (step-0 evaluations)
+from marl_jax.pipeline import Pipeline
 from marl_jax.train import loop, programs, sharding
 from marl_jax.train.metrics import status_line
 from marl_jax.train import ppo as ppo_lib
@@ -266,7 +267,6 @@ def run_experiment(config, workdir: str) -> dict:
 
 def _run_one(config, workdir: str) -> dict:
     from marl_jax.eval import report as report_lib
-    from marl_jax.pipeline import Pipeline
 
     config_lib.validate_config(config)
     runs = plan_runs(config)

@@ -1,4 +1,5 @@
-"""SFT -> reward model -> PPO / MA-PPO in one workdir: what `experiments/run.py` runs.
+"""SFT -> reward model -> PPO / MA-PPO in one workdir (`Pipeline`), the stages that
+`marl_jax.stages.run` runs.
 
 Each stage checkpoints under `<workdir>/checkpoints/<stage>`; a finished stage is reused, an
 unfinished one resumes, so running the same command again continues where it stopped. Finished
@@ -15,19 +16,12 @@ from marl_jax import distributed
 from marl_jax.config import validate_config
 from marl_jax.data.real_tasks import decode_responses
 from marl_jax.data.tasks import build_task
+from marl_jax.eval.unit_test_reward import attach_unit_test_reward
 from marl_jax.train import build, exports, metrics as metrics_lib, reward, sharding
 from marl_jax.train import ppo as ppo_lib
 from marl_jax.train.ppo import run_ppo
 from marl_jax.train.reward import PAIR_KEYS, run_rm, sample_policy_pairs
 from marl_jax.train.sft import run_sft
-
-SUMMARY_COLUMNS = {
-    "sft": ("step", "loss", "accuracy"),
-    "rm": ("step", "loss", "accuracy"),
-    "ppo": ("step", "objective/scores", "objective/kl", "policy/clipfrac_avg",
-            "critic/explained_variance"),
-    "eval": ("step", "gold", "kl", "rm_score"),
-}
 
 
 class Pipeline:
@@ -45,6 +39,8 @@ class Pipeline:
                                     f"config.{stage}.batch_size")
         self.writer = metrics_lib.MetricsWriter(workdir)
         self.task = build_task(config, workdir)
+        if self.task.rl_unit_tests is not None:
+            attach_unit_test_reward(config, self.task)
         cfg = build.model_config(config, self.task.tokenizer)
         if len(self.task.tokenizer) > cfg.vocab_size:
             raise ValueError(
@@ -245,43 +241,3 @@ class Pipeline:
 
     def close(self):
         self.writer.close()
-
-
-def run(config, workdir: str) -> None:
-    """Runs `config.stage` in `workdir` and prints a closing summary table."""
-    from marl_jax.config import resolve_size
-    from marl_jax.train import compile_cache
-
-    resolve_size(config)
-    compile_cache.use_run_cache()
-    stage = config.stage
-    if stage == "experiment":
-        from marl_jax import experiment
-        experiment.run_experiment(config, workdir)
-        return
-    pipeline = Pipeline(config, workdir, run_earlier_stages=stage == "all")
-    try:
-        if stage in ("sft",):
-            pipeline.sft()
-        elif stage == "rm":
-            pipeline.rm()
-        elif stage in ("ppo", "all"):
-            pipeline.ppo()
-        elif stage == "eval":
-            from marl_jax.eval import run_eval
-            run_eval.evaluate_workdir(pipeline)
-    finally:
-        pipeline.close()
-    if jax.process_index() == 0:
-        print(summary(workdir))
-
-
-def summary(workdir: str) -> str:
-    """The last logged row of every stage, as a table."""
-    rows = metrics_lib.read_metrics(workdir)
-    out = []
-    for stage, columns in SUMMARY_COLUMNS.items():
-        last = [r for r in rows if r.get("stage") == stage]
-        if last:
-            out.append(f"[{stage}]\n" + metrics_lib.summary_table(last[-1:], columns))
-    return "\n".join(out)

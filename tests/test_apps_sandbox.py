@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 
 from marl_jax.config import base_config
-from marl_jax.data import real_tasks
-from marl_jax.eval import apps, jail_bwrap, run_eval, sandbox
+from marl_jax.eval import apps, jail_bwrap, run_eval, sandbox, unit_test_reward
 
 STDIN_IO = {"inputs": ["1 2\n", "3 4\n", "-5 5\n"], "outputs": ["3\n", "7\n", "0\n"]}
 CALL_IO = {"fn_name": "add", "inputs": [[1, 2], [3, 4], [10, -3]], "outputs": [[3], [7], [7]]}
@@ -283,15 +282,15 @@ def _apps_config(**task):
 
 
 def test_config_selects_the_sandbox_and_its_limits(monkeypatch):
-    options = real_tasks.unit_test_options(_apps_config(sandbox="namespaces",
+    options = unit_test_reward.unit_test_options(_apps_config(sandbox="namespaces",
                                                         unit_test_memory_mb=512,
                                                         unit_test_workers=2,
                                                         unit_test_timeout_s=3.0))
     assert options == {"timeout_s": 3.0, "max_workers": 2, "sandbox": "namespaces",
                        "limits": sandbox.SandboxLimits(timeout_s=3.0, memory_mb=512)}
-    default = real_tasks.unit_test_options(_apps_config())
+    default = unit_test_reward.unit_test_options(_apps_config())
     assert default["sandbox"] == "bubblewrap" and default["max_workers"] is None
-    check = real_tasks._check_task_config
+    check = unit_test_reward.check_unit_test_config
     with pytest.raises(ValueError, match=r"^config\.task\.sandbox='docker': must be one of"):
         check(_apps_config(sandbox="docker"))
     with pytest.raises(ValueError, match=r"^config\.task\.unit_test_memory_mb=0: must be"):
@@ -304,7 +303,7 @@ def test_config_selects_the_sandbox_and_its_limits(monkeypatch):
 
 
 def test_unit_test_reward_runs_in_the_configured_sandbox():
-    reward = real_tasks.UnitTestReward(None, [STDIN_IO], **real_tasks.unit_test_options(
+    reward = unit_test_reward.UnitTestReward(None, [STDIN_IO], **unit_test_reward.unit_test_options(
         _apps_config(sandbox="namespaces", unit_test_timeout_s=2.0)))
     assert reward.run_options["sandbox"] == "namespaces" and reward.timeout_s == 2.0
 

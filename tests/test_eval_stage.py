@@ -11,7 +11,7 @@ import types
 import numpy as np
 import pytest
 
-from marl_jax import pipeline as pipeline_lib
+from marl_jax import stages
 from marl_jax.config import base_config
 from marl_jax.data import tasks as tasks_lib, synthetic
 from marl_jax.eval import run_eval
@@ -35,12 +35,12 @@ def _eval_config(**overrides):
 def workdir(tmp_path_factory):
     """A finished SFT -> RM -> PPO run of the tiny synthetic pipeline."""
     path = str(tmp_path_factory.mktemp("tiny"))
-    pipeline_lib.run(tiny_config(**{"ppo.eval_every": 0}), path)
+    stages.run(tiny_config(**{"ppo.eval_every": 0}), path)
     return path
 
 
 def _run_eval(workdir, **overrides):
-    pipeline_lib.run(_eval_config(**overrides), workdir)
+    stages.run(_eval_config(**overrides), workdir)
     with open(os.path.join(workdir, "eval", "summary.json")) as f:
         summary = json.load(f)
     with open(os.path.join(workdir, "eval", "samples.jsonl")) as f:
@@ -228,13 +228,13 @@ def test_openai_judge_against_a_local_server(workdir, rm_eval, monkeypatch):
 def test_eval_config_errors_come_before_compiling(workdir, tmp_path, monkeypatch):
     monkeypatch.delenv("MARL_JUDGE_MODEL", raising=False)
     with pytest.raises(ValueError, match="config.eval.judge='bogus'"):
-        pipeline_lib.run(_eval_config(**{"eval.judge": "bogus"}), workdir)
+        stages.run(_eval_config(**{"eval.judge": "bogus"}), workdir)
     with pytest.raises(ValueError, match="config.eval.model=''"):
-        pipeline_lib.run(_eval_config(**{"eval.judge": "openai"}), workdir)
+        stages.run(_eval_config(**{"eval.judge": "openai"}), workdir)
     with pytest.raises(ValueError, match="config.eval.batch_size=3"):
-        pipeline_lib.run(_eval_config(**{"eval.batch_size": 3}), workdir)
+        stages.run(_eval_config(**{"eval.batch_size": 3}), workdir)
     with pytest.raises(FileNotFoundError, match="--config.stage=sft"):
-        pipeline_lib.run(_eval_config(), str(tmp_path))
+        stages.run(_eval_config(), str(tmp_path))
 
 
 def test_apps_pass_at_k_by_hand():

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from marl_jax import pipeline as pipeline_lib
+from marl_jax import stages
 from marl_jax.macro import termination
 from marl_jax.train import exports, ppo as ppo_lib, ppo_core as core
 from marl_jax.train.metrics import read_metrics
@@ -32,7 +33,7 @@ def minibatch_run(tmp_path_factory):
                          "ppo.grad_accum_steps": 2, "sft.grad_accum_steps": 2,
                          "rm.grad_accum_steps": 2, "sft.schedule": "linear",
                          "sft.warmup_ratio": 0.5})
-    pipeline_lib.run(cfg, workdir)
+    stages.run(cfg, workdir)
     return cfg, workdir
 
 
@@ -71,7 +72,7 @@ def test_critic_from_the_reward_model_starts_on_the_normalised_scale(minibatch_r
 
 
 def test_cold_critic_is_off_the_reward_scale(tmp_path):
-    pipeline_lib.run(tiny_config(**{"ppo.steps": 1, "ppo.critic_init": "random"}), str(tmp_path))
+    stages.run(tiny_config(**{"ppo.steps": 1, "ppo.critic_init": "random"}), str(tmp_path))
     first = _rows(tmp_path, "ppo")[0]
     # A zero head predicts 0: the error is the mean absolute normalised score.
     assert first["critic/score_value_error"] > 0.1
@@ -165,12 +166,12 @@ def _export_params(path):
 
 def test_extended_run_exports_the_extended_policy(tmp_path):
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
-    pipeline_lib.run(tiny_config(**{"ppo.steps": 4}), straight)
-    pipeline_lib.run(tiny_config(**{"ppo.steps": 2}), split)
+    stages.run(tiny_config(**{"ppo.steps": 4}), straight)
+    stages.run(tiny_config(**{"ppo.steps": 2}), split)
     policy = os.path.join(split, "models", "policy")
     assert exports.read_export_info(policy)["checkpoint_step"] == 2
     two = _export_params(policy)
-    pipeline_lib.run(tiny_config(**{"ppo.steps": 4}), split)
+    stages.run(tiny_config(**{"ppo.steps": 4}), split)
     assert exports.read_export_info(policy)["checkpoint_step"] == 4
     four, want = _export_params(policy), _export_params(os.path.join(straight, "models", "policy"))
     for a, b in zip(jax.tree.leaves(four), jax.tree.leaves(want)):
@@ -182,7 +183,7 @@ def test_extended_run_exports_the_extended_policy(tmp_path):
 
 def test_eval_refuses_an_export_older_than_the_checkpoint(tmp_path):
     workdir = str(tmp_path)
-    pipeline_lib.run(tiny_config(**{"ppo.steps": 2}), workdir)
+    stages.run(tiny_config(**{"ppo.steps": 2}), workdir)
     exports.check_export_current(workdir, "policy")
     info_file = os.path.join(workdir, "models", "policy", exports.EXPORT_INFO)
     with open(info_file) as f:
@@ -191,7 +192,7 @@ def test_eval_refuses_an_export_older_than_the_checkpoint(tmp_path):
     with open(info_file, "w") as f:
         json.dump(info, f)
     with pytest.raises(ValueError, match="exported from step 1 but .*checkpoints/ppo holds step 2"):
-        pipeline_lib.run(tiny_config(stage="eval", **{"eval.judge": "gold"}), workdir)
+        stages.run(tiny_config(stage="eval", **{"eval.judge": "gold"}), workdir)
 
 
 def test_reward_statistics_follow_a_retrained_reward_model(tmp_path):
@@ -240,10 +241,10 @@ def test_a_rerun_after_a_crash_before_the_first_checkpoint_logs_each_step_once(t
 
     monkeypatch.setattr(loop, "run", run_and_crash)
     with pytest.raises(KeyboardInterrupt):
-        pipeline_lib.run(cfg, str(tmp_path))
+        stages.run(cfg, str(tmp_path))
     assert [r["step"] for r in _rows(tmp_path, "ppo")] == [1, 2]
     monkeypatch.setattr(loop, "run", real_run)
-    pipeline_lib.run(cfg, str(tmp_path))
+    stages.run(cfg, str(tmp_path))
     assert [r["step"] for r in _rows(tmp_path, "ppo")] == [1, 2, 3]
     assert [r["step"] for r in _rows(tmp_path, "eval")] == [0, 2, 3]
 

@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from marl_jax import models, pipeline as pipeline_lib
+from marl_jax import models, stages
 from marl_jax.data import real_tasks
-from marl_jax.eval import apps
+from marl_jax.eval import apps, unit_test_reward
 from marl_jax.train.metrics import read_metrics
 
 import real_util
@@ -154,7 +154,8 @@ def test_apps_problems_solutions_and_test_split(tmp_path, tokenizer):
         [json.loads(r["solutions"])[0] + EOS for r in sft]
     assert task.rm["prompt_ids"].shape == (0, 256)
     assert _texts(tokenizer, task.rl["ids"], task.rl["mask"]) == [prompt(r) for r in rl]
-    assert task.host_reward.problems == [json.loads(r["input_output"]) for r in rl]
+    assert task.rl_unit_tests == [json.loads(r["input_output"]) for r in rl]
+    assert task.host_reward is None, "the caller hands the task its unit-test reward"
     assert [r["problem_id"] for r in task.info["eval_records"]] == \
         [r["problem_id"] for r in rows["test"]]
     assert task.info["loads"][0]["skipped"] == {"input_output is not valid JSON": 1}
@@ -203,7 +204,7 @@ def test_apps_unit_test_reward(tokenizer):
         "def scale(x):\n    return 3 * x\n",  # call-based, both pass
     ]
     ids, mask = (np.asarray(x) for x in _encode(tokenizer, responses, 64))
-    reward = real_tasks.UnitTestReward(tokenizer, [real_util.SUM_TESTS, scale], timeout_s=2.0)
+    reward = unit_test_reward.UnitTestReward(tokenizer, [real_util.SUM_TESTS, scale], timeout_s=2.0)
     got = reward(np.array([0, 0, 0, 1]), ids, mask)
     np.testing.assert_allclose(got, [1.0, 1 / 3, 0.0, 1.0])
     assert got.dtype == np.float32
@@ -231,13 +232,13 @@ def test_tiny_model_apps_pipeline_and_pass_at_k(tmp_path, smollm2_gguf, tokenize
     cfg.ppo.update(dict(steps=2, batch_size=8, response_length=24, eval_every=0))
     cfg.eval.update(dict(batch_size=8, num_samples=2, pass_at_k=(1, 2)))
     workdir = str(tmp_path / "run")
-    pipeline_lib.run(cfg, workdir)
+    stages.run(cfg, workdir)
     ppo = [r for r in read_metrics(workdir) if r["stage"] == "ppo"]
     assert [r["step"] for r in ppo] == [1, 2]
     # A random tiny model writes no working program: the unit-test reward is 0.
     assert all(r["objective/raw_scores"] == 0.0 for r in ppo)
     cfg.stage = "eval"
-    pipeline_lib.run(cfg, workdir)
+    stages.run(cfg, workdir)
     summary = json.loads(pathlib.Path(workdir, "eval", "summary.json").read_text())
     samples = [json.loads(line) for line in open(os.path.join(workdir, "eval", "samples.jsonl"))]
     assert summary["apps"]["num_problems"] == 3 and len(samples) == 6

@@ -10,6 +10,7 @@ import optax
 import pytest
 
 from marl_jax import pipeline as pipeline_lib
+from marl_jax import stages
 from marl_jax.macro import advantage, termination
 from marl_jax.train import build, ppo as ppo_lib, ppo_core as core, sharding, supervised
 from marl_jax.train.metrics import read_metrics
@@ -44,14 +45,14 @@ def _assert_rows_close(a, b, rtol, keys=None):
 def test_config_errors_name_the_field(tmp_path, field, value, match):
     cfg = tiny_config(**{field: value})
     with pytest.raises(ValueError, match=match):
-        pipeline_lib.run(cfg, str(tmp_path))
+        stages.run(cfg, str(tmp_path))
     assert not (tmp_path / "checkpoints").exists()
 
 
 def test_batch_not_divisible_by_mesh_is_reported(tmp_path):
     cfg = tiny_config(**{"mesh.data": 8, "sft.batch_size": 12})
     with pytest.raises(ValueError, match="config.sft.batch_size=12"):
-        pipeline_lib.run(cfg, str(tmp_path))
+        stages.run(cfg, str(tmp_path))
 
 
 # ---- MA-PPO with n = 1 is token PPO ----------------------------------------------------------
@@ -129,10 +130,10 @@ def test_eight_device_mesh_logs_the_same_metrics_as_one_device(tmp_path):
 def test_resume_equals_straight_run(tmp_path):
     straight = str(tmp_path / "straight")
     split = str(tmp_path / "split")
-    pipeline_lib.run(tiny_config(**{"ppo.steps": 4}), straight)
-    pipeline_lib.run(tiny_config(**{"ppo.steps": 2}), split)
+    stages.run(tiny_config(**{"ppo.steps": 4}), straight)
+    stages.run(tiny_config(**{"ppo.steps": 2}), split)
     sft_mtime = os.path.getmtime(os.path.join(split, "models", "sft", "config.json"))
-    pipeline_lib.run(tiny_config(**{"ppo.steps": 4}), split)
+    stages.run(tiny_config(**{"ppo.steps": 4}), split)
     # The finished SFT and RM stages are reused, not retrained or relogged.
     assert os.path.getmtime(os.path.join(split, "models", "sft", "config.json")) == sft_mtime
     assert len(_ppo_rows(split, "sft")) == len(_ppo_rows(straight, "sft"))
@@ -144,7 +145,7 @@ def test_resume_equals_straight_run(tmp_path):
 
 def test_later_stage_needs_the_earlier_one(tmp_path):
     with pytest.raises(FileNotFoundError, match="--config.stage=sft"):
-        pipeline_lib.run(tiny_config(stage="rm"), str(tmp_path))
+        stages.run(tiny_config(stage="rm"), str(tmp_path))
 
 
 # ---- non-finite losses never reach the params ------------------------------------------------
@@ -178,7 +179,7 @@ def test_ppo_raises_the_gold_score(tmp_path):
                          "ppo.eval_every": 40, "task.num_eval_prompts": 64,
                          "checkpoint_every": 1000, "ppo.learning_rate": 3e-4,
                          "ppo.reward_source": "gold", "ppo.critic_init": "sft"})
-    pipeline_lib.run(cfg, str(tmp_path))
+    stages.run(cfg, str(tmp_path))
     evals = _ppo_rows(tmp_path, "eval")
     assert [r["step"] for r in evals] == [0, 40]
     assert evals[1]["gold"] > evals[0]["gold"] + 0.05, evals

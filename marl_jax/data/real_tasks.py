@@ -21,8 +21,8 @@ How a dataset becomes the arrays of the stages (all knobs in `config.task`):
 5. Everything is tokenised by `marl_jax.data.collate` like the synthetic task: prompts
    left-padded to `max_prompt_length`, responses left-aligned to `ppo.response_length` with EOS.
 
-APPS adds a host-side reward (`config.ppo.reward_source="host"`): the fraction of a problem's unit
-tests the generated program passes, run in the sandbox of `marl_jax.eval.apps`.
+APPS carries the unit tests of its RL problems (`TaskData.rl_unit_tests`); the caller turns them
+into the host-side reward of `config.ppo.reward_source="host"` (`marl_jax.eval.unit_test_reward`).
 """
 from __future__ import annotations
 
@@ -36,11 +36,13 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from marl_jax import models
 from marl_jax.data import collate
 from marl_jax.data.chat import filter_by_length, format_records
 from marl_jax.data.loaders import load_preference_pairs, load_prompts, load_sft_examples
 from marl_jax.data.splits import paper_split
-from marl_jax.data.tasks import TaskData, supervised_arrays
+from marl_jax.data.task_data import TaskData, supervised_arrays
+from marl_jax.data.task_registry import register_task
 
 logger = logging.getLogger("marl_jax.data")
 
@@ -55,6 +57,7 @@ _EVAL_FIELDS = ("prompt", "raw_prompt", "input_output", "fn_name", "problem_id",
                 "id")
 
 
+@register_task(*REAL_TASKS)
 def build_real_task(config, workdir: str, *, tokenizer=None) -> TaskData:
     """The real task named by `config.task.name`, tokenised (deterministic in the config).
 
@@ -100,22 +103,17 @@ def build_real_task(config, workdir: str, *, tokenizer=None) -> TaskData:
     info = dict(task=t.name, counts=counts, loads=loads, dropped=prepare.dropped,
                 eval_records=[_eval_fields(r) for r in evals])
     _report(t.name, counts, loads, prepare.dropped, workdir)
-    host_reward = None
-    if t.name == "apps":
-        host_reward = UnitTestReward(tokenizer, [r["input_output"] for r in rl],
-                                     **unit_test_options(config))
     sft_arrays, rm_arrays = supervised_arrays(prompts, responses, sft, rm)
     return TaskData(
         tokenizer=tokenizer, prompt_length=prompt_length, response_length=response_length,
         sft=sft_arrays, rm=rm_arrays,
-        rl=prompts(rl), eval=prompts(evals), host_reward=host_reward, info=info)
+        rl=prompts(rl), eval=prompts(evals), info=info,
+        rl_unit_tests=[r["input_output"] for r in rl] if t.name == "apps" else None)
 
 
 def load_task_tokenizer(config):
     """The tokenizer of `config.task.tokenizer`, else of `config.model.path` (left padding, EOS
     as pad when the tokenizer has no pad token)."""
-    from marl_jax import models
-
     path = config.task.tokenizer or config.model.path
     if not path:
         raise ValueError(f"config.task.name={config.task.name!r} needs a tokenizer: set "
@@ -145,41 +143,10 @@ def _check_task_config(config):
                          "needs room for at least one token and the EOS")
     if t.unit_test_timeout_s <= 0:
         raise ValueError(f"config.task.unit_test_timeout_s={t.unit_test_timeout_s}: must be > 0")
-    if t.name == "apps":
-        _check_unit_test_config(config)
     if t.name == "apps" and config.rm.steps > 0:
         raise ValueError(f"config.rm.steps={config.rm.steps}: apps has no preference pairs (its "
                          "reward is the unit tests); set config.rm.steps=0 and "
                          "config.ppo.reward_source='host'")
-
-
-def _check_unit_test_config(config):
-    """The APPS sandbox settings: a known jail, and as many parallel sandboxes as the host's
-    memory holds at the per-program memory limit."""
-    from marl_jax.eval import sandbox
-
-    t = config.task
-    if t.sandbox not in sandbox.SANDBOXES:
-        raise ValueError(f"config.task.sandbox={t.sandbox!r}: must be one of {sandbox.SANDBOXES} "
-                         "(namespaces is weaker: host files stay readable, no seccomp)")
-    if not isinstance(t.unit_test_memory_mb, int) or t.unit_test_memory_mb < 64:
-        raise ValueError(f"config.task.unit_test_memory_mb={t.unit_test_memory_mb!r}: must be an "
-                         "int >= 64 (MiB of address space per process of a program)")
-    options = unit_test_options(config)
-    sandbox.parallel_sandboxes(options["max_workers"], options["limits"],
-                               setting="config.task.unit_test_workers")
-
-
-def unit_test_options(config) -> dict:
-    """Keyword arguments of `apps.run_solutions` from `config.task`: the per-test timeout, the
-    parallel sandboxes, the jail and its limits (RL reward and eval run programs alike)."""
-    from marl_jax.eval.sandbox import SandboxLimits
-
-    t = config.task
-    timeout_s = float(t.unit_test_timeout_s)
-    return dict(timeout_s=timeout_s, max_workers=int(t.unit_test_workers) or None,
-                sandbox=t.sandbox,
-                limits=SandboxLimits(timeout_s=timeout_s, memory_mb=int(t.unit_test_memory_mb)))
 
 
 def _options(config) -> dict:
@@ -343,7 +310,7 @@ def _report(name, counts, loads, dropped, workdir):
             json.dump(dict(task=name, counts=counts, loads=loads, too_long=dropped), f, indent=2)
 
 
-# ---- APPS: unit-test reward ----------------------------------------------------------------
+# ---- decoded responses, APPS programs ----------------------------------------------------
 _FENCE = re.compile(r"```[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 
 
@@ -363,37 +330,3 @@ def decode_responses(tokenizer, response_ids, response_mask) -> list:
     lengths = mask.sum(axis=1)
     return tokenizer.batch_decode([row[:n].tolist() for row, n in zip(ids, lengths)],
                                   skip_special_tokens=True)
-
-
-class UnitTestReward:
-    """The APPS reward of `config.ppo.reward_source="host"`: the fraction of a problem's unit tests
-    that the generated program passes (0 for a program that does not compile).
-
-    `reward(rows [B], response_ids [B, R], response_mask [B, R]) -> float32 [B]`, where `rows`
-    index the RL problems (`TaskData.rl`). Programs run in parallel, each in its own sandbox
-    with `timeout_s` per test case; `run_options` (max_workers, sandbox, limits) go to
-    `apps.run_solutions`.
-    """
-
-    def __init__(self, tokenizer, problems: Sequence[dict], *, timeout_s: float = 4.0,
-                 **run_options):
-        self.tokenizer = tokenizer
-        self.problems = list(problems)
-        self.timeout_s = timeout_s
-        self.run_options = run_options
-
-    def __call__(self, rows, response_ids, response_mask) -> np.ndarray:
-        from marl_jax.eval import apps
-
-        rows = np.asarray(rows)
-        if rows.ndim != 1 or len(rows) != np.shape(response_ids)[0]:
-            raise ValueError(f"rows has shape {rows.shape}; expected one index per response "
-                             f"({np.shape(response_ids)[0]})")
-        if len(rows) and (rows.min() < 0 or rows.max() >= len(self.problems)):
-            raise ValueError(f"rows must index the {len(self.problems)} RL problems, got "
-                             f"{rows.min()}..{rows.max()}")
-        codes = [extract_code(t) for t in decode_responses(self.tokenizer, response_ids,
-                                                          response_mask)]
-        results = apps.run_solutions(codes, [self.problems[i] for i in rows], self.timeout_s,
-                                     **self.run_options)
-        return np.asarray([apps.unit_test_reward(r) for r in results], np.float32)

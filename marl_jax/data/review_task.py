@@ -26,7 +26,9 @@ import numpy as np
 
 from marl_jax.data import collate, reviews
 from marl_jax.data.chat import format_records
-from marl_jax.data.tasks import TaskData
+from marl_jax.data.real_tasks import load_task_tokenizer
+from marl_jax.data.task_data import TaskData
+from marl_jax.data.task_registry import register_task
 
 PARTS = ("eval", "rm_eval", "sft", "rm", "rl")
 SAMPLED_PARTS = ("rm_eval", "sft", "rm")
@@ -51,6 +53,7 @@ def check_config(config) -> None:
         raise ValueError(f"config.task.max_prompt_length={t.max_prompt_length!r}: must be >= 1")
 
 
+@register_task("reviews")
 def build_review_task(config, workdir: str, *, tokenizer=None) -> TaskData:
     """The review task's prompts, formatted with the tokenizer's chat template (when
     `config.task.use_chat_template`) and left-padded to `config.task.max_prompt_length`.
@@ -58,8 +61,6 @@ def build_review_task(config, workdir: str, *, tokenizer=None) -> TaskData:
     Raises ValueError when a formatted prompt is longer than that (nothing is dropped: the parts
     keep their sizes and their order).
     """
-    from marl_jax.data.real_tasks import load_task_tokenizer
-
     check_config(config)
     t = config.task
     if tokenizer is None:

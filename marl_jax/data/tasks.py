@@ -2,52 +2,22 @@
 
 `build_task(config, workdir)` returns a `TaskData` for the synthetic task, a real dataset (tldr,
 hh_rlhf, webgpt, apps) or the review task (reviews): SFT demonstrations, preference pairs, RL
-prompts and held-out evaluation prompts, plus, for the synthetic task, the gold reward.
+prompts and held-out evaluation prompts, plus, for the synthetic task, the gold reward. Each task
+module registers its builder in `marl_jax.data.task_registry`; this module imports them all.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import os
-from typing import Any, Callable, Optional
 
 import numpy as np
 
 from marl_jax.data import collate
+from marl_jax.data import real_tasks, review_task  # noqa: F401  (they register their tasks)
 from marl_jax.data import synthetic as syn
-
-
-@dataclasses.dataclass
-class TaskData:
-    tokenizer: Any
-    prompt_length: int
-    response_length: int
-    # SFT: prompts [N, P] (left-padded) and demonstrations [N, R] (left-aligned, EOS included).
-    sft: dict
-    # RM: prompts [M, P], chosen [M, R], rejected [M, R] (+ masks).
-    rm: dict
-    # PPO prompts [K, P] and held-out evaluation prompts [E, P].
-    rl: dict
-    eval: dict
-    # Gold reward for the synthetic task: gold_fn(documents [B, D], ids [B, R], mask [B, R]) -> [B]
-    # (jittable); documents ride along in rl["documents"] / eval["documents"].
-    gold_fn: Optional[Callable] = None
-    # A host-side reward for `config.ppo.reward_source="host"`:
-    # host_reward(rl_rows [B], response_ids [B, R], response_mask [B, R]) -> [B] float.
-    host_reward: Optional[Callable] = None
-    # Prompts [K, P] (with documents) whose preference pairs are sampled from the SFT policy
-    # before the reward model trains, and the annotator that labels them:
-    # label_pairs(documents [K, D], ids_a, mask_a, ids_b, mask_b [K, R]) -> [K] bool (a wins).
-    policy_pair_prompts: Optional[dict] = None
-    label_pairs: Optional[Callable] = None
-    # Prompts `{"ids", "mask"}` [N, P] per part whose responses are sampled from the initial
-    # model to make the SFT set and the preference pairs (the review task; see
-    # `marl_jax.data.review_task`); their records are in `info["records"][part]`.
-    sampled_prompts: Optional[dict] = None
-    # The gold of decoded responses to the held-out prompts, attached by the pipeline for tasks
-    # whose gold runs on the host: eval_gold(texts [E]) -> [E] float, in `eval` order.
-    eval_gold: Optional[Callable] = None
-    info: dict = dataclasses.field(default_factory=dict)
+from marl_jax.data.task_data import TaskData, supervised_arrays
+from marl_jax.data.task_registry import register_task, task_builder
 
 
 def synthetic_task_from_config(cfg) -> syn.SyntheticTask:
@@ -58,16 +28,10 @@ def synthetic_task_from_config(cfg) -> syn.SyntheticTask:
 
 def build_task(config, workdir: str) -> TaskData:
     """The task named by `config.task.name`, tokenised; deterministic in `config.task`."""
-    name = config.task.name
-    if name == "synthetic":
-        return _synthetic(config, workdir)
-    if name == "reviews":
-        from marl_jax.data.review_task import build_review_task
-        return build_review_task(config, workdir)
-    from marl_jax.data import real_tasks
-    return real_tasks.build_real_task(config, workdir)
+    return task_builder(config.task.name)(config, workdir)
 
 
+@register_task("synthetic")
 def _synthetic(config, workdir: str) -> TaskData:
     t = config.task
     task = synthetic_task_from_config(t)
@@ -109,24 +73,3 @@ def _synthetic(config, workdir: str) -> TaskData:
         label_pairs=functools.partial(syn.label_sampled_pairs, task, seed + 5),
         info=dict(task=dataclasses.asdict(task)),
     )
-
-
-def supervised_arrays(prompts, responses, sft_rows, pairs) -> tuple[dict, dict]:
-    """The `TaskData.sft` and `TaskData.rm` arrays.
-
-    Args:
-      prompts: rows -> dict with `ids` / `mask` `[N, P]` of their "prompt" fields.
-      responses: texts -> (ids, mask) `[N, R]`.
-      sft_rows: rows with "prompt" and "response"; pairs: rows with "prompt", "chosen" and
-        "rejected".
-    """
-    sft_prompts, rm_prompts = prompts(sft_rows), prompts(pairs)
-    sft_ids, sft_mask = responses([x["response"] for x in sft_rows])
-    chosen_ids, chosen_mask = responses([x["chosen"] for x in pairs])
-    rejected_ids, rejected_mask = responses([x["rejected"] for x in pairs])
-    sft = dict(prompt_ids=sft_prompts["ids"], prompt_mask=sft_prompts["mask"],
-               response_ids=sft_ids, response_mask=sft_mask)
-    rm = dict(prompt_ids=rm_prompts["ids"], prompt_mask=rm_prompts["mask"],
-              chosen_ids=chosen_ids, chosen_mask=chosen_mask,
-              rejected_ids=rejected_ids, rejected_mask=rejected_mask)
-    return sft, rm

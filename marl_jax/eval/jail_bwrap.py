@@ -50,7 +50,7 @@ import sysconfig
 import tempfile
 
 from marl_jax.eval import sandbox_runner as runner
-from marl_jax.eval.sandbox import SandboxError
+from marl_jax.eval.sandbox_limits import SandboxError
 
 PYSECCOMP = "pyseccomp==0.1.2"
 RUNNER = runner.JAIL_DIR + "/runner.py"

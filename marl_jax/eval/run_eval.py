@@ -38,8 +38,9 @@ import numpy as np
 
 from marl_jax import models, sampling
 from marl_jax.data import batches
-from marl_jax.data.real_tasks import decode_responses, extract_code, unit_test_options
+from marl_jax.data.real_tasks import decode_responses, extract_code
 from marl_jax.eval import judges, scores
+from marl_jax.eval.unit_test_reward import unit_test_options
 from marl_jax.train import build, exports, sharding
 from marl_jax.train import ppo_core as core
 from marl_jax.train.metrics import summary_table

@@ -34,6 +34,8 @@ import sys
 import time
 from typing import Any, Callable, Optional, Sequence
 
+from marl_jax.eval import jail_bwrap
+from marl_jax.eval.sandbox_limits import SandboxError, SandboxLimits
 from marl_jax.eval.sandbox_runner import decode_value, encode_value, sandbox_env
 
 STATUSES = ("ok", "runtime_error", "timeout", "output_limit", "compile_error", "not_run")
@@ -46,57 +48,6 @@ NAMESPACES_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ja
 # As root, workers run as 2**30 + the host pid of the jail's launcher: unique while it lives,
 # far above any real account.
 _UID_BASE = 1 << 30
-
-
-class SandboxError(RuntimeError):
-    """The sandbox itself could not be set up (not a failure of the program under test)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class SandboxLimits:
-    """Resource limits of one sandboxed program.
-
-    timeout_s: wall-clock budget of ONE test case (also sets RLIMIT_CPU to ceil(timeout_s) + 1).
-    memory_mb: RLIMIT_AS of each process of the program (address space, including the
-      interpreter's ~0.1 GiB with numpy). It is a per-process limit: a program that forks can
-      hold up to max_processes * memory_mb in total (see `program_memory_mb`).
-    max_processes: RLIMIT_NPROC of each worker (processes and threads of the program,
-      including the worker itself).
-    max_open_files: RLIMIT_NOFILE.
-    max_file_mb: RLIMIT_FSIZE, the largest file the program may write.
-    max_output_bytes: stdout (or encoded return value) kept per case; beyond it the case stops
-      with status `output_limit`.
-    workdir_mb: size of the writable tmpfs that is the program's working directory.
-    startup_s: budget for starting the sandbox and compiling, on top of the per-case budgets.
-    """
-
-    timeout_s: float = 4.0
-    memory_mb: int = 2048
-    max_processes: int = 4
-    max_open_files: int = 64
-    max_file_mb: int = 16
-    max_output_bytes: int = 1 << 20
-    workdir_mb: int = 64
-    startup_s: float = 30.0
-
-    def __post_init__(self):
-        if not (isinstance(self.timeout_s, (int, float)) and 0 < self.timeout_s < 3600):
-            raise ValueError(f"timeout_s must be a number in (0, 3600), got {self.timeout_s!r}")
-        for name in ("memory_mb", "max_processes", "max_open_files", "max_file_mb",
-                     "max_output_bytes", "workdir_mb"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.max_open_files < 8:
-            raise ValueError(f"max_open_files must be >= 8, got {self.max_open_files}")
-        if not (isinstance(self.startup_s, (int, float)) and self.startup_s > 0):
-            raise ValueError(f"startup_s must be a positive number, got {self.startup_s!r}")
-
-    @property
-    def program_memory_mb(self) -> int:
-        """The most memory one program can hold: every process at its RLIMIT_AS, and its
-        working directory (tmpfs lives in memory)."""
-        return self.memory_mb * self.max_processes + self.workdir_mb
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,10 +170,6 @@ def run_program(code: str, cases: Sequence, *, fn_name: Optional[str] = None,
 def _command(sandbox: str, limits: SandboxLimits):
     """Context manager giving (argv, fds to pass) that start the jail's runner."""
     if sandbox == "bubblewrap":
-        # Imported here: it imports this module's SandboxError, and its preparations (ldd,
-        # seccomp) are only for callers of this jail.
-        from marl_jax.eval import jail_bwrap
-
         return jail_bwrap.command(limits)
     return contextlib.nullcontext(([sys.executable, "-I", "-B", NAMESPACES_SCRIPT], ()))
 
