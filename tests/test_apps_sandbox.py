@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from marl_jax.config import base_config
-from marl_jax.eval import apps, jail_bwrap, run_eval, sandbox, unit_test_reward
+from marl_jax.eval import apps, run_eval, sandbox, seccomp_filter, unit_test_reward
 
 STDIN_IO = {"inputs": ["1 2\n", "3 4\n", "-5 5\n"], "outputs": ["3\n", "7\n", "0\n"]}
 CALL_IO = {"fn_name": "add", "inputs": [[1, 2], [3, 4], [10, -3]], "outputs": [[3], [7], [7]]}
@@ -33,7 +33,8 @@ def test_isolation_report(sandbox_name):
         assert report["host_files_hidden"] and report["seccomp"] and report["no_new_privs"]
         assert report["capabilities"] == [] and report["network_interfaces"] == ["lo"]
     else:
-        assert not report["host_files_hidden"] and not report["seccomp"]
+        assert not report["host_files_hidden"] and report["seccomp"]
+        assert not report["host_unix_sockets_reachable"]
         assert report["not_read_only"] == [] and "/tmp" in report["hidden"]
     # the unprivileged worker imports modules the runner did not preload, wherever the
     # interpreter is installed (e.g. a pyenv under /root, closed to other users)
@@ -138,9 +139,9 @@ def test_run_solutions_parallel_keeps_order():
 @pytest.fixture
 def fresh_seccomp():
     """The seccomp program is built once per process; these tests build it again."""
-    jail_bwrap.seccomp_program.cache_clear()
+    seccomp_filter.seccomp_program.cache_clear()
     yield
-    jail_bwrap.seccomp_program.cache_clear()
+    seccomp_filter.seccomp_program.cache_clear()
 
 
 def _executable(path, text):
@@ -175,6 +176,12 @@ def test_refuses_without_libseccomp(monkeypatch, fresh_seccomp):
                        match=r"^libseccomp not found \(Unable to find libseccomp\): "
                              r"apt-get install libseccomp2"):
         apps.run_solution(ADD, STDIN_IO, 2.0)
+
+
+def test_namespaces_without_libseccomp_runs_unfiltered_and_says_so(monkeypatch, fresh_seccomp):
+    monkeypatch.setitem(sys.modules, "pyseccomp", None)
+    report = sandbox.describe_isolation(sandbox="namespaces")
+    assert not report["seccomp"] and report["host_unix_sockets_reachable"]
 
 
 def _bwrap_on_path(tmp_path, monkeypatch, text):
@@ -249,16 +256,19 @@ def test_parallel_sandboxes_must_fit_the_host(monkeypatch):
     monkeypatch.setattr(sandbox, "_host_memory_mb", lambda: 20000)
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
     limits = sandbox.SandboxLimits()
-    assert limits.program_memory_mb == 2048 * 4 + 64
+    # pipe buffers: 4 processes x 64 open files x 16 pages of 4 KiB
+    assert limits.pipe_buffer_bytes == 4 * 64 * 16 * os.sysconf("SC_PAGE_SIZE")
+    assert limits.program_memory_mb == 2048 * 4 + 64 + limits.pipe_buffer_bytes // 2**20
     assert sandbox.parallel_sandboxes(2, limits) == 2
     assert sandbox.parallel_sandboxes(None, limits) == 2  # one per CPU, as many as fit
     assert sandbox.parallel_sandboxes(0, SMALL) == 8
     with pytest.raises(ValueError) as error:
         sandbox.parallel_sandboxes(3, limits, setting="config.task.unit_test_workers")
     assert str(error.value) == (
-        "config.task.unit_test_workers=3: 3 parallel sandboxes x 8256 MiB per program "
-        "(memory_mb=2048 x max_processes=4 + workdir_mb=64) = 24768 MiB do not fit in this "
-        "host's 20000 MiB (MemTotal); use at most 2 workers or a smaller memory limit")
+        "config.task.unit_test_workers=3: 3 parallel sandboxes x 8272 MiB per program "
+        "(memory_mb=2048 x max_processes=4 + workdir_mb=64 + pipe buffers 16) = 24816 MiB do "
+        "not fit in this host's 20000 MiB (MemTotal); use at most 2 workers or a smaller "
+        "memory limit")
     with pytest.raises(ValueError, match=r"^max_workers=3: 3 parallel sandboxes"):
         apps.run_solutions([ADD], STDIN_IO, 2.0, max_workers=3)  # refused before running
     with pytest.raises(ValueError, match=r"max_workers must be an int >= 0"):
@@ -297,7 +307,7 @@ def test_config_selects_the_sandbox_and_its_limits(monkeypatch):
         check(_apps_config(unit_test_memory_mb=0))
     monkeypatch.setattr(sandbox, "_host_memory_mb", lambda: 20000)
     with pytest.raises(ValueError, match=r"^config\.task\.unit_test_workers=64: 64 parallel "
-                                         r"sandboxes x 8256 MiB per program"):
+                                         r"sandboxes x 8272 MiB per program"):
         check(_apps_config(unit_test_workers=64))
     check(_apps_config(unit_test_workers=2))
 

@@ -23,13 +23,9 @@ CAP_SETGID only, with which it becomes an unused uid before anything else. Also
 --die-with-parent, --new-session (no TIOCSTI into the caller's terminal), --cap-drop ALL, and
 no_new_privs (bwrap sets it).
 
-seccomp: built here with pyseccomp (libseccomp) and handed to bwrap as a compiled BPF program,
-which bwrap loads right before it starts the interpreter, so the jailed side imports nothing
-of it. Everything is allowed except what a contest program never needs and what widens the
-kernel's attack surface or reaches other processes: those calls fail with EPERM (Python raises
-PermissionError) rather than killing, so a program's failure reads clearly. `clone3` fails with
-ENOSYS, so libc falls back to `clone`, whose namespace flags seccomp can inspect (refused);
-sockets of families other than AF_UNIX and the terminal-injection ioctls are refused too.
+seccomp: the filter of `marl_jax.eval.seccomp_filter`, handed to bwrap as a compiled BPF
+program, which bwrap loads right before it starts the interpreter, so the jailed side imports
+nothing of it.
 
 Not bounded by the jail: the tmpfs's inode count (bwrap sets only its size), so a program may
 create empty files until its CPU time runs out; they go with the case's cleanup.
@@ -37,7 +33,6 @@ create empty files until its CPU time runs out; they go with the case's cleanup.
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import glob
 import importlib.util
@@ -47,36 +42,12 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import tempfile
 
 from marl_jax.eval import sandbox_runner as runner
+from marl_jax.eval import seccomp_filter
 from marl_jax.eval.sandbox_limits import SandboxError
 
-PYSECCOMP = "pyseccomp==0.1.2"
 RUNNER = runner.JAIL_DIR + "/runner.py"
-DENIED_SYSCALLS = (
-    # other processes and the kernel's objects
-    "ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd",
-    "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd",
-    "io_uring_setup", "io_uring_enter", "io_uring_register", "fanotify_init",
-    "mbind", "migrate_pages", "move_pages", "personality",
-    # namespaces and mounts
-    "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "mount_setattr",
-    "fsopen", "fsconfig", "fsmount", "fspick", "move_mount", "open_tree",
-    "open_by_handle_at", "name_to_handle_at",
-    # the machine
-    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
-    "reboot", "swapon", "swapoff", "acct", "syslog", "quotactl", "quotactl_fd",
-    "lookup_dcookie", "uselib", "vhangup", "iopl", "ioperm", "_sysctl",
-    "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
-    "sethostname", "setdomainname",
-)
-_AF_UNIX = 1
-# CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID,
-# CLONE_NEWNET
-_CLONE_NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000,
-                          0x20000000, 0x40000000)
-_TERMINAL_INJECTION = (0x5412, 0x541C)  # ioctl TIOCSTI, TIOCLINUX
 
 
 @contextlib.contextmanager
@@ -90,12 +61,9 @@ def command(limits):
             "bubblewrap not installed: apt-get install bubblewrap (the default sandbox, "
             "config.task.sandbox='bubblewrap', jails programs with bwrap; 'namespaces' is the "
             "weaker fallback that leaves host files readable)")
-    program = seccomp_program()
+    program = seccomp_filter.seccomp_program()
     interpreter, filesystem = _filesystem()
-    seccomp_fd = os.memfd_create("seccomp", os.MFD_CLOEXEC)  # pass_fds hands it on
-    try:
-        os.write(seccomp_fd, program)
-        os.lseek(seccomp_fd, 0, os.SEEK_SET)
+    with seccomp_filter.program_fd(program) as seccomp_fd:
         privileges = (["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
                       if os.geteuid() == 0 else ["--unshare-user"])
         yield [bwrap, "--die-with-parent", "--new-session", "--as-pid-1",
@@ -107,36 +75,6 @@ def command(limits):
                "--tmpfs", runner.WORKDIR,
                "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", runner.WORKDIR,
                "--", interpreter, "-I", "-S", "-B", RUNNER], (seccomp_fd,)
-    finally:
-        os.close(seccomp_fd)
-
-
-@functools.lru_cache(maxsize=None)
-def seccomp_program() -> bytes:
-    """The compiled BPF program of the jail's seccomp filter (see the module docstring)."""
-    try:
-        import pyseccomp
-    except ImportError:
-        raise SandboxError(f"pyseccomp not installed: pip install {PYSECCOMP} (the bubblewrap "
-                           "sandbox's seccomp filter)") from None
-    except RuntimeError as error:  # pyseccomp raises this when it finds no libseccomp
-        raise SandboxError(f"libseccomp not found ({error}): apt-get install libseccomp2") \
-            from None
-    denied = pyseccomp.ERRNO(errno.EPERM)
-    rules = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
-    for name in DENIED_SYSCALLS:
-        rules.add_rule(denied, name)
-    rules.add_rule(pyseccomp.ERRNO(errno.ENOSYS), "clone3")
-    for flag in _CLONE_NAMESPACE_FLAGS:
-        rules.add_rule(denied, "clone", pyseccomp.Arg(0, pyseccomp.MASKED_EQ, flag, flag))
-    for name in ("socket", "socketpair"):
-        rules.add_rule(denied, name, pyseccomp.Arg(0, pyseccomp.NE, _AF_UNIX))
-    for request in _TERMINAL_INJECTION:
-        rules.add_rule(denied, "ioctl", pyseccomp.Arg(1, pyseccomp.MASKED_EQ, 0xFFFFFFFF, request))
-    with tempfile.TemporaryFile() as out:
-        rules.export_bpf(out)
-        out.seek(0)
-        return out.read()
 
 
 @functools.lru_cache(maxsize=None)

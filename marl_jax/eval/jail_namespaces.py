@@ -3,10 +3,14 @@
 Selected explicitly (`sandbox="namespaces"`, `--config.task.sandbox=namespaces`) where
 bubblewrap cannot be installed. It is weaker than the default bubblewrap jail: every host file
 the worker's uid may read stays readable (the interpreter runs from the host's filesystem,
-remounted read-only), and there is no seccomp filter (a program may open sockets, which lead
-nowhere, or create namespaces of its own inside these). Run as a script (`python -I -B
-jail_namespaces.py`, so this package is not importable: `sandbox_runner.py` beside it is loaded
-by path), standard library only.
+remounted read-only). It loads the same seccomp filter (`marl_jax.eval.seccomp_filter`, sent by
+the caller on `--seccomp-fd`) once its mounts are set up, when the caller has libseccomp; that
+filter refuses every socket, so no host Unix socket is reachable. Without libseccomp it runs
+unfiltered, and says so (`seccomp` and `host_unix_sockets_reachable` in its isolation report):
+a program may then connect to a Unix socket in any host directory it can reach, and create
+namespaces of its own inside these. Run as a script (`python -I -B jail_namespaces.py`, so this
+package is not importable: `sandbox_runner.py` beside it is loaded by path), standard library
+only.
 
 Process layout: this script, started by the caller (P), unshares the namespaces and forks C, pid
 1 of the new pid namespace, which sets up the mounts and returns from `enter` to run the cases;
@@ -59,6 +63,9 @@ _LOCKED_MOUNT_FLAGS = {"nosuid": _MS_NOSUID, "nodev": _MS_NODEV, "noexec": _MS_N
                        "noatime": _MS_NOATIME, "nodiratime": _MS_NODIRATIME,
                        "relatime": _MS_RELATIME, "strictatime": _MS_STRICTATIME}
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
+_PR_SET_NO_NEW_PRIVS = 38
+_PR_SET_SECCOMP = 22
+_SECCOMP_MODE_FILTER = 2
 
 
 def _load_runner():
@@ -91,12 +98,16 @@ def enter(payload: dict, libc) -> "runner.Jail":
         os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
     runner.prctl(libc, runner.PR_SET_PDEATHSIG, signal.SIGKILL)
     isolation = {"sandbox": "namespaces", "mode": mode, "worker_uid": uid,
-                 "host_files_hidden": False, "seccomp": False, "network_namespace": True,
+                 "host_files_hidden": False, "network_namespace": True,
                  "pid_namespace": os.getpid() == 1,
                  # The kernel never applies RLIMIT_NPROC to the host's uid 0.
                  "process_limit": mode == "root" or uid != 0}
     isolation.update(_set_up_filesystem(libc, payload["limits"]["workdir_mb"],
                                         uid if mode == "root" else None))
+    isolation["seccomp"] = _load_seccomp_filter(libc, _seccomp_fd(sys.argv[1:]))
+    # Without the filter a program may connect to a Unix socket in any host directory it can
+    # reach (a read-only mount does not stop `connect`).
+    isolation["host_unix_sockets_reachable"] = not isolation["seccomp"]
     if isolation["not_read_only"] or not isolation["pid_namespace"]:
         raise runner.JailError(
             "the namespaces sandbox is incomplete (mounts not read-only: "
@@ -105,6 +116,33 @@ def enter(payload: dict, libc) -> "runner.Jail":
     return runner.Jail(isolation, functools.partial(_drop_privileges, libc, mode, uid),
                        # In a user namespace RLIMIT_NPROC also counts this init process.
                        0 if mode == "root" else 1)
+
+
+def _seccomp_fd(args: Sequence[str]) -> Optional[int]:
+    """The descriptor of the compiled seccomp program (`--seccomp-fd N`), if the caller sent one."""
+    return int(args[args.index("--seccomp-fd") + 1]) if "--seccomp-fd" in args else None
+
+
+def _load_seccomp_filter(libc, fd: Optional[int]) -> bool:
+    """Loads the BPF program on `fd` (`marl_jax.eval.seccomp_filter`) as this process's seccomp
+    filter, inherited by every process of the jail; False when there is none."""
+    if fd is None:
+        return False
+    with os.fdopen(fd, "rb") as f:
+        program = f.read()
+    if not program or len(program) % 8:
+        raise runner.JailError(f"the seccomp program has {len(program)} bytes, not a whole "
+                               "number of 8-byte BPF instructions; refusing to run")
+    instructions = ctypes.create_string_buffer(program, len(program))
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    fprog = SockFprog(len(program) // 8, ctypes.addressof(instructions))
+    runner.prctl(libc, _PR_SET_NO_NEW_PRIVS, 1)
+    runner.check(libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.addressof(fprog), 0, 0),
+                 "prctl(PR_SET_SECCOMP)")
+    return True
 
 
 def _mount(libc, source, target, fstype, flags, data=None):

@@ -10,8 +10,9 @@ jail (the caller compares). Two jails, both refusing to run rather than run weak
   `bwrap` binary (Debian: apt-get install bubblewrap) and pyseccomp (with libseccomp2). The
   program sees none of the host's files.
 - `namespaces` (`jail_namespaces`): hand-written namespaces through libc, for machines without
-  bubblewrap: network, processes, writes and memory are contained the same way, but every host
-  file the worker's uid may read stays readable, and there is no seccomp filter.
+  bubblewrap: network, processes, writes and memory are contained the same way, under the same
+  seccomp filter (`seccomp_filter`, when libseccomp is present), but every host file the
+  worker's uid may read stays readable.
 
 Inside either jail `sandbox_runner` (standard library only) runs the cases: one forked worker
 per case under RLIMIT_CPU (timeout + 1 s), RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NPROC, RLIMIT_NOFILE
@@ -34,7 +35,7 @@ import sys
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from marl_jax.eval import jail_bwrap
+from marl_jax.eval import jail_bwrap, seccomp_filter
 from marl_jax.eval.sandbox_limits import SandboxError, SandboxLimits
 from marl_jax.eval.sandbox_runner import decode_value, encode_value, sandbox_env
 
@@ -171,7 +172,21 @@ def _command(sandbox: str, limits: SandboxLimits):
     """Context manager giving (argv, fds to pass) that start the jail's runner."""
     if sandbox == "bubblewrap":
         return jail_bwrap.command(limits)
-    return contextlib.nullcontext(([sys.executable, "-I", "-B", NAMESPACES_SCRIPT], ()))
+    return _namespaces_command()
+
+
+@contextlib.contextmanager
+def _namespaces_command():
+    """The namespaces jail, under the seccomp filter when libseccomp is present (without it the
+    jail runs unfiltered and its isolation report says so: `seccomp` false)."""
+    argv = [sys.executable, "-I", "-B", NAMESPACES_SCRIPT]
+    try:
+        program = seccomp_filter.seccomp_program()
+    except SandboxError:
+        yield argv, ()
+        return
+    with seccomp_filter.program_fd(program) as fd:
+        yield argv + ["--seccomp-fd", str(fd)], (fd,)
 
 
 def _case_from_message(message: dict, fn_name: Optional[str]) -> CaseRun:
@@ -258,7 +273,9 @@ def parallel_sandboxes(workers: Optional[int], limits: SandboxLimits,
         raise ValueError(
             f"{setting}={workers!r}: {count} parallel sandboxes x {per_program} MiB per program "
             f"(memory_mb={limits.memory_mb} x max_processes={limits.max_processes} + "
-            f"workdir_mb={limits.workdir_mb}) = {count * per_program} MiB do not fit in this "
+            f"workdir_mb={limits.workdir_mb} + pipe buffers "
+            f"{-(-limits.pipe_buffer_bytes // (1 << 20))}) = {count * per_program} MiB do not "
+            f"fit in this "
             f"host's {host_mb} MiB (MemTotal); use at most {fit} workers or a smaller memory "
             "limit")
     return count

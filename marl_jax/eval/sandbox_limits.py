@@ -3,6 +3,10 @@ up (`SandboxError`), shared by the caller side (`marl_jax.eval.sandbox`) and the
 from __future__ import annotations
 
 import dataclasses
+import os
+
+# A pipe's default capacity in pages (Linux PIPE_DEF_BUFFERS).
+_PIPE_PAGES = 16
 
 
 class SandboxError(RuntimeError):
@@ -50,7 +54,15 @@ class SandboxLimits:
             raise ValueError(f"startup_s must be a positive number, got {self.startup_s!r}")
 
     @property
+    def pipe_buffer_bytes(self) -> int:
+        """The most the kernel's pipe buffers of one program can hold: every descriptor of
+        every process a pipe of the default 16 pages (the jails refuse F_SETPIPE_SZ; they
+        refuse sockets and memfds)."""
+        return self.max_processes * self.max_open_files * _PIPE_PAGES * os.sysconf("SC_PAGE_SIZE")
+
+    @property
     def program_memory_mb(self) -> int:
-        """The most memory one program can hold: every process at its RLIMIT_AS, and its
-        working directory (tmpfs lives in memory)."""
-        return self.memory_mb * self.max_processes + self.workdir_mb
+        """The most memory one program can hold: every process at its RLIMIT_AS, its working
+        directory (tmpfs lives in memory) and its pipe buffers."""
+        return (self.memory_mb * self.max_processes + self.workdir_mb
+                + -(-self.pipe_buffer_bytes // (1 << 20)))

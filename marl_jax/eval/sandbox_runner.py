@@ -16,8 +16,8 @@ Who built the jail this process runs in:
   it first becomes the sandbox's otherwise unused uid, so nothing here holds a capability and
   RLIMIT_NPROC applies (the kernel never applies it to uid 0).
 - `namespaces` (run as `jail_namespaces.py`, which calls `main` with its own `enter`): that
-  module builds it here with hand-written Linux namespaces (weaker: host files stay readable,
-  no seccomp).
+  module builds it here with hand-written Linux namespaces and loads the seccomp filter the
+  caller sent (weaker: host files stay readable).
 
 Either way the jail is checked before anything of the program runs; an incomplete one is
 reported as a `sandbox_error` and nothing runs. Process layout: this process (pid 1 of the
@@ -281,7 +281,9 @@ def _worker(ctx: dict, case: dict, out_fd: int):
     limits = ctx["limits"]
     os.setsid()
     prctl(libc, PR_SET_PDEATHSIG, signal.SIGKILL)
-    stdin_fd = os.memfd_create("stdin", 0)
+    # An unnamed file of the working directory's tmpfs: its size is counted there (the
+    # jails refuse memfds).
+    stdin_fd = os.open(WORKDIR, os.O_TMPFILE | os.O_RDWR, 0o600)
     data = case.get("stdin", "").encode("utf-8", "surrogateescape")
     view = memoryview(data)
     while view:
