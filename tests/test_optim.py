@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from marl_jax.config import optimizer_config
-from marl_jax.train import optim, ppo as ppo_lib
+from marl_jax.train import build, optim, ppo as ppo_lib, supervised
 
 
 def test_weight_decay_skips_norm_scales_and_biases():
@@ -40,6 +40,31 @@ def test_ppo_schedule_counts_updates_not_steps():
     np.testing.assert_allclose(schedule(last_step_first_update), 1.0 * (80 - 72) / 72)
     critic = optim.stage_schedule(p, 80, learning_rate=p.critic_learning_rate)
     np.testing.assert_allclose(critic(8), 0.5)
+
+
+def test_logged_lr_follows_the_updates_applied_not_the_steps():
+    cfg = optimizer_config(lr=1.0, steps=10, batch_size=1)
+    cfg.update(dict(schedule="linear", warmup_ratio=0.0, grad_clip=0.0))
+    optimizer = optim.make_optimizer(cfg, 10)
+    params = {"w": jnp.ones((3,))}
+
+    def loss_fn(p, batch):  # a non-finite loss where the batch says so: that update is skipped
+        return jnp.sum(p["w"] ** 2) * batch["scale"], {}
+
+    step = jax.jit(supervised.make_train_step(loss_fn, optimizer,
+                                              schedule=optim.stage_schedule(cfg, 10)))
+    state = build.TrainState(step=jnp.int32(0), params=params, opt_state=optimizer.init(params),
+                             skipped_updates=jnp.zeros(()))
+    logged = []
+    for scale in (1.0, np.nan, 1.0, 1.0):
+        state, metrics = step(state, {"scale": jnp.float32(scale)})
+        logged.append(float(metrics["lr"]))
+    # Linear decay from 1.0 over 10 updates: 1 - n / 10 at the n-th applied update. The planted
+    # non-finite step applies nothing, so the two steps after it take updates 1 and 2 at the
+    # rates of updates 1 and 2, not of steps 2 and 3.
+    np.testing.assert_allclose(logged, [1.0, 0.9, 0.9, 0.8], rtol=1e-6)
+    assert float(metrics["skipped_updates"]) == 1.0 and int(state.step) == 4
+    assert int(optim.applied_updates(state.opt_state)) == 3
 
 
 @pytest.mark.parametrize("num_micro", [2, 4])

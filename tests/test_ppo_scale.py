@@ -181,7 +181,7 @@ def test_extended_run_exports_the_extended_policy(tmp_path):
     assert not os.path.exists(policy + ".tmp") and not os.path.exists(policy + ".old")
 
 
-def test_eval_refuses_an_export_older_than_the_checkpoint(tmp_path):
+def test_eval_refuses_an_export_of_another_checkpoint(tmp_path):
     workdir = str(tmp_path)
     stages.run(tiny_config(**{"ppo.steps": 2}), workdir)
     exports.check_export_current(workdir, "policy")
@@ -191,8 +191,16 @@ def test_eval_refuses_an_export_older_than_the_checkpoint(tmp_path):
     info["checkpoint_step"] = 1
     with open(info_file, "w") as f:
         json.dump(info, f)
-    with pytest.raises(ValueError, match="exported from step 1 but .*checkpoints/ppo holds step 2"):
+    with pytest.raises(ValueError, match=r"exported from step 1 \(checkpoint \d+\) but "
+                                         r".*checkpoints/ppo holds step 2 \(checkpoint \d+\)"):
         stages.run(tiny_config(stage="eval", **{"eval.judge": "gold"}), workdir)
+    # The same step from an earlier training of the stage (another checkpoint) is refused too.
+    latest_id = exports.export_info(workdir, "policy")["checkpoint_id"]
+    with open(info_file, "w") as f:
+        json.dump(dict(info, checkpoint_step=2, checkpoint_id=str(int(latest_id) - 1)), f)
+    with pytest.raises(ValueError, match=rf"exported from step 2 \(checkpoint {int(latest_id) - 1}"
+                                         rf"\) but .*holds step 2 \(checkpoint {latest_id}\)"):
+        exports.check_export_current(workdir, "policy")
 
 
 def test_reward_statistics_follow_a_retrained_reward_model(tmp_path):

@@ -92,15 +92,18 @@ def export_model(workdir: str, name: str, module, params, tokenizer, extra=None)
 
 def check_export_current(workdir: str, name: str) -> None:
     """Raises ValueError unless `<workdir>/models/<name>` was exported from its stage's latest
-    checkpoint (an older export would be scored under the wrong step)."""
+    checkpoint, by step and by that checkpoint's commit id (an older export, or one of an
+    earlier training to the same step, would be scored as the checkpoint's)."""
     path = export_dir(workdir, name)
-    stage = EXPORT_STAGES[name]
-    latest = latest_checkpoint_step(workdir, stage)
-    info = read_export_info(path)
-    exported = None if info is None else info.get("checkpoint_step")
-    if exported is None or exported < latest:
-        what = "an unknown step" if exported is None else f"step {exported}"
-        raise ValueError(
-            f"{path} was exported from {what} but {workdir}/checkpoints/{stage} holds step "
-            f"{latest}; run --config.stage={stage} (or all) with this workdir to export the "
-            "latest checkpoint, then evaluate")
+    current = export_info(workdir, name)
+    info = read_export_info(path) or {}
+    if all(info.get(key) == current[key] for key in ("stage", "checkpoint_step", "checkpoint_id")):
+        return
+    what = ("an unknown checkpoint" if "checkpoint_step" not in info else
+            f"step {info['checkpoint_step']} (checkpoint {info.get('checkpoint_id') or '?'})")
+    stage = current["stage"]
+    raise ValueError(
+        f"{path} was exported from {what} but {workdir}/checkpoints/{stage} holds step "
+        f"{current['checkpoint_step']} (checkpoint {current['checkpoint_id'] or '-'}); run "
+        f"--config.stage={stage} (or all) with this workdir to export the latest checkpoint, "
+        "then evaluate")

@@ -110,6 +110,18 @@ def with_frozen_leaves(loss_fn, num_layers_unfrozen: int):
     return wrapped
 
 
+def applied_updates(opt_state) -> jax.Array:
+    """How many updates the optimizer of `make_optimizer` has applied: the count of its
+    learning-rate schedule (`optax.scale_by_schedule`), which a skipped non-finite update
+    (`apply_if_finite`) leaves where it was. The schedule's learning rate of the next update is
+    `schedule(applied_updates(opt_state))`."""
+    is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
+    counts = [s.count for s in jax.tree.leaves(opt_state, is_leaf=is_schedule) if is_schedule(s)]
+    if not counts:
+        raise ValueError("the optimizer state holds no learning-rate schedule")
+    return counts[0]
+
+
 def stage_schedule(cfg, total_updates: int, learning_rate: float | None = None):
     """The learning-rate schedule of a stage (`learning_rate` overrides the peak, e.g. the
     critic's)."""

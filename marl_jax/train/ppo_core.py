@@ -26,7 +26,7 @@ from marl_jax.macro import advantage, termination
 from marl_jax.models import last_token_score
 from marl_jax.models.heads import (backbone_hidden, continuation_scores, scalar_outputs,
                                    trunk_states)
-from marl_jax.train.optim import accumulate_gradients, apply_if_finite
+from marl_jax.train.optim import accumulate_gradients, applied_updates, apply_if_finite
 
 
 @dataclasses.dataclass(frozen=True)
@@ -567,11 +567,13 @@ def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, 
                                                                   exp.response_mask)
         metrics["objective/return_avg"] = _masked_mean(ret, exp.response_mask)
     metrics["train/skipped_updates"] = skipped
-    first_update = state.step * static.ppo_epochs * static.num_minibatches
+    # The rates of this step's first update, at the optimizers' own counts of applied updates
+    # (a skipped non-finite update does not count).
     if models.actor_schedule is not None:
-        metrics["lr"] = models.actor_schedule(first_update)
+        metrics["lr"] = models.actor_schedule(applied_updates(state.actor_opt_state))
     if models.critic_schedule is not None and static.uses_critic:
-        metrics["lr_critic"] = models.critic_schedule(first_update)
+        metrics["lr_critic"] = models.critic_schedule(
+            applied_updates(state.critic_opt_state))
     new_state = state.replace(actor_params=actor_params, actor_opt_state=actor_opt,
                               critic_params=critic_params, critic_opt_state=critic_opt,
                               skipped_updates=skipped)

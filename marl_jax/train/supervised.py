@@ -10,6 +10,7 @@ from marl_jax.data import batches
 from marl_jax.train import build, loop, programs, sharding
 from marl_jax.train.optim import (
     accumulate_gradients,
+    applied_updates,
     apply_if_finite,
     make_optimizer,
     stage_schedule,
@@ -22,7 +23,9 @@ def make_train_step(loss_fn: Callable, optimizer, *, schedule=None, grad_accum_s
 
     With `grad_accum_steps` > 1 the batch is split into micro-batches whose gradients are
     averaged with `weight_fn(micro_batch)` weights (default: equal) before the one update.
-    `schedule` (the optimizer's learning rate per update) adds the `lr` metric.
+    `schedule` (the optimizer's learning rate per update) adds the `lr` metric: the rate of
+    this step's update, at the optimizer's own count of applied updates (skipped ones do not
+    count).
     `num_layers_unfrozen` >= 0 trains the top layers only (`optim.with_frozen_leaves`; pair it
     with an optimizer of the same setting).
     """
@@ -37,7 +40,7 @@ def make_train_step(loss_fn: Callable, optimizer, *, schedule=None, grad_accum_s
         total_skipped = state.skipped_updates + skipped
         metrics = dict(metrics, loss=loss, skipped_updates=total_skipped)
         if schedule is not None:
-            metrics["lr"] = schedule(state.step)
+            metrics["lr"] = schedule(applied_updates(state.opt_state))
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                              skipped_updates=total_skipped), metrics
 
