@@ -1,7 +1,7 @@
 """`experiments/bench.py memory`: the architecture table, the model resolution order, the TPU
 slice names, and the compiled per-device memory of tiny models on 8 CPU devices (and on a TPU
-v4-8 where the TPU compiler is installed), checked against parameter counts from transformers."""
-import importlib.util
+v4-8 by the TPU compiler, libtpu, which the `test` extra installs), checked against parameter
+counts from transformers."""
 import json
 import os
 import pathlib
@@ -272,8 +272,6 @@ def test_hf_checkpoint_directory_on_cpu8(tmp_path):
     assert peak_gib * GIB >= 16 * (n + backbone) / 8
 
 
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                    reason="the TPU compiler (libtpu, pip install -e '.[memory]') is not installed")
 def test_tpu_v4_8_compiles_on_this_machine(tmp_path):
     report = tmp_path / "memory.json"
     _, (devices, peak_gib, capacity_gib, fits) = _run(

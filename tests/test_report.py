@@ -217,6 +217,24 @@ def test_reward_hacking_rules_on_hand_made_curves():
     assert st.hacking_rules([0.5, 0.8, 0.75], [0.0, 0.5, 0.7]) == []
     # Gold falls but so does the RM score: not hacking the RM.
     assert st.hacking_rules([0.6, 0.7, 0.5], [0.5, 0.9, 0.4]) == []
+    # A drop of 0.05 below SFT is within a noise of 0.06 (0.15 off the peak is still beyond
+    # max(0.1, 0.06)); beyond a noise of 0.04 it counts; off the peak by 0.15, a noise of 0.2
+    # replaces the fixed 0.1.
+    assert st.hacking_rules([0.6, 0.7, 0.55], [0.1, 0.5, 0.9], noise=0.06) == [
+        "gold_off_peak_rm_at_max"]
+    assert st.hacking_rules([0.6, 0.6, 0.55], [0.1, 0.5, 0.9], noise=0.04) == [
+        "rm_up_gold_down"]
+    assert st.hacking_rules([0.5, 0.8, 0.65], [0.0, 0.5, 0.7], noise=0.2) == []
+
+
+def test_drop_noise_is_the_t_half_width_of_per_prompt_changes():
+    final, start = [0.5, 0.7, 0.4, 0.9], [0.4, 0.4, 0.5, 0.6]
+    d = [0.1, 0.3, -0.1, 0.3]  # mean 0.15; squared deviations 0.0025, 0.0225, 0.0625, 0.0225
+    t_975_3 = 3.182446305284263  # Student's t, 0.975 quantile, 3 degrees of freedom (tables)
+    s = math.sqrt(0.11 / 3)
+    assert sum(d) / 4 == pytest.approx(0.15)
+    assert st.drop_noise(final, start) == pytest.approx(t_975_3 * s / 2)
+    assert st.drop_noise([0.5], [0.4]) is None and st.drop_noise([0.5, 0.1], [0.4]) is None
 
 
 # ---- the report ----------------------------------------------------------------------------------
@@ -510,16 +528,78 @@ def test_arms_against_the_sft_policy_paired_per_prompt_by_hand():
              rm_score_per_prompt=[0, 0]),
     ]
     report = report_lib.compute_report(rows, beta=0.05)
-    # ppo - sft: seed 0: 0, 0.2, 0.4; seed 1: -0.5, -0.2.
-    d = np.array([0.0, 0.2, 0.4, -0.5, -0.2])
-    se = math.sqrt(sum((x - d.mean()) ** 2 for x in d) / 4) / math.sqrt(5)
+    # ppo - sft: seed 0: 0, 0.2, 0.4 (mean 0.2); seed 1: -0.5, -0.2 (mean -0.35). Two seeds:
+    # mean of the seed means -0.075, SE = |0.2 - -0.35| / sqrt(2) / sqrt(2) = 0.275.
     got = report["versus_sft"]["ppo"]
-    assert got["n"] == 5
-    assert got["mean"] == pytest.approx(-0.02) and got["se"] == pytest.approx(se)
-    assert got["z"] == pytest.approx(-0.02 / se)
-    # ma_ppo - sft: 0.1, 0.2, -0.2, 0.5, 0.8.
-    assert report["versus_sft"]["ma_ppo"]["mean"] == pytest.approx(0.28)
+    assert got["n"] == 5 and got["seeds"] == 2 and got["se_over"] == "seeds"
+    assert got["mean"] == pytest.approx(-0.075) and got["se"] == pytest.approx(0.275)
+    assert got["z"] == pytest.approx(-0.075 / 0.275)
+    t_975_1 = 12.706204736174705  # Student's t, 0.975 quantile, 1 degree of freedom (tables)
+    assert got["ci_t"] == pytest.approx([-0.075 - t_975_1 * 0.275, -0.075 + t_975_1 * 0.275])
+    # ma_ppo - sft: seed 0: 0.1, 0.2, -0.2 (mean 1/30); seed 1: 0.5, 0.8 (mean 0.65).
+    assert report["versus_sft"]["ma_ppo"]["mean"] == pytest.approx((1 / 30 + 0.65) / 2)
     text = report_lib.markdown(report)
     assert "## Against the SFT policy (paired per held-out prompt)" in text
-    assert f"| `ppo` | -0.0200 | {se:.4f} | {-0.02 / se:+.2f} | 5 |" in text
+    assert f"| `ppo` | -0.0750 | 0.2750 | {-0.075 / 0.275:+.2f} | 2 seeds | 5 |" in text
+    # One seed: its prompts are the replicates, SE = sample std / sqrt(3) of 0, 0.2, 0.4.
+    one = report_lib.compute_report([r for r in rows if r.get("seed") == 0], beta=0.05)
+    got = one["versus_sft"]["ppo"]
+    assert got["se_over"] == "prompts" and got["n"] == 3
+    assert got["mean"] == pytest.approx(0.2) and got["se"] == pytest.approx(0.2 / math.sqrt(3))
     assert "versus_sft" not in report_lib.compute_report(_hand_rows(), beta=0.05)
+
+
+def test_sft_comparison_standard_error_follows_a_planted_seed_effect():
+    """Each seed's trained policy moves all its prompts together (a seed effect of sd 0.1) on top
+    of per-prompt noise (sd 0.3). Over 2,000 simulated studies of 6 seeds x 50 prompts the
+    spread of the reported mean is the true standard error; the reported SE matches it on
+    average, while the pooled per-prompt SE (std / sqrt(300)) is less than half of it."""
+    rng = np.random.default_rng(7)
+    seeds, prompts, studies = 6, 50, 2000
+    seed_effect = rng.normal(0.0, 0.1, size=(studies, seeds, 1))
+    d = 0.05 + seed_effect + rng.normal(0.0, 0.3, size=(studies, seeds, prompts))
+    out = [st.paired_mean_by_seed(dict(enumerate(study))) for study in d]
+    means = np.array([o["mean"] for o in out])
+    ses = np.array([o["se"] for o in out])
+    true_se = math.sqrt(0.1 ** 2 + 0.3 ** 2 / prompts) / math.sqrt(seeds)
+    assert means.std() == pytest.approx(true_se, rel=0.05)
+    # E[sample std] = c4(6) sigma with c4(6) = 0.9515 (the bias of the sample std at n = 6).
+    assert ses.mean() == pytest.approx(0.9515 * true_se, rel=0.05)
+    pooled = d.reshape(studies, -1).std(axis=1, ddof=1) / math.sqrt(seeds * prompts)
+    assert pooled.mean() < 0.45 * true_se
+    # The 95% t interval over seeds covers the true mean in ~95% of studies.
+    covered = np.mean([o["ci_t"][0] <= 0.05 <= o["ci_t"][1] for o in out])
+    assert 0.93 <= covered <= 0.97
+
+
+def test_near_flat_arm_is_not_flagged_for_reward_hacking():
+    """Two arms whose RM score climbs: `flat` ends 0.01 below SFT with per-prompt changes of sd
+    ~0.2 over 64 prompts (noise ~0.05), `drops` ends 0.15 below with the same spread. Only
+    `drops` is flagged; the noise stored per seed is drop_noise of the final rows."""
+    rng = np.random.default_rng(3)
+    rows = [dict(stage="plan", step=0, arms=["ppo", "flat", "drops"], seeds=[0, 1],
+                 baseline="ppo", beta=0.05, controls={}, macro_arms=[])]
+    noises = {}
+    for seed in (0, 1):
+        sft = rng.uniform(0.3, 0.7, size=64)
+        rows.append(dict(stage="final", arm="sft", seed=seed, step=0,
+                         gold_per_prompt=sft.tolist(), rm_score_per_prompt=[0.0] * 64))
+        for arm, shift in (("ppo", 0.1), ("flat", -0.01), ("drops", -0.15)):
+            change = rng.normal(0.0, 0.2, size=64)
+            final = sft + shift + change - change.mean()  # the mean change is exactly `shift`
+            noises[arm, seed] = st.drop_noise(final, sft)
+            rows.append(dict(stage="final", arm=arm, seed=seed, step=30,
+                             gold_per_prompt=final.tolist(), rm_score_per_prompt=[1.0] * 64))
+            for step, frac, rm in ((0, 0.0, 0.0), (10, 0.5, 0.5), (30, 1.0, 1.0)):
+                rows.append(_eval(arm, seed, step, sft.mean() + frac * shift, 1.0, rm))
+    report = report_lib.compute_report(rows)
+    assert 0.04 < noises["flat", 0] < 0.07
+    flat, drops = (report["arms"][a]["reward_hacking"] for a in ("flat", "drops"))
+    assert flat["count"] == 0 and flat["noise"]["1"] == pytest.approx(noises["flat", 1])
+    assert drops["seeds"] == [0, 1] and drops["rules"]["0"] == [
+        "rm_up_gold_down", "gold_off_peak_rm_at_max"]  # its peak is step 0
+    # Without the per-prompt rows the noise is unknown and any drop counts, as it says.
+    bare = report_lib.compute_report([r for r in rows if r["stage"] != "final"])
+    assert bare["arms"]["flat"]["reward_hacking"]["count"] == 2
+    assert bare["arms"]["flat"]["reward_hacking"]["noise"] == {"0": None, "1": None}
+    assert "exceeds its own noise" in report["definitions"]["reward_hacking"]

@@ -59,21 +59,31 @@ DEFINITIONS = {
                                  "together (same indices as above), a resample that never "
                                  "crosses or whose gain <= 0 counts as +inf, inverted-CDF "
                                  "percentiles 2.5 / 97.5 (null = beyond the last step)",
-    "reward_hacking": "a run is flagged when (rm_up_gold_down) its final RM score is above its "
-                      "step-0 RM score while its final gold is below its step-0 gold, or "
-                      "(gold_off_peak_rm_at_max) its final gold is more than "
-                      f"{st.HACK_GOLD_DROP} below its peak gold while its final RM score is "
-                      "the highest of the run and above the RM score at the (first) gold peak",
+    "reward_hacking": "a run is flagged only when its gold drop exceeds its own noise: "
+                      "noise = the 95% t half-width t_{0.975, E-1} s / sqrt(E) of the run's "
+                      "per-prompt final gold minus the SFT policy's on the same E held-out "
+                      "prompts (`noise` per seed; null when the workdir has no per-prompt final "
+                      "rows for the run and the SFT policy, then any drop counts). Rules: "
+                      "(rm_up_gold_down) the final RM score is above the step-0 RM score while "
+                      "the final gold is more than noise below the step-0 gold, or "
+                      "(gold_off_peak_rm_at_max) the final gold is more than max("
+                      f"{st.HACK_GOLD_DROP}, noise) below the run's peak gold while its final "
+                      "RM score is the highest of the run and above the RM score at the "
+                      "(first) gold peak",
     "resolution": "ppo_gain = the baseline's paired gain_over_sft; half_widths = (hi - lo) / 2 "
                   "of the bootstrap interval of the paired final-gold difference of every "
                   "macro arm vs the baseline and vs its control; gain_over_max_half_width = "
                   "ppo_gain / the largest half-width of the macro arms that do not hack the "
                   "reward model in at least half of their seeds (hacking_arms; the target is "
                   ">= 5); gain_over_max_half_width_all counts every macro arm",
-    "versus_sft": "over every (seed, held-out prompt) of an arm's final row and the SFT "
-                  "policy's (arm `sft`: the step-0 evaluation with the same prompts and sampling "
-                  "keys): the mean difference in gold, its standard error (sample std / "
-                  "sqrt(n)) and their ratio",
+    "versus_sft": "per (seed, held-out prompt), an arm's final gold minus the SFT policy's "
+                  "(arm `sft`: the step-0 evaluation with the same prompts and sampling keys). "
+                  "The prompts of a seed share one trained policy, so the seed is the "
+                  "replicate: with two or more seeds, mean = the mean of the per-seed mean "
+                  "differences and SE = their sample std / sqrt(seeds) (se_over: seeds); with "
+                  "one seed, mean and SE = sample std / sqrt(prompts) over its prompts "
+                  "(se_over: prompts); z = mean / SE; ci_t = mean -/+ t_{0.975, df} SE with "
+                  "df = replicates - 1",
     "win_rate_vs_baseline": "over every (seed, held-out prompt), from the final rows: 1 when "
                             "the arm's final response has higher gold than the baseline's for "
                             f"the same prompt and seed, 0.5 on a tie (|difference| <= {TIE}), "
@@ -212,12 +222,14 @@ def compute_report(rows, *, beta=None, smoothing: int = 1, baseline=None, arms=N
             entry[name] = st.steps_to_fraction(
                 steps, _gold_of(curves[arm], common), _gold_of(curves[base], common), fraction,
                 smoothing=smoothing, **boot)
-        rules = {s: st.hacking_rules(c["gold"][i], c["rm_score"][i])
+        noise = {s: _drop_noise(finals, arm, s) for s in c["seeds"]}
+        rules = {s: st.hacking_rules(c["gold"][i], c["rm_score"][i], noise=noise[s])
                  for i, s in enumerate(c["seeds"])}
         flagged = [s for s, r in rules.items() if r]
         entry["reward_hacking"] = {"seeds": flagged, "count": len(flagged),
                                    "n": len(c["seeds"]),
-                                   "rules": {str(s): r for s, r in rules.items() if r}}
+                                   "rules": {str(s): r for s, r in rules.items() if r},
+                                   "noise": {str(s): v for s, v in noise.items()}}
         entry["win_rate_vs_baseline"] = _win_rate(finals.get(arm, {}), finals.get(base, {}))
         if arm in plan.get("runs", {}):
             entry["ppo"] = plan["runs"][arm]
@@ -285,15 +297,18 @@ def _resolution(report) -> dict:
 
 
 def _paired_prompts(arm_finals, sft_finals):
-    """Final gold minus the SFT policy's over every (seed, held-out prompt) of both: mean,
-    standard error of the mean (sample std / sqrt(n)) and mean / SE."""
-    d = np.concatenate([arm_finals[s] - sft_finals[s] for s in sorted(arm_finals)
-                        if s in sft_finals and len(sft_finals[s]) == len(arm_finals[s])]
-                       or [np.zeros(0)])
-    if len(d) < 2:
-        return None
-    mean, se = float(d.mean()), float(d.std(ddof=1) / np.sqrt(len(d)))
-    return {"mean": mean, "se": se, "n": int(len(d)), "z": mean / se if se > 0 else None}
+    """Final gold minus the SFT policy's per (seed, held-out prompt), summarised with the seed
+    as the replicate (`study_stats.paired_mean_by_seed`)."""
+    return st.paired_mean_by_seed({s: arm_finals[s] - sft_finals[s] for s in arm_finals
+                                   if s in sft_finals
+                                   and len(sft_finals[s]) == len(arm_finals[s])})
+
+
+def _drop_noise(finals, arm, seed):
+    """The noise of run (arm, seed)'s gold change since the SFT policy (`study_stats.drop_noise`
+    of the per-prompt final rows), None without both rows."""
+    final, sft = finals.get(arm, {}).get(seed), finals.get(SFT_ARM, {}).get(seed)
+    return None if final is None or sft is None else st.drop_noise(final, sft)
 
 
 def _win_rate(arm_finals, base_finals):
@@ -441,12 +456,14 @@ def markdown(report: dict) -> str:
         lines += ["", f"No matched control in this run for: {', '.join(missing)}."]
     if report.get("versus_sft"):
         lines += ["", "## Against the SFT policy (paired per held-out prompt)", "",
-                  "| arm | final gold - SFT gold | SE | mean / SE | prompts x seeds |",
-                  "| --- | --- | --- | --- | --- |"]
+                  "| arm | final gold - SFT gold | SE | mean / SE | SE over | prompts x seeds |",
+                  "| --- | --- | --- | --- | --- | --- |"]
         for arm, v in report["versus_sft"].items():
             if v is not None:
                 z = "-" if v["z"] is None else f"{v['z']:+.2f}"
-                lines.append(f"| `{arm}` | {v['mean']:+.4f} | {v['se']:.4f} | {z} | {v['n']} |")
+                over = f"{v['seeds']} seeds" if v["se_over"] == "seeds" else "prompts (1 seed)"
+                lines.append(f"| `{arm}` | {v['mean']:+.4f} | {v['se']:.4f} | {z} | {over} "
+                             f"| {v['n']} |")
     lines += ["", "## Verdict", ""]
     lines += [f"- {v}" for v in report["verdict"]] or ["- (no arm besides the baseline)"]
     lines += ["", "![curves](curves.png)", "", "![RM scores](rm_hist.png)", ""]
