@@ -137,6 +137,15 @@ def kl_per_token(logprobs, ref_logprobs, estimator="k1"):
     return jnp.expm1(log_ratio) - log_ratio
 
 
+def kl_penalty_loss(logprobs, ref_logprobs, mask, *, kl_coef, aggregation="token_mean"):
+    """The KL to the reference as a loss term: kl_coef x the k3 estimate of each token,
+    aggregated like the policy loss (`aggregate_tokens`), as DeepSeekMath's GRPO and TRL do.
+    Gradients flow through `logprobs` `[B, T]` only."""
+    check_same_shape(logprobs, "logprobs", ref_logprobs=ref_logprobs, mask=mask)
+    kl = kl_per_token(logprobs, jax.lax.stop_gradient(ref_logprobs), "k3")
+    return jnp.asarray(kl_coef, jnp.float32) * aggregate_tokens(kl, mask, aggregation)
+
+
 def assemble_rewards(logprobs, ref_logprobs, scores, response_mask, *, kl_coef,
                      kl_estimator="k1", reward_clip=2.5, missing_eos_penalty=None,
                      ended_with_eos=None):
