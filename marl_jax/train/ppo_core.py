@@ -271,10 +271,12 @@ def rollout_mismatch(trainer_logprobs, sampler_logprobs, response_mask, cliprang
     valid = response_mask != 0
     diff = jnp.where(valid, trainer_logprobs - sampler_logprobs, 0.0)
     ratio = jnp.exp(diff)
-    outside = (ratio < 1.0 - cliprange) | (ratio > 1.0 + cliprange)
+    outside = ((ratio < 1.0 - cliprange) | (ratio > 1.0 + cliprange)).astype(jnp.float32)
+    # Unmeasured (NaN) logprobs stay NaN in every metric.
+    outside = jnp.where(jnp.isnan(diff), jnp.nan, outside)
     return {"rollout/logprob_diff_mean": _masked_mean(jnp.abs(diff), valid),
             "rollout/logprob_diff_max": jnp.abs(diff).max(),
-            "rollout/ratio_outside_clip": _masked_mean(outside & valid, valid)}
+            "rollout/ratio_outside_clip": _masked_mean(outside, valid)}
 
 
 def sequence_score(static: PPOStatic, models: Models, frozen: Frozen, prompt_ids, prompt_mask,
