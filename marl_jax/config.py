@@ -16,6 +16,7 @@ import re
 import ml_collections
 
 from marl_jax.estimators import ESTIMATORS
+from marl_jax.losses import POLICY_AGGREGATIONS, ROLLOUT_CORRECTIONS
 from marl_jax.macro.advantage import REWARD_AGGREGATIONS, VALUE_WEIGHTINGS
 
 STAGES = ("sft", "rm", "ppo", "all", "experiment", "eval")
@@ -24,6 +25,7 @@ KL_ESTIMATORS = ("k1", "k3")
 SCHEDULES = ("constant", "linear", "cosine")
 CRITIC_INITS = ("rm", "sft", "random")
 DTYPES = ("float32", "bfloat16", "float16")
+OLD_LOGPROBS = ("auto", "trainer", "sampler")
 # The config file that serves each task name: real datasets need the task fields of
 # `base_config()`, which configs/synthetic.py replaces with the synthetic world's.
 TASK_CONFIGS = {
@@ -167,7 +169,18 @@ def base_config() -> ml_collections.ConfigDict:
     p.cliprange = 0.2
     p.cliprange_value = 0.2
     p.vf_coef = 0.5
-    p.loss_aggregation = "token_mean"
+    # auto: the estimator's published aggregation (`estimators.DEFAULT_LOSS_AGGREGATION`);
+    # token_mean, sequence_mean (GRPO) or token_sum (Dr. GRPO) for every arm.
+    p.loss_aggregation = "auto"
+    # The sampler and the trainer compute the same policy in different programs: in bfloat16, or
+    # under top-k / top-p, their logprobs of the sampled tokens differ. old_logprobs: trainer
+    # (one scoring pass of the actor), sampler (the sampler's, no extra pass), or auto (trainer
+    # unless compute is float32 without top-k / top-p, where the two are the same numbers).
+    p.old_logprobs = "auto"
+    # Truncated importance weights min(pi_trainer / pi_sampler, cap) on each token's
+    # policy-gradient term: none, or the ratio of the token, the whole response, or the macro.
+    p.rollout_correction = "none"
+    p.rollout_is_cap = 2.0
     p.critic_init = "rm"  # rm (the paper), sft, or random (a cold critic)
     # rm (the paper); gold: the synthetic task's gold function as an oracle reward model;
     # host: a reward computed on the host, e.g. the fraction of APPS unit tests passed.
@@ -236,8 +249,16 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
     check(p.critic_init in CRITIC_INITS, "ppo.critic_init", f"must be one of {CRITIC_INITS}")
     check(p.reward_source in ("rm", "gold", "host"), "ppo.reward_source",
           "must be rm, gold or host")
-    check(p.loss_aggregation in ("token_mean", "sequence_mean"), "ppo.loss_aggregation",
-          "must be token_mean or sequence_mean")
+    check(p.loss_aggregation in ("auto",) + POLICY_AGGREGATIONS, "ppo.loss_aggregation",
+          f"must be one of {('auto',) + POLICY_AGGREGATIONS}")
+    check(p.old_logprobs in OLD_LOGPROBS, "ppo.old_logprobs", f"must be one of {OLD_LOGPROBS}")
+    check(p.rollout_correction in ROLLOUT_CORRECTIONS, "ppo.rollout_correction",
+          f"must be one of {ROLLOUT_CORRECTIONS}")
+    check(isinstance(p.rollout_is_cap, (int, float)) and p.rollout_is_cap >= 1,
+          "ppo.rollout_is_cap", "must be a number >= 1 (the largest importance weight)")
+    check(p.rollout_correction == "none" or p.old_logprobs != "sampler", "ppo.old_logprobs",
+          f"ppo.rollout_correction={p.rollout_correction!r} weighs the trainer's old logprobs "
+          "against the sampler's: use trainer or auto")
     check(len(p.randomized_lengths) > 0 and all(int(x) >= 1 for x in p.randomized_lengths),
           "ppo.randomized_lengths", "must be a non-empty tuple of integers >= 1")
     check(p.randomized_repeats >= 1, "ppo.randomized_repeats", "must be >= 1")

@@ -5,13 +5,14 @@ left-aligned (`response_mask[b, :L_b] == 1`). They are targets: no gradient flow
 
 - `group_advantages`: one advantage per sampled response from the scores of the other samples
   of its prompt ("grpo", "dr_grpo", "rloo"); `sequence_advantages_to_tokens` spreads it over the
-  response.
+  response. The score alone: the KL to the reference is a loss term of its own (`KL_IN_LOSS`).
 - `reinforce_pp_advantages`: REINFORCE++, the undiscounted return-to-go of the per-token rewards,
   normalised over the batch.
 - Monte Carlo macro values (VinePPO with macro actions): `choose_branch_points` picks macro
   starts to branch from, the caller samples continuations from each (`flatten_branches` lists
-  them) and averages their scores into `start_values`, and `macro_mc_advantages` turns those
-  values into advantages with no critic.
+  them) and averages their KL-regularised returns (score - beta x the continuation's summed KL)
+  into `start_values`, and `macro_mc_advantages` turns those values into advantages with no
+  critic.
 """
 import functools
 
@@ -31,6 +32,16 @@ from marl_jax.macro.checks import (
 GROUP_METHODS = ("grpo", "dr_grpo", "rloo")
 # Every `config.ppo.estimator`: macro GAE with a critic, then the critic-free ones.
 ESTIMATORS = ("gae",) + GROUP_METHODS + ("reinforce_pp", "macro_mc")
+# The group estimators normalise the score alone; the KL to the reference enters the loss as
+# its own term, beta x k3 per token (DeepSeekMath's GRPO, TRL). REINFORCE++ keeps it in the
+# per-token reward (OpenRLHF), as GAE does.
+KL_IN_LOSS = GROUP_METHODS
+# Each estimator's published loss aggregation (`losses.aggregate_tokens`), used when
+# `config.ppo.loss_aggregation` is "auto": GRPO averages each sequence's tokens, then the
+# sequences; Dr. GRPO sums tokens over a constant; PPO, RLOO and REINFORCE++ average tokens.
+DEFAULT_LOSS_AGGREGATION = {"gae": "token_mean", "grpo": "sequence_mean",
+                            "dr_grpo": "token_sum", "rloo": "token_mean",
+                            "reinforce_pp": "token_mean", "macro_mc": "token_mean"}
 GROUP_STD_EPS = 1e-4  # TRL's GRPO: (score - mean) / (std + 1e-4)
 REINFORCE_PP_VAR_EPS = 1e-8  # OpenRLHF: (x - mean) * rsqrt(max(var, 1e-8))
 
@@ -162,14 +173,16 @@ def macro_mc_advantages(starts, valid, start_values, scores, kl_rewards, respons
 
     The used branch points 0 = s_1 < s_2 < ... < s_n of a row cut its response into spans
     [s_j, s_{j+1}), the last ending at the row's length L. V(s_j) = `start_values[:, j]`, the
-    mean score of continuations sampled from the state after s_j response tokens, and
+    mean KL-regularised return (score - beta x summed KL of the continuation) of continuations
+    sampled from the state after s_j response tokens, and
     V(L) = `scores`, the observed score of the response. Every token of span j gets
 
         A_j = V(s_{j+1}) - V(s_j) + sum of `kl_rewards` over the span.
 
     With every macro start as a branch point (`max_points=0`) this is one advantage per macro;
     with fewer, the macros between two branch points share one. With `kl_rewards` = 0 the
-    advantages of the spans telescope: their sum is score - V(0).
+    advantages of the spans telescope: their sum is score - V(0); with the KL, it is the
+    response's KL-regularised return - V(0).
 
     Args:
       starts: int `[B, M]` branch positions (`choose_branch_points`); the used ones of a

@@ -72,9 +72,10 @@ ARMS = {
 }
 TRACED_FIELDS = ("lam", "gamma", "kl_coef", "ngram", "termination", "value_weighting",
                  "reward_aggregation", "critic_init")
-# Fields that change the compiled step (the estimator and the batch shapes): runs that differ in
-# them are separate groups, each one vmapped program, run one after the other.
-STATIC_FIELDS = ("estimator", "group_size", "batch_size", "mc_rollouts", "mc_branch_points")
+# Fields that change the compiled step (the estimator, its loss and the batch shapes): runs that
+# differ in them are separate groups, each one vmapped program, run one after the other.
+STATIC_FIELDS = ("estimator", "group_size", "batch_size", "mc_rollouts", "mc_branch_points",
+                 "loss_aggregation")
 # Critic-free estimators (configs/synthetic_estimators.py). Sizes are set by the config.
 ARMS.update({
     "grpo": lambda p: dict(TOKEN_PPO, estimator="grpo"),

@@ -17,22 +17,24 @@ from marl_jax.macro.checks import (
     is_concrete,
 )
 
-POLICY_AGGREGATIONS = ("token_mean", "sequence_mean")
+POLICY_AGGREGATIONS = ("token_mean", "sequence_mean", "token_sum")
 KL_ESTIMATORS = ("k1", "k3")
+ROLLOUT_CORRECTIONS = ("none", "token", "sequence", "macro")
 
 
 def ppo_policy_loss(logprobs, old_logprobs, advantages, mask, *, cliprange=0.2,
-                    aggregation="token_mean"):
+                    aggregation="token_mean", is_weights=None):
     """PPO clipped surrogate: each token's own ratio times its (macro) advantage.
 
-    loss_t = max(-A_t r_t, -A_t clip(r_t, 1 - c, 1 + c)), r_t = exp(logp_t - old_logp_t).
+    loss_t = w_t max(-A_t r_t, -A_t clip(r_t, 1 - c, 1 + c)), r_t = exp(logp_t - old_logp_t),
+    w_t the rollout-correction weight (`rollout_correction_weights`; 1 without).
 
     Args:
       logprobs, old_logprobs, advantages: float `[B, T]`.
       mask: `[B, T]` 0/1 mask of the tokens that are trained.
       cliprange: c > 0.
-      aggregation: "token_mean" (mean over all valid tokens of the batch) or "sequence_mean"
-        (mean over the valid tokens of each sequence, then over the sequences that have any).
+      aggregation: how per-token terms become the loss (`aggregate_tokens`).
+      is_weights: optional float `[B, T]` constant per-token weights.
 
     Returns:
       `(loss, metrics)` with metrics clipfrac, approxkl, policy_kl (mean old_logp - logp),
@@ -50,13 +52,11 @@ def ppo_policy_loss(logprobs, old_logprobs, advantages, mask, *, cliprange=0.2,
     advantages = jnp.where(valid, jnp.asarray(advantages, jnp.float32), 0)
     unclipped = -advantages * ratio
     clipped = -advantages * jnp.clip(ratio, 1 - cliprange, 1 + cliprange)
-    per_token = jnp.where(valid, jnp.maximum(unclipped, clipped), 0)
-    if aggregation == "token_mean":
-        loss = _masked_mean(per_token, valid)
-    else:
-        counts = jnp.sum(valid, axis=1)
-        per_sequence = jnp.sum(per_token, axis=1) / jnp.maximum(counts, 1)
-        loss = _masked_mean(per_sequence, counts > 0)
+    per_token = jnp.maximum(unclipped, clipped)
+    if is_weights is not None:
+        check_same_shape(logprobs, "logprobs", is_weights=is_weights)
+        per_token = per_token * jax.lax.stop_gradient(jnp.asarray(is_weights, jnp.float32))
+    loss = aggregate_tokens(per_token, valid, aggregation)
     ratio_mean = _masked_mean(ratio, valid)
     metrics = {
         "clipfrac": _masked_mean((clipped > unclipped).astype(jnp.float32), valid),
@@ -66,6 +66,25 @@ def ppo_policy_loss(logprobs, old_logprobs, advantages, mask, *, cliprange=0.2,
         "ratio_var": _masked_mean(jnp.square(ratio - ratio_mean), valid),
     }
     return loss, metrics
+
+
+def aggregate_tokens(per_token, mask, aggregation):
+    """A scalar loss from per-token terms `[B, T]` over the valid tokens of `mask`:
+
+    - "token_mean": mean over all valid tokens of the batch (PPO, RLOO, REINFORCE++);
+    - "sequence_mean": mean over each sequence's valid tokens, then over the sequences that
+      have any (GRPO);
+    - "token_sum": each sequence's sum divided by the constant T, then the mean over
+      sequences (Dr. GRPO: no length normalisation).
+    """
+    check_choice(aggregation, POLICY_AGGREGATIONS, "aggregation")
+    valid = jnp.asarray(mask) != 0
+    per_token = jnp.where(valid, jnp.asarray(per_token, jnp.float32), 0)
+    if aggregation == "token_mean":
+        return _masked_mean(per_token, valid)
+    counts = jnp.sum(valid, axis=1)
+    divisor = jnp.maximum(counts, 1) if aggregation == "sequence_mean" else per_token.shape[1]
+    return _masked_mean(jnp.sum(per_token, axis=1) / divisor, counts > 0)
 
 
 def ppo_value_loss(values, old_values, returns, mask, *, cliprange_value=0.2):
@@ -116,6 +135,15 @@ def kl_per_token(logprobs, ref_logprobs, estimator="k1"):
         return -log_ratio
     # expm1 keeps (r - 1) - log r accurate (and >= 0) when r is close to 1.
     return jnp.expm1(log_ratio) - log_ratio
+
+
+def kl_penalty_loss(logprobs, ref_logprobs, mask, *, kl_coef, aggregation="token_mean"):
+    """The KL to the reference as a loss term: kl_coef x the k3 estimate of each token,
+    aggregated like the policy loss (`aggregate_tokens`), as DeepSeekMath's GRPO and TRL do.
+    Gradients flow through `logprobs` `[B, T]` only."""
+    check_same_shape(logprobs, "logprobs", ref_logprobs=ref_logprobs, mask=mask)
+    kl = kl_per_token(logprobs, jax.lax.stop_gradient(ref_logprobs), "k3")
+    return jnp.asarray(kl_coef, jnp.float32) * aggregate_tokens(kl, mask, aggregation)
 
 
 def assemble_rewards(logprobs, ref_logprobs, scores, response_mask, *, kl_coef,
@@ -269,6 +297,60 @@ def token_cross_entropy(target_logprobs, correct, mask):
     loss = _masked_mean(-jnp.asarray(target_logprobs, jnp.float32), valid)
     metrics = {"accuracy": _masked_mean(correct, valid), "perplexity": jnp.exp(loss)}
     return loss, metrics
+
+
+def rollout_correction_weights(trainer_logprobs, sampler_logprobs, response_mask, *, level, cap,
+                               segment_ids=None):
+    """Truncated importance weights of the trainer's policy against the sampler's: float32 `[B, R]`.
+
+    The sampler and the trainer compute the same policy in different programs (a KV-cache decode
+    loop vs one scoring pass; bfloat16 differs between them; top-k / top-p draw from a truncated
+    distribution), so the tokens PPO trains on are samples of the sampler's distribution. The
+    weight w = min(pi_trainer / pi_sampler, cap) re-weights each token's policy-gradient term:
+
+    - "token":    w_t = min(exp(t_t - s_t), cap);
+    - "sequence": min(exp(sum over the row's valid tokens of (t - s)), cap) on every valid token;
+    - "macro":    min(exp(sum over the macro's tokens of (t - s)), cap) on every token of the
+      macro (`segment_ids` as `marl_jax.macro.termination` makes them).
+
+    Args:
+      trainer_logprobs, sampler_logprobs: float `[B, R]` logprobs of the sampled tokens under the
+        trainer's scoring pass and under the sampler.
+      response_mask: `[B, R]` 0/1 mask of the response tokens.
+      level: "token", "sequence" or "macro".
+      cap: the truncation, >= 1.
+      segment_ids: int `[B, R]` macro index of each token (required for "macro").
+
+    Returns:
+      float32 `[B, R]` weights, 0 on padding; constants (no gradient flows through them).
+    """
+    check_rank(trainer_logprobs, 2, "trainer_logprobs")
+    check_same_shape(trainer_logprobs, "trainer_logprobs", sampler_logprobs=sampler_logprobs,
+                     response_mask=response_mask)
+    check_mask(response_mask, "response_mask", left_aligned=False)
+    check_choice(level, ROLLOUT_CORRECTIONS[1:], "level")
+    if is_concrete(cap) and not float(np.asarray(cap)) >= 1:
+        raise ValueError(f"cap must be >= 1, got {cap!r}")
+    valid = jnp.asarray(response_mask) != 0
+    log_ratio = jnp.where(valid, jnp.asarray(trainer_logprobs, jnp.float32)
+                          - jnp.asarray(sampler_logprobs, jnp.float32), 0.0)
+    log_ratio = jax.lax.stop_gradient(log_ratio)
+    if level == "sequence":
+        log_ratio = jnp.broadcast_to(log_ratio.sum(axis=1, keepdims=True), log_ratio.shape)
+    elif level == "macro":
+        if segment_ids is None:
+            raise ValueError("segment_ids is required for level='macro'")
+        check_same_shape(trainer_logprobs, "trainer_logprobs", segment_ids=segment_ids)
+        batch, width = log_ratio.shape
+        # One segment per (row, macro): macro ids lie in [0, R).
+        slots = (jnp.arange(batch)[:, None] * width
+                 + jnp.clip(jnp.asarray(segment_ids, jnp.int32), 0, width - 1))
+        sums = jax.ops.segment_sum(log_ratio.reshape(-1), slots.reshape(-1),
+                                   num_segments=batch * width)
+        log_ratio = sums[slots]
+    # exp of the clipped log-ratio: a huge log-ratio cannot overflow before the cap applies.
+    weights = jnp.exp(jnp.minimum(log_ratio, jnp.log(jnp.asarray(cap, jnp.float32))))
+    return jnp.where(valid, weights, 0.0).astype(jnp.float32)
 
 
 def _masked_mean(x, valid):

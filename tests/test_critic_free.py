@@ -45,11 +45,9 @@ def test_group_estimators_train_without_a_critic(tiny_pipe):
                                                                              mask)
     # Rows of a group share their prompt.
     np.testing.assert_array_equal(np.asarray(exp.prompt_ids), np.repeat(ids, 4, axis=0))
-    # By hand: the sequence return is the clipped score minus beta x the summed k1 KL.
+    # By hand: the group estimators normalise the clipped score alone (the KL is a loss term).
     m = np.asarray(exp.response_mask, np.float64)
-    kl = ((np.asarray(exp.old_logprobs, np.float64) - np.asarray(exp.ref_logprobs)) * m).sum(1)
     ret = np.clip(np.asarray(exp.scores, np.float64), -cfg.ppo.reward_clip, cfg.ppo.reward_clip)
-    ret = ret - cfg.ppo.kl_coef * kl
     for method in ("grpo", "rloo", "dr_grpo"):
         adv, _, extra = core.critic_free_advantages(
             dataclasses.replace(static, estimator=method), mods, state, frozen,
@@ -92,34 +90,39 @@ def test_gae_step_counts_its_budget(tiny_pipe):
     assert "loss/value_avg" in metrics
 
 
-def _enumerated_value(policy, params, prompt_ids, tokens, remaining, eos, score, temperature):
-    """E[score(tokens + continuation)] under the policy: every continuation of up to
-    `remaining` tokens (stopping after EOS) enumerated, with next-token probabilities from full
-    forward passes of prompt + tokens."""
+def _enumerated_value(policy, params, ref_params, prompt_ids, tokens, remaining, eos, score,
+                      temperature, beta):
+    """E[score(tokens + continuation) - beta x the continuation's summed KL (k1) to the
+    reference] under the policy: every continuation of up to `remaining` tokens (stopping after
+    EOS) enumerated, with next-token probabilities from full forward passes of prompt + tokens."""
     if remaining == 0 or (tokens and tokens[-1] == eos):
         return score(tokens)
-    seq = np.concatenate([prompt_ids, np.asarray(tokens, np.int32)])[None]
-    logits = np.asarray(policy.apply({"params": params}, jnp.asarray(seq),
-                                     jnp.ones_like(jnp.asarray(seq))), np.float64)[0, -1]
-    p = np.exp((logits - logits.max()) / temperature)
-    p /= p.sum()
-    return sum(p[a] * _enumerated_value(policy, params, prompt_ids, tokens + [a], remaining - 1,
-                                        eos, score, temperature) for a in range(len(p)))
+    seq = jnp.asarray(np.concatenate([prompt_ids, np.asarray(tokens, np.int32)])[None])
+
+    def log_probs(p):
+        logits = np.asarray(policy.apply({"params": p}, seq, jnp.ones_like(seq)),
+                            np.float64)[0, -1] / temperature
+        return logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+    logp, ref_logp = log_probs(params), log_probs(ref_params)
+    return sum(np.exp(logp[a]) * (-beta * (logp[a] - ref_logp[a]) + _enumerated_value(
+        policy, params, ref_params, prompt_ids, tokens + [a], remaining - 1, eos, score,
+        temperature, beta)) for a in range(len(logp)))
 
 
-def test_monte_carlo_values_are_unbiased(tmp_path):
-    """The mean return of continuations from a branch point converges to the exact value of
-    that state, enumerated over every continuation of a tiny policy."""
+def test_monte_carlo_values_are_unbiased_kl_regularised_values(tmp_path):
+    """The mean return of continuations from a branch point converges to the exact
+    KL-regularised value of that state (score - beta x the KL still to come), enumerated over
+    every continuation of a tiny policy against a different reference."""
     from marl_jax import models
     from marl_jax.models.config import ModelConfig
 
-    vocab, eos, temperature = 5, 4, 1.0
+    vocab, eos, temperature, beta = 5, 4, 1.0, 0.5
     cfg = ModelConfig(family="llama", vocab_size=vocab, hidden_size=16, intermediate_size=32,
                       num_layers=1, num_heads=2, num_kv_heads=2, head_dim=8,
                       max_position_embeddings=32, tie_word_embeddings=True)
     policy = models.CausalLM(cfg)
-    params = models.init_params(policy, jax.random.key(3))
-    params = jax.tree.map(lambda x: x * 8.0 if x.ndim == 2 else x, params)  # sharper policy
+    ref_params = models.init_params(policy, jax.random.key(3))
+    params = jax.tree.map(lambda x: x * 8.0 if x.ndim == 2 else x, ref_params)  # sharper policy
     weights = np.array([0.3, -0.2, 0.9, 0.1, 0.0])
 
     def gold(documents, ids, mask):
@@ -130,6 +133,7 @@ def test_monte_carlo_values_are_unbiased(tmp_path):
                             estimator="macro_mc", mc_rollouts=4000, reward_clip=10.0)
     mods = core.Models(policy=policy, critic=None, reward=None, actor_optimizer=None,
                        critic_optimizer=None, gold_fn=gold)
+    frozen = core.Frozen(ref_params, None, jnp.float32(0.0), jnp.float32(1.0))
     prompt = np.array([1, 2, 3], np.int32)
     response = np.array([[2, 1, 3]], np.int32)
     z = jnp.zeros((1, 3))
@@ -139,17 +143,22 @@ def test_monte_carlo_values_are_unbiased(tmp_path):
     starts = jnp.array([[0, 1, 2]], jnp.int32)
     valid = jnp.ones((1, 3), bool)
     returns, budget = jax.jit(functools.partial(core.monte_carlo_returns, static, mods))(
-        params, None, exp, starts, valid, jax.random.key(5))
+        params, frozen, exp, starts, valid, jax.random.key(5), jnp.float32(beta))
     returns = np.asarray(returns)[0]  # [3 points, 4000 rollouts]
 
     def score(tokens):
         return float(sum(weights[t] for t in tokens))
 
     for j, t in enumerate([0, 1, 2]):
-        exact = _enumerated_value(policy, params, prompt, response[0, :t].tolist(), 3 - t, eos,
-                                  score, temperature)
+        exact = _enumerated_value(policy, params, ref_params, prompt, response[0, :t].tolist(),
+                                  3 - t, eos, score, temperature, beta)
+        unregularised = _enumerated_value(policy, params, ref_params, prompt,
+                                          response[0, :t].tolist(), 3 - t, eos, score,
+                                          temperature, 0.0)
         se = returns[j].std() / np.sqrt(returns.shape[1])
         assert abs(returns[j].mean() - exact) < 4 * se + 1e-6, (t, returns[j].mean(), exact, se)
+        # The KL still to come moves the value by far more than the noise: the check can fail.
+        assert abs(unregularised - exact) > 10 * se, (t, unregularised, exact, se)
     assert float(budget["budget/generated_tokens"]) > 0
 
 

@@ -75,6 +75,15 @@ def _read_pretrained(config):
     return module.config, params
 
 
+def compute_dtype(config) -> str:
+    """`config.model.dtype`, "auto" resolved: bfloat16 on GPUs and TPUs, float32 on CPUs."""
+    dtype = config.model.dtype
+    if dtype == "auto":
+        # bf16 matmuls run at full rate on TPUs and GPUs; CPUs emulate bf16, so stay in fp32.
+        dtype = "bfloat16" if jax.default_backend() in ("gpu", "tpu") else "float32"
+    return dtype
+
+
 def model_config(config, tokenizer) -> models.ModelConfig:
     """The policy's ModelConfig: from `config.model.path` or from `config.model.config` fields.
 
@@ -102,11 +111,7 @@ def model_config(config, tokenizer) -> models.ModelConfig:
         fields.setdefault("pad_token_id", tokenizer.pad_token_id)
         fields.setdefault("bos_token_id", tokenizer.bos_token_id)
         cfg = models.ModelConfig(**fields)
-    dtype = m.dtype
-    if dtype == "auto":
-        # bf16 matmuls run at full rate on TPUs and GPUs; CPUs emulate bf16, so stay in fp32.
-        dtype = "bfloat16" if jax.default_backend() in ("gpu", "tpu") else "float32"
-    return dataclasses.replace(cfg, dtype=dtype, param_dtype=m.param_dtype, remat=m.remat,
+    return dataclasses.replace(cfg, dtype=compute_dtype(config), param_dtype=m.param_dtype, remat=m.remat,
                                scan_layers=m.get("scan_layers", False))
 
 

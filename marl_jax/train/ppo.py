@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from marl_jax import distributed
+from marl_jax import distributed, estimators
 from marl_jax import models as models_lib
 from marl_jax import sampling
 from marl_jax.data import batches
@@ -39,7 +39,10 @@ def static_from_config(config, tokenizer, variants=None) -> core.PPOStatic:
         vf_coef=float(p.vf_coef), kl_estimator=p.kl_estimator, reward_clip=float(p.reward_clip),
         normalize_reward=bool(p.normalize_reward),
         missing_eos_penalty=float(p.missing_eos_penalty),
-        whiten_advantages=bool(p.whiten_advantages), loss_aggregation=p.loss_aggregation,
+        whiten_advantages=bool(p.whiten_advantages), loss_aggregation=loss_aggregation(p),
+        compute_dtype=build.compute_dtype(config), old_logprobs=p.get("old_logprobs", "auto"),
+        rollout_correction=p.get("rollout_correction", "none"),
+        rollout_is_cap=float(p.get("rollout_is_cap", 2.0)),
         adaptive_kl=bool(p.adaptive_kl), kl_target=float(p.kl_target),
         kl_horizon=int(p.kl_horizon), reward_source=p.reward_source,
         estimator=p.get("estimator", "gae"), group_size=int(p.get("group_size", 1)),
@@ -47,6 +50,14 @@ def static_from_config(config, tokenizer, variants=None) -> core.PPOStatic:
         mc_branch_points=int(p.get("mc_branch_points", 4)),
         entropy_quantile=float(p.get("entropy_quantile", 0.2)),
         num_layers_unfrozen=int(p.get("num_layers_unfrozen", -1)))
+
+
+def loss_aggregation(ppo_config) -> str:
+    """`ppo.loss_aggregation`, "auto" resolved to the estimator's published one."""
+    chosen = ppo_config.get("loss_aggregation", "auto")
+    if chosen == "auto":
+        return estimators.DEFAULT_LOSS_AGGREGATION[ppo_config.get("estimator", "gae")]
+    return chosen
 
 
 def with_shared_trunk(static: core.PPOStatic, num_layers: int, actor_params, rm_params,

@@ -57,7 +57,16 @@ class PPOStatic:
     normalize_reward: bool = True
     missing_eos_penalty: float = 0.0
     whiten_advantages: bool = False
-    loss_aggregation: str = "token_mean"
+    loss_aggregation: str = "token_mean"  # `losses.aggregate_tokens` (resolved, never "auto")
+    # The compute dtype of the models (the sampler's and the trainer's logprobs agree in float32).
+    compute_dtype: str = "float32"
+    # PPO's old logprobs: "trainer" (the actor's scoring pass), "sampler" (the sampler's), or
+    # "auto" (see `reuses_sampler_logprobs`).
+    old_logprobs: str = "auto"
+    # Truncated importance weights on each token's policy-gradient term
+    # (`losses.rollout_correction_weights`): "none", "token", "sequence" or "macro".
+    rollout_correction: str = "none"
+    rollout_is_cap: float = 2.0
     adaptive_kl: bool = False
     kl_target: float = 6.0
     kl_horizon: int = 10000
@@ -81,6 +90,20 @@ class PPOStatic:
     @property
     def uses_critic(self) -> bool:
         return self.estimator == "gae"
+
+    @property
+    def kl_in_loss(self) -> bool:
+        """The KL to the reference is a loss term (the group estimators), not a reward."""
+        return self.estimator in estimators.KL_IN_LOSS
+
+    @property
+    def reuses_sampler_logprobs(self) -> bool:
+        """PPO's old logprobs are the sampler's (no scoring pass of the actor). "auto" reuses them
+        where they are the trainer's numbers (`sampler_logprobs_are_exact`) and no correction
+        needs the trainer's."""
+        if self.old_logprobs == "auto":
+            return sampler_logprobs_are_exact(self) and self.rollout_correction == "none"
+        return self.old_logprobs == "sampler"
 
     @property
     def prompts_per_step(self) -> int:
@@ -140,6 +163,8 @@ class Experience:
     entropies: jax.Array = None  # [B, R] sampling entropy of each token (entropy termination)
     documents: Any = None  # [B, D] the synthetic task's documents (gold scores of branches)
     trunk: Any = None  # [B, P + R, D] the shared trunk's output (`shared_trunk`), or None
+    # [B, R] the sampler's logprobs of the tokens, where a rollout correction weighs them.
+    sampler_logprobs: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,10 +257,26 @@ def generate_responses(static: PPOStatic, models: Models, state: PPOState, promp
 
 
 def sampler_logprobs_are_exact(static: PPOStatic) -> bool:
-    """Without top-k / top-p filtering the sampler's logprobs are those of the temperature-scaled
-    policy that training evaluates, so the scoring pass can reuse them instead of running the
-    actor again."""
-    return static.temperature > 0 and static.top_k == 0 and static.top_p >= 1.0
+    """In float32 without top-k / top-p filtering the sampler's logprobs are those of the
+    temperature-scaled policy that training evaluates (to ~1e-5), so the scoring pass can reuse
+    them instead of running the actor again. In bfloat16 the two programs round differently."""
+    return (static.temperature > 0 and static.top_k == 0 and static.top_p >= 1.0
+            and static.compute_dtype == "float32")
+
+
+def rollout_mismatch(trainer_logprobs, sampler_logprobs, response_mask, cliprange):
+    """How far the sampler's logprobs of the sampled tokens are from the trainer's: mean and max
+    |trainer - sampler| over the response tokens, and the share of tokens whose exp(trainer -
+    sampler) lies outside PPO's clip range [1 - cliprange, 1 + cliprange] before any update."""
+    valid = response_mask != 0
+    diff = jnp.where(valid, trainer_logprobs - sampler_logprobs, 0.0)
+    ratio = jnp.exp(diff)
+    outside = ((ratio < 1.0 - cliprange) | (ratio > 1.0 + cliprange)).astype(jnp.float32)
+    # Unmeasured (NaN) logprobs stay NaN in every metric.
+    outside = jnp.where(jnp.isnan(diff), jnp.nan, outside)
+    return {"rollout/logprob_diff_mean": _masked_mean(jnp.abs(diff), valid),
+            "rollout/logprob_diff_max": jnp.abs(diff).max(),
+            "rollout/ratio_outside_clip": _masked_mean(outside, valid)}
 
 
 def sequence_score(static: PPOStatic, models: Models, frozen: Frozen, prompt_ids, prompt_mask,
@@ -273,16 +314,25 @@ def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, pr
     function's on `documents`, or `host_scores [B]` computed on the host, e.g. unit tests) and
     the per-token rewards: -kl_coef * KL on every token plus the clipped score on the last one.
     `sampled_logprobs [B, R]` (the sampler's) replace the actor's scoring pass when
-    `sampler_logprobs_are_exact(static)`.
+    `static.reuses_sampler_logprobs`; where both exist, their mismatch is measured
+    (`rollout_mismatch`). Reused where they are not exact, the scoring pass still runs on the
+    first step, to measure what the choice costs (NaN on later steps).
     """
     args = (prompt_ids, prompt_mask, response_ids, response_mask)
     trunk = shared_trunk(static, models, frozen.ref_params, *args)
     entropies = None if sampled_entropy is None else sampled_entropy * response_mask
-    if sampled_logprobs is not None and sampler_logprobs_are_exact(static):
-        old_logprobs = sampled_logprobs * response_mask
+    sampler = None if sampled_logprobs is None else sampled_logprobs * response_mask
+    trainer_pass = lambda: token_logprobs(models.policy, state.actor_params, *args,
+                                          static.temperature, trunk)
+    if sampler is not None and static.reuses_sampler_logprobs:
+        old_logprobs = sampler
+        trainer = None
+        if not sampler_logprobs_are_exact(static):
+            trainer = jax.lax.cond(state.step == 0, lambda: trainer_pass()[0],
+                                   lambda: jnp.full_like(sampler, jnp.nan))
     else:
-        old_logprobs, actor_entropy = token_logprobs(models.policy, state.actor_params, *args,
-                                                     static.temperature, trunk)
+        old_logprobs, actor_entropy = trainer_pass()
+        trainer = old_logprobs
         entropies = actor_entropy if entropies is None else entropies
     ref = continuation_scores(models.policy, frozen.ref_params, *args, static.temperature,
                               trunk)
@@ -305,7 +355,8 @@ def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, pr
                      ended_with_eos, entropies,
                      # Only Monte Carlo branches score again (with the gold function).
                      documents if static.estimator == "macro_mc" else None,
-                     None if trunk is None else trunk[0])
+                     None if trunk is None else trunk[0],
+                     sampler if static.rollout_correction != "none" else None)
     seq_kl = (losses.kl_per_token(old_logprobs, ref.logprobs, "k1") * response_mask).sum(axis=1)
     metrics = {
         "objective/kl": seq_kl.mean(),
@@ -321,6 +372,8 @@ def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, pr
         # How far the critic is from the reward's scale where the score is read (0 at the first
         # step when the critic starts from the reward model, rescaled to normalised scores).
         metrics["critic/score_value_error"] = jnp.abs(final_values - scores).mean()
+    if sampler is not None and trainer is not None:
+        metrics.update(rollout_mismatch(trainer, sampler, response_mask, static.cliprange))
     return exp, metrics
 
 
@@ -403,15 +456,17 @@ def critic_free_advantages(static: PPOStatic, models: Models, state: PPOState, f
                            hparams: RunHparams, exp: Experience, segments: dict, key):
     """Per-token advantages `[B, R]` without a critic: (advantages, metrics, extra budget).
 
-    grpo / dr_grpo / rloo: the sequence return (clipped score plus the summed per-token KL
-    penalty, as RLOO) normalised within each group of `group_size` samples, on every token.
+    grpo / dr_grpo / rloo: the sequence's terminal reward (clipped score, missing-EOS penalty)
+    normalised within each group of `group_size` samples, on every token; the KL to the
+    reference is a loss term of its own (`update`), so equal scores give zero advantages.
     reinforce_pp: the return-to-go of the per-token rewards, normalised over the batch.
     macro_mc: Monte Carlo values at branch points (macro starts) from `mc_rollouts`
     continuations each, sampled by the current policy; see `estimators.macro_mc_advantages`.
     """
     mask = exp.response_mask
-    if static.estimator in ("grpo", "dr_grpo", "rloo"):
-        returns = (exp.rewards * mask).sum(axis=1)
+    if static.estimator in estimators.GROUP_METHODS:
+        returns = jnp.where(mask.sum(axis=1) > 0,
+                            terminal_reward(static, exp.scores, exp.ended_with_eos), 0.0)
         seq = estimators.group_advantages(returns, static.group_size, method=static.estimator)
         return estimators.sequence_advantages_to_tokens(seq, mask), {}, {}
     if static.estimator == "reinforce_pp":
@@ -422,7 +477,7 @@ def critic_free_advantages(static: PPOStatic, models: Models, state: PPOState, f
     seg = variant_segments(static, segments, hparams.variant)
     starts, valid = estimators.choose_branch_points(k_points, seg, mask, static.mc_branch_points)
     returns, budget = monte_carlo_returns(static, models, state.actor_params, frozen, exp, starts,
-                                          valid, k_rollouts)
+                                          valid, k_rollouts, state.kl_coef)
     values = returns.mean(axis=-1)
     per_token_kl = kl_rewards(static, exp, state.kl_coef)
     terminal = ((exp.rewards - per_token_kl) * mask).sum(axis=1)
@@ -434,14 +489,16 @@ def critic_free_advantages(static: PPOStatic, models: Models, state: PPOState, f
 
 
 def monte_carlo_returns(static: PPOStatic, models: Models, actor_params, frozen: Frozen,
-                        exp: Experience, starts, valid, key):
+                        exp: Experience, starts, valid, key, kl_coef=0.0):
     """Returns of `mc_rollouts` continuations from each branch point: (`[B, M, m]`, budget).
 
     Branch point (b, j) is the state after the first `starts[b, j]` response tokens of row b;
     each continuation is sampled by `actor_params` from there (prompt + prefix prefilled once
     per branch point) and its return is its terminal reward (clipped score, missing-EOS
-    penalty), so the mean over the last axis is an unbiased Monte Carlo estimate of the
-    state's value. The budget counts the continuation tokens and prefills of valid points.
+    penalty) minus `kl_coef` x its summed per-token KL to the reference (the tokens it
+    sampled, not the prefix), so the mean over the last axis is an unbiased Monte Carlo
+    estimate of the state's KL-regularised value. The budget counts the continuation tokens and
+    prefills of valid points.
     """
     rows, prefix, flat_valid = estimators.flatten_branches(starts, valid)
     m = static.mc_rollouts
@@ -459,6 +516,16 @@ def monte_carlo_returns(static: PPOStatic, models: Models, actor_params, frozen:
                                     cont_mask, documents)
     returns = terminal_reward(static, cont_scores,
                               _ended_with_eos(cont.tokens, cont_mask, static.eos_id))
+    sampled = cont_mask * (jnp.arange(cont_mask.shape[1])[None] >= jnp.repeat(prefix, m)[:, None])
+    cont_args = (prompt_ids, prompt_mask, cont.tokens, cont_mask)
+    ref = continuation_scores(models.policy, frozen.ref_params, *cont_args, static.temperature)
+    if static.reuses_sampler_logprobs:
+        actor_logprobs = cont.logprobs
+    else:
+        actor_logprobs, _ = token_logprobs(models.policy, actor_params, *cont_args,
+                                           static.temperature)
+    kl = losses.kl_per_token(actor_logprobs, ref.logprobs, static.kl_estimator)
+    returns = returns - kl_coef * jnp.where(sampled != 0, kl, 0.0).sum(axis=1)
     used = jnp.repeat(flat_valid, m).astype(jnp.float32)
     generated = ((cont_mask.sum(axis=1) - jnp.repeat(prefix, m)) * used).sum()
     prefilled = ((exp.prompt_mask[rows].sum(axis=1) + prefix) * flat_valid).sum()
@@ -479,16 +546,23 @@ def segment_stats(segments, variant, static, mask):
 
 
 # ---- update ---------------------------------------------------------------------------------
-def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, adv, ret, key):
+def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, adv, ret, key,
+           is_weights=None):
     """`ppo_epochs` x `num_minibatches` actor and critic updates from advantages and returns
     `[B, R]` (every token carrying its macro's A and G); the actor alone for the critic-free
-    estimators (`ret` unused)."""
+    estimators (`ret` unused). `is_weights [B, R]`: rollout-correction weights of each token's
+    policy-gradient term (None: 1). The group estimators add beta x the k3 KL to the reference,
+    per token, aggregated as the policy loss."""
     b = static.batch_size
     mb = b // static.num_minibatches
     data = dict(prompt_ids=exp.prompt_ids, prompt_mask=exp.prompt_mask,
                 response_ids=exp.response_ids, response_mask=exp.response_mask,
                 old_logprobs=exp.old_logprobs, old_values=exp.values, advantages=adv,
                 returns=ret)
+    if is_weights is not None:
+        data["is_weights"] = is_weights
+    if static.kl_in_loss:
+        data["ref_logprobs"] = exp.ref_logprobs
     # The frozen trunk's output, once for every epoch and minibatch of actor and critic (the
     # scoring pass's, when the experience carries it).
     if exp.trunk is not None and static.shared_trunk_layers:
@@ -506,8 +580,15 @@ def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, 
             batch["response_ids"], batch["response_mask"], static.temperature, trunk_of(batch))
         loss, m = losses.ppo_policy_loss(logprobs, batch["old_logprobs"], batch["advantages"],
                                          batch["response_mask"], cliprange=static.cliprange,
-                                         aggregation=static.loss_aggregation)
-        return loss, dict(m, entropy=_masked_mean(entropy, batch["response_mask"]))
+                                         aggregation=static.loss_aggregation,
+                                         is_weights=batch.get("is_weights"))
+        m = dict(m, entropy=_masked_mean(entropy, batch["response_mask"]))
+        if static.kl_in_loss:
+            kl_loss = losses.kl_penalty_loss(logprobs, batch["ref_logprobs"],
+                                             batch["response_mask"], kl_coef=state.kl_coef,
+                                             aggregation=static.loss_aggregation)
+            loss, m = loss + kl_loss, dict(m, kl_loss=kl_loss)
+        return loss, m
 
     def critic_loss(params, batch):
         values = response_values(models.critic, params, batch["prompt_ids"],
@@ -539,6 +620,8 @@ def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, 
             "val/ratio": a_m["ratio_mean"], "val/ratio_var": a_m["ratio_var"],
             "grad/actor_norm": optax.global_norm(a_grads),
         }
+        if static.kl_in_loss:
+            metrics["loss/kl_avg"] = a_m["kl_loss"]
         if static.uses_critic:
             (c_loss, c_m), c_grads = accumulate_gradients(critic_loss, critic_params, batch, k,
                                                           token_count, static.num_layers_unfrozen)
@@ -578,6 +661,24 @@ def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, 
                               critic_params=critic_params, critic_opt_state=critic_opt,
                               skipped_updates=skipped)
     return new_state, metrics
+
+
+def correction_weights(static: PPOStatic, exp: Experience, segments: dict, variant):
+    """(`[B, R]` rollout-correction weights or None, metrics): `static.rollout_correction` at
+    the level of tokens, responses or the run variant's macros, capped at `rollout_is_cap`."""
+    if static.rollout_correction == "none":
+        return None, {}
+    level = static.rollout_correction
+    seg = variant_segments(static, segments, variant) if level == "macro" else None
+    args = (exp.old_logprobs, exp.sampler_logprobs, exp.response_mask)
+    weights = losses.rollout_correction_weights(*args, level=level, cap=static.rollout_is_cap,
+                                                segment_ids=seg)
+    uncapped = losses.rollout_correction_weights(*args, level=level, cap=jnp.inf,
+                                                 segment_ids=seg)
+    valid = exp.response_mask != 0
+    return weights, {"rollout/is_weight_mean": _masked_mean(weights, valid),
+                     "rollout/is_weight_capped_frac": _masked_mean(
+                         uncapped > static.rollout_is_cap, valid)}
 
 
 def explained_variance(values, returns, mask):
@@ -650,13 +751,14 @@ def update_phase(static: PPOStatic, models: Models, state: PPOState, exp: Experi
             static, models, state, frozen, hparams, exp, segments,
             jax.random.fold_in(k_segment, 1))
         budget = {k: v + branch_budget.get(k, 0.0) for k, v in budget.items()}
-    new_state, upd_metrics = update(static, models, state, exp, adv, ret, k_update)
+    weights, weight_metrics = correction_weights(static, exp, segments, hparams.variant)
+    new_state, upd_metrics = update(static, models, state, exp, adv, ret, k_update, weights)
     new_state = new_state.replace(
         step=state.step + 1,
         kl_coef=adapt_kl_coef(static, state.kl_coef, roll_metrics["objective/kl"]),
         generated_tokens=state.generated_tokens + budget["budget/generated_tokens"],
         prefill_tokens=state.prefill_tokens + budget["budget/prefill_tokens"])
-    metrics = {**roll_metrics, **upd_metrics, **est_metrics, **budget,
+    metrics = {**roll_metrics, **upd_metrics, **est_metrics, **budget, **weight_metrics,
                **segment_stats(segments, hparams.variant, static, exp.response_mask),
                "objective/kl_coef": state.kl_coef,
                "budget/generated_tokens_total": new_state.generated_tokens}
