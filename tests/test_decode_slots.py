@@ -1,7 +1,9 @@
 """Continuous batching over decode slots (`generate(..., decode_slots=S)`, `continue_responses`): the
 same outputs as the static sampler on a random model (greedy, sampled, top-k / top-p, groups,
 continuations, scanned layers, a mesh of fake devices), the row-wise batch draw bit for bit against
-`jax.random.categorical`, bad input."""
+`jax.random.categorical`, a PPO step and evaluation with and without slots, bad input."""
+import dataclasses
+import functools
 import warnings
 
 import jax
@@ -12,11 +14,15 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import marl_jax.models as M
 from marl_jax.batch_draws import categorical_rows
+from marl_jax.config import validate_config
 from marl_jax.sampling import continue_responses, generate
+from marl_jax.train import ppo as ppo_lib
+from marl_jax.train import ppo_core as core
 from marl_jax.train import sharding
 import test_sampling
 from models_util import padded_batch
 from test_sampling_groups import EOS, _assert_same_samples
+from train_util import tiny_config
 
 tiny = test_sampling.tiny  # the random Llama of test_sampling.py
 
@@ -124,3 +130,46 @@ def test_bad_decode_slots(tiny, prompts):
     _assert_same_samples(above, static, atol=0)
     with pytest.raises(ValueError, match="decode_slots with key= needs a threefry key"):
         _sample(model, params, ids, mask, decode_slots=2, **{**settings, "key": jax.random.key(0, impl="rbg")})
+
+
+# PPO and evaluation -------------------------------------------------------------------------------
+
+def test_a_ppo_step_over_decode_slots_equals_the_static_step():
+    import test_shared_trunk
+
+    _, config, mods, static, sft, rm, critic_params = test_shared_trunk._setup(num_layers_unfrozen=-1)
+    # Ids the random policy emits often, so that responses end at different steps.
+    static = dataclasses.replace(static, batch_size=8, group_size=2, response_length=10, eos_id=(1, 5, 9, 17))
+    frozen = core.Frozen(sft, rm, jnp.float32(0.1), jnp.float32(2.0))
+    hp = ppo_lib.hparams_from_config(config.ppo)
+    prompts = jnp.asarray(np.random.default_rng(1).integers(2, 32, (4, 5)), jnp.int32)
+    prompt_mask = jnp.asarray(np.array([[0, 0, 1, 1, 1], [0, 1, 1, 1, 1], [1] * 5, [0, 0, 0, 1, 1]]), jnp.int32)
+    out = {}
+    for slots in (0, 2):
+        s = dataclasses.replace(static, decode_slots=slots)
+        state = ppo_lib.initial_state(config, mods, sft, critic_params, seed=0)
+        state, metrics = jax.jit(functools.partial(core.ppo_step, s, mods))(state, frozen, hp, prompts, prompt_mask)
+        evaluation = ppo_lib.evaluate(s, mods, state.actor_params, frozen, prompts, prompt_mask, None,
+                                      jax.random.key(5), samples_per_prompt=2)
+        out[slots] = metrics, evaluation
+    (m_static, e_static), (m_slots, e_slots) = out[0], out[2]
+    assert set(m_static) == set(m_slots)
+    for key in m_static:
+        np.testing.assert_allclose(m_slots[key], m_static[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    for key in e_static:
+        np.testing.assert_allclose(e_slots[key], e_static[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    lengths = np.asarray(e_static["response_mask"]).sum(1)
+    assert lengths.min() < lengths.max() == 10, lengths
+
+
+def test_ppo_decode_slots_config_is_checked():
+    config = tiny_config()
+    config.ppo.decode_slots = -1
+    with pytest.raises(ValueError, match=r"config.ppo.decode_slots=-1: must be an integer >= 0"):
+        validate_config(config)
+    config.ppo.update(dict(decode_slots=6, batch_size=16))
+    mesh = sharding.make_mesh(dict(data=2, fsdp=2, tensor=2))
+    with pytest.raises(ValueError, match=r"config.ppo.decode_slots=6 is not divisible by the 4 data-parallel"):
+        ppo_lib.validate_decode_slots(config, mesh)
+    config.ppo.decode_slots = 16  # not below the batch: the static batch, nothing to split
+    ppo_lib.validate_decode_slots(config, mesh)
