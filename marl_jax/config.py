@@ -142,6 +142,9 @@ def base_config() -> ml_collections.ConfigDict:
     p.temperature = 0.8
     p.top_k = 50
     p.top_p = 1.0
+    # Rollouts (PPO and evaluation) over this many decode slots: continuous batching, the same
+    # samples, a KV cache of decode_slots rows instead of batch_size; 0: one static batch.
+    p.decode_slots = 0
     # Macro actions.
     p.termination = "fixed"
     p.ngram = 5
@@ -266,6 +269,8 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
     check(p.temperature >= 0, "ppo.temperature", "must be >= 0")
     check(0 < p.top_p <= 1, "ppo.top_p", "must be in (0, 1]")
     check(p.top_k >= 0, "ppo.top_k", "must be >= 0 (0 disables top-k)")
+    check(isinstance(p.decode_slots, int) and p.decode_slots >= 0, "ppo.decode_slots",
+          "must be an integer >= 0 (0: one static batch)")
     check(0 <= p.lam <= 1, "ppo.lam", "must be in [0, 1]")
     check(0 <= p.gamma <= 1, "ppo.gamma", "must be in [0, 1]")
     check(p.kl_coef >= 0, "ppo.kl_coef", "must be >= 0")

@@ -341,6 +341,7 @@ def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats, *, stage_na
     mods = ppo_lib.make_models(config, pipe.policy, pipe.critic, pipe.reward_model, task.gold_fn)
     mesh = pipe.mesh
     sharding.validate_batch(p.batch_size, mesh, "config.ppo.batch_size")
+    ppo_lib.validate_decode_slots(config, mesh)
     if static.group_size > 1:
         sharding.validate_batch(static.prompts_per_step, mesh,
                                 "config.ppo.batch_size / config.ppo.group_size (prompts per step)")

@@ -22,13 +22,17 @@ any prefix of it.
 from __future__ import annotations
 
 import functools
+import math
 import numbers
+import warnings
 from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import linen as nn
 
+from marl_jax import batch_draws, decode_slots as slot_engine
 from marl_jax.models.decoder import init_cache, positions_from_mask
 from marl_jax.models.heads import CausalLM, check_tokens
 
@@ -129,13 +133,27 @@ def _draws(key, row_keys, offsets):
 
         return batch_draw
 
-    def row(row_key, position, candidates):
-        return jax.random.categorical(jax.random.fold_in(row_key, position), candidates)
-
     def row_draw(step):
-        return lambda candidates: jax.vmap(row)(row_keys, offsets + step, candidates)
+        return lambda candidates: jax.vmap(_draw_row)(row_keys, offsets + step, candidates)
 
     return row_draw
+
+
+def _draw_row(row_key, position, candidates):
+    """One row's pick among candidates `[C]` at response position `position`, keyed by its own key."""
+    return jax.random.categorical(jax.random.fold_in(row_key, position), candidates)
+
+
+def _slot_draws(key, row_keys):
+    """The draws of `_draws` for rows at different steps: `draw(candidates [S, C], rows [S],
+    positions [S]) -> [S]`, row `rows[s]` at response position `positions[s]`."""
+    if row_keys is None:
+        def batch_rows(candidates, rows, positions):
+            step_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, positions)
+            return batch_draws.categorical_rows(step_keys, candidates, rows)
+
+        return batch_rows
+    return lambda candidates, rows, positions: jax.vmap(_draw_row)(jnp.take(row_keys, rows), positions, candidates)
 
 
 def _repeat_rows(model: CausalLM, k: int, logits, cache, *rows):
@@ -214,22 +232,52 @@ def _decoder(model: CausalLM, params):
     return decode
 
 
-_STATIC = ("model", "top_k", "eos_ids", "pad_id", "greedy", "dynamic_temperature", "use_top_p", "num_samples")
+_STATIC = ("model", "top_k", "eos_ids", "pad_id", "greedy", "dynamic_temperature", "use_top_p", "num_samples",
+           "decode_slots")
+
+
+def _prefill(model: CausalLM, decode, ids, mask, steps: int):
+    """Prefill of left-padded `ids, mask [B, W]` into a fresh cache of W + steps slots: (last
+    logits `[B, V]`, cache, key mask `[B, W + steps]`, valid tokens per row `[B]`)."""
+    batch, width = ids.shape
+    mask = mask.astype(jnp.int32)
+    kv_mask = jnp.concatenate([mask, jnp.ones((batch, steps), jnp.int32)], axis=1)
+    cache = init_cache(model.config, batch, width + steps)
+    logits, cache = decode(ids, kv_mask, positions_from_mask(mask), cache, 0)
+    return logits, cache, kv_mask, mask.sum(axis=-1)
+
+
+def _over_slots(model: CausalLM, decode, choose, draw, ids, mask, *, slots, samples, steps, eos_ids, pad_id,
+                unit_order=None, live_units=None, offsets=None, remaining=None):
+    """Continuous batching of `samples` rows per context `ids, mask [U, W]` over `slots` decode
+    slots (marl_jax.decode_slots); `[U * samples, steps]` outputs as `_sample_loop` gives them."""
+    units, width = ids.shape
+    rows = units * samples
+    out = slot_engine.sample(
+        lambda picks: _prefill(model, decode, jnp.take(ids, picks, axis=0), jnp.take(mask, picks, axis=0), steps),
+        decode, choose, draw, units=units, samples=samples, slots=slots, steps=steps, context_width=width,
+        eos_ids=eos_ids, pad_id=pad_id,
+        unit_order=jnp.arange(units, dtype=jnp.int32) if unit_order is None else unit_order,
+        live_units=units if live_units is None else live_units,
+        offsets=jnp.zeros((rows,), jnp.int32) if offsets is None else offsets,
+        remaining=jnp.full((rows,), steps, jnp.int32) if remaining is None else remaining,
+        batch_axis=1 if model.config.scan_layers else 0, logits_width=model.config.vocab_size)
+    return SampleOutput(*out)
 
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", *_STATIC))
 def _generate(model: CausalLM, params, prompt_ids, prompt_mask, key, row_keys, temperature, top_p, *,
-              max_new_tokens, num_samples, top_k, eos_ids, pad_id, greedy, dynamic_temperature, use_top_p):
+              max_new_tokens, num_samples, top_k, eos_ids, pad_id, greedy, dynamic_temperature, use_top_p,
+              decode_slots):
     batch, prompt_len = prompt_ids.shape
     steps = max_new_tokens
     choose = functools.partial(_choose, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy,
                                dynamic_temperature=dynamic_temperature, use_top_p=use_top_p)
     decode = _decoder(model, params)
-    prompt_mask = prompt_mask.astype(jnp.int32)
-    kv_mask = jnp.concatenate([prompt_mask, jnp.ones((batch, steps), jnp.int32)], axis=1)
-    lengths = prompt_mask.sum(axis=-1)
-    cache = init_cache(model.config, batch, prompt_len + steps)
-    logits, cache = decode(prompt_ids, kv_mask, positions_from_mask(prompt_mask), cache, 0)
+    if decode_slots:
+        return _over_slots(model, decode, choose, _slot_draws(key, row_keys), prompt_ids, prompt_mask,
+                           slots=decode_slots, samples=num_samples, steps=steps, eos_ids=eos_ids, pad_id=pad_id)
+    logits, cache, kv_mask, lengths = _prefill(model, decode, prompt_ids, prompt_mask, steps)
     logits, cache, kv_mask, lengths = _repeat_rows(model, num_samples, logits, cache, kv_mask, lengths)
     offsets = None if row_keys is None else jnp.zeros((batch * num_samples,), jnp.int32)
     return _sample_loop(decode, choose, _draws(key, row_keys, offsets), logits, cache, kv_mask, lengths, prompt_len,
@@ -285,13 +333,42 @@ def _check_row_keys(row_keys, rows: int) -> None:
         raise ValueError(f"row_keys must have shape ({rows},) = [batch * num_samples], got {tuple(row_keys.shape)}")
 
 
+def _data_shards() -> int:
+    """Shards of the batch axis under the current mesh and logical rules (1 without a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    axes = dict(nn.get_logical_axis_rules()).get("activation_batch")
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return math.prod(mesh.shape[a] for a in axes if a in mesh.shape)
+
+
+def _check_decode_slots(decode_slots, rows: int, key, candidates: int) -> int:
+    """The number of decode slots to use (0: the static batch) after validating `decode_slots`."""
+    if decode_slots is None or (_is_int(decode_slots) and decode_slots == 0):
+        return 0
+    if not _is_int(decode_slots) or decode_slots < 0:
+        raise ValueError(f"decode_slots must be None or a non-negative int, got {decode_slots!r}")
+    if decode_slots >= rows:
+        warnings.warn(f"decode_slots={decode_slots} is not below the {rows} rows to sample: they are sampled as one "
+                      "static batch", stacklevel=3)
+        return 0
+    shards = _data_shards()
+    if decode_slots % shards:
+        raise ValueError(f"decode_slots={decode_slots} is not divisible by the {shards} data-parallel shards of the "
+                         "mesh")
+    if key is not None:
+        batch_draws.check_supported(key, rows, candidates)
+    return int(decode_slots)
+
+
 def _sampler_scalars(flags: dict, temperature, top_p):
     return jnp.asarray(1.0 if flags["greedy"] else temperature, jnp.float32), jnp.asarray(top_p, jnp.float32)
 
 
 def generate(model: CausalLM, params, prompt_ids, prompt_mask, *, key=None, row_keys=None, max_new_tokens: int,
              temperature, top_k: int = 0, top_p=1.0, eos_id: int | Sequence[int], pad_id: int,
-             num_samples: int = 1) -> SampleOutput:
+             num_samples: int = 1, decode_slots: int | None = None) -> SampleOutput:
     """Samples `max_new_tokens` (N) tokens after left-padded prompts, `num_samples` (k) per prompt.
 
     prompt_ids, prompt_mask `[B, P]` (every row's last column valid). Returns `[B * k, N]` arrays;
@@ -306,7 +383,15 @@ def generate(model: CausalLM, params, prompt_ids, prompt_mask, *, key=None, row_
     Exactly one of `key` (step t draws one categorical over the batch with `fold_in(key, t)`) and
     `row_keys` (typed keys `[B * k]`: row i's token t is drawn with `fold_in(row_keys[i], t)`,
     independently of the other rows). temperature and top_p may be traced; model, max_new_tokens,
-    top_k, eos_id, pad_id and num_samples are static.
+    top_k, eos_id, pad_id, num_samples and decode_slots are static.
+
+    `decode_slots` S (None or 0: one static batch): continuous batching (marl_jax.decode_slots):
+    S rows decode at once and a finished row's slot takes the next waiting one, so a batch of
+    uneven responses costs about sum(lengths) / S decode steps instead of max(length) and its
+    KV cache holds S (plus a prefill stage) rows instead of B * k. The draws of a row depend on its
+    key and response position only, so the outputs equal the static call's (up to floating-point
+    ties). S at or above B * k samples the static batch (with a warning); on a mesh S must
+    split over the data-parallel shards.
     """
     _check_model(model, "generate")
     cfg = model.config
@@ -324,11 +409,13 @@ def generate(model: CausalLM, params, prompt_ids, prompt_mask, *, key=None, row_
     if (key is None) == (row_keys is None):
         raise ValueError("generate needs exactly one of key (batch-level draws) and row_keys (per-row draws), got "
                          + ("both" if key is not None else "neither"))
+    rows = prompt_ids.shape[0] * num_samples
     if row_keys is not None:
-        _check_row_keys(row_keys, prompt_ids.shape[0] * num_samples)
+        _check_row_keys(row_keys, rows)
+    decode_slots = _check_decode_slots(decode_slots, rows, key, flags["top_k"] or cfg.vocab_size)
     return _generate(model, params, prompt_ids, prompt_mask, key, row_keys,
                      *_sampler_scalars(flags, temperature, top_p), max_new_tokens=int(max_new_tokens),
-                     num_samples=num_samples, **flags)
+                     num_samples=num_samples, decode_slots=decode_slots, **flags)
 
 
 # Continuation from a response prefix --------------------------------------------------------------------
@@ -368,23 +455,29 @@ def _after_prefix(response_ids, prefix_lengths, new: SampleOutput, pad_id: int) 
 
 @functools.partial(jax.jit, static_argnames=("steps", *_STATIC))
 def _continue(model: CausalLM, params, prompt_ids, prompt_mask, response_ids, prefix_lengths, row_keys, temperature,
-              top_p, *, steps, num_samples, top_k, eos_ids, pad_id, greedy, dynamic_temperature, use_top_p):
-    batch, response_len = response_ids.shape
+              top_p, *, steps, num_samples, top_k, eos_ids, pad_id, greedy, dynamic_temperature, use_top_p,
+              decode_slots):
+    response_len = response_ids.shape[1]
     width = prompt_ids.shape[1] + response_len
     choose = functools.partial(_choose, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy,
                                dynamic_temperature=dynamic_temperature, use_top_p=use_top_p)
     decode = _decoder(model, params)
     prefix_lengths = prefix_lengths.astype(jnp.int32)
     ids, mask = _context(prompt_ids, prompt_mask, response_ids, prefix_lengths)
-    kv_mask = jnp.concatenate([mask, jnp.ones((batch, steps), jnp.int32)], axis=1)
-    cache = init_cache(model.config, batch, width + steps)
-    logits, cache = decode(ids, kv_mask, positions_from_mask(mask), cache, 0)
     last = jnp.take_along_axis(response_ids, jnp.maximum(prefix_lengths - 1, 0)[:, None], axis=1)[:, 0]
     ended = (prefix_lengths > 0) & jnp.any(last[:, None] == jnp.asarray(eos_ids, jnp.int32), axis=-1)
     done = ended | (prefix_lengths >= response_len)
     remaining = jnp.minimum(response_len - prefix_lengths, steps)
+    if decode_slots:
+        rows = functools.partial(jnp.repeat, repeats=num_samples, axis=0)
+        new = _over_slots(model, decode, choose, _slot_draws(None, row_keys), ids, mask, slots=decode_slots,
+                          samples=num_samples, steps=steps, eos_ids=eos_ids, pad_id=pad_id,
+                          unit_order=jnp.argsort(done, stable=True).astype(jnp.int32), live_units=(~done).sum(),
+                          offsets=rows(prefix_lengths), remaining=rows(remaining))
+        return _after_prefix(rows(response_ids), rows(prefix_lengths), new, pad_id)
+    logits, cache, kv_mask, lengths = _prefill(model, decode, ids, mask, steps)
     logits, cache, kv_mask, lengths, done, remaining, prefix_lengths, response_ids = _repeat_rows(
-        model, num_samples, logits, cache, kv_mask, mask.sum(axis=-1), done, remaining, prefix_lengths, response_ids)
+        model, num_samples, logits, cache, kv_mask, lengths, done, remaining, prefix_lengths, response_ids)
     new = _sample_loop(decode, choose, _draws(None, row_keys, prefix_lengths), logits, cache, kv_mask, lengths, width,
                        steps=steps, eos_ids=eos_ids, pad_id=pad_id, done=done, remaining=remaining)
     return _after_prefix(response_ids, prefix_lengths, new, pad_id)
@@ -410,7 +503,8 @@ def _check_prefix_lengths(prefix_lengths, response_mask, batch: int) -> None:
 
 def continue_responses(model: CausalLM, params, prompt_ids, prompt_mask, response_ids, response_mask, prefix_lengths,
                        *, row_keys, num_samples: int = 1, temperature, top_k: int = 0, top_p=1.0,
-                       eos_id: int | Sequence[int], pad_id: int, max_new_tokens: int | None = None) -> SampleOutput:
+                       eos_id: int | Sequence[int], pad_id: int, max_new_tokens: int | None = None,
+                       decode_slots: int | None = None) -> SampleOutput:
     """Resamples responses after their first `prefix_lengths` tokens, `num_samples` (k) per row.
 
     prompt_ids, prompt_mask `[B, P]` (left-padded); response_ids, response_mask `[B, R]`
@@ -425,7 +519,8 @@ def continue_responses(model: CausalLM, params, prompt_ids, prompt_mask, respons
     logprobs / entropy 0 (they were not sampled here; the sampled part is
     `mask * (arange(R) >= repeat(prefix_lengths, k))`), then up to `max_new_tokens` (default R)
     sampled tokens, stopping after EOS or at R. A row whose prefix ends with EOS, or is the whole
-    response, samples nothing. max_new_tokens, num_samples, top_k, eos_id and pad_id are static.
+    response, samples nothing. `decode_slots`: as in `generate` (rows that sample nothing take no
+    slot). max_new_tokens, num_samples, top_k, eos_id, pad_id and decode_slots are static.
     """
     _check_model(model, "continue_responses")
     cfg = model.config
@@ -451,6 +546,7 @@ def continue_responses(model: CausalLM, params, prompt_ids, prompt_mask, respons
     num_samples = _check_num_samples(num_samples)
     _check_prefix_lengths(prefix_lengths, response_mask, batch)
     _check_row_keys(row_keys, batch * num_samples)
+    decode_slots = _check_decode_slots(decode_slots, batch * num_samples, None, 0)
     return _continue(model, params, prompt_ids, prompt_mask, response_ids, prefix_lengths, row_keys,
                      *_sampler_scalars(flags, temperature, top_p), steps=min(int(max_new_tokens), response_len),
-                     num_samples=num_samples, **flags)
+                     num_samples=num_samples, decode_slots=decode_slots, **flags)

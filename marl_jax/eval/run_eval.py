@@ -62,6 +62,7 @@ class Sampler:
     top_p: float
     eos_id: Any
     pad_id: int
+    decode_slots: int = 0  # config.ppo.decode_slots: continuous batching over that many slots
 
 
 def evaluate_workdir(pipeline) -> Optional[dict]:
@@ -226,7 +227,7 @@ def rollout_batch(sampler: Sampler, policy, reward_model, gold_fn, params, ref_p
         policy, params, prompt_ids, prompt_mask, key=jax.random.wrap_key_data(key_data),
         max_new_tokens=sampler.response_length,
         temperature=sampler.temperature, top_k=sampler.top_k, top_p=sampler.top_p,
-        eos_id=sampler.eos_id, pad_id=sampler.pad_id)
+        eos_id=sampler.eos_id, pad_id=sampler.pad_id, decode_slots=sampler.decode_slots)
     ids, mask = sample.tokens, sample.mask.astype(jnp.int32)
     args = (prompt_ids, prompt_mask, ids, mask)
     logp, _ = core.token_logprobs(policy, params, *args, sampler.temperature)
@@ -252,7 +253,8 @@ class Rollout:
         self.sampler = Sampler(
             response_length=int(p.response_length), temperature=float(p.temperature),
             top_k=int(p.top_k), top_p=float(p.top_p), eos_id=eos,
-            pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos)
+            pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
+            decode_slots=int(p.get("decode_slots", 0)))
         self.pipeline, self.task = pipeline, task
         self.batch_size = eval_batch_size(config)
         mesh = pipeline.mesh

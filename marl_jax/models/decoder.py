@@ -4,9 +4,10 @@ Qwen2 families.
 Two call paths share every layer:
 - training / scoring: `Decoder(input_ids [B, T], attention_mask [B, T], positions [B, T])`, causal
   plus padding mask, no cache;
-- incremental decoding: the same call with `cache` (`init_cache`) and a scalar `cache_index`; the
-  new keys/values are written at slots `[cache_index, cache_index + T)` and the queries attend to
-  the whole cache under `kv_mask [B, S]` and causality.
+- incremental decoding: the same call with `cache` (`init_cache`) and `cache_index` (a scalar, or
+  `[B]` when rows decode at different slots); the new keys/values are written at slots
+  `[cache_index, cache_index + T)` and the queries attend to the whole cache under
+  `kv_mask [B, S]` and causality.
 
 Layers run unrolled (params `layers_{i}`, cache a list of per-layer `{"k", "v"}: [B, K, S, H]`) or,
 with `config.scan_layers`, as one `nn.scan` over a stacked layer (params `layers` with a leading
@@ -147,20 +148,34 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, softcap: f
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, heads, head_dim)
 
 
+def _write_rows(cache: jax.Array, new: jax.Array, cache_index) -> jax.Array:
+    """`cache [B, K, S, H]` with `new [B, K, T, H]` at slots `[cache_index, cache_index + T)`;
+    cache_index a scalar or, per row, `[B]` (rows decoding at different slots: one scatter)."""
+    if jnp.ndim(cache_index) == 0:
+        return jax.lax.dynamic_update_slice(cache, new, (0, 0, cache_index, 0))
+    return jax.vmap(lambda rows, values, index: jax.lax.dynamic_update_slice(rows, values, (0, index, 0)))(
+        cache, new, cache_index)
+
+
 def _update_cache(cache: jax.Array, new: jax.Array, cache_index, layer) -> tuple[jax.Array, jax.Array]:
-    """Writes `new [B, K, T, H]` at slots `[cache_index, cache_index + T)` of a layer cache
-    `[B, K, S, H]` or, given `layer`, of that layer of a stacked cache `[L, B, K, S, H]`.
-    Returns (this layer's keys or values to attend to `[B, K, S, H]`, the updated cache)."""
+    """Writes `new [B, K, T, H]` at slots `[cache_index, cache_index + T)` (cache_index a scalar or
+    `[B]`) of a layer cache `[B, K, S, H]` or, given `layer`, of that layer of a stacked cache
+    `[L, B, K, S, H]`. Returns (this layer's keys or values to attend to `[B, K, S, H]`, the updated
+    cache)."""
     new = new.astype(cache.dtype)
     axes = ("activation_batch", "activation_kv_heads", None, None)
     if layer is None:
-        updated = nn.with_logical_constraint(jax.lax.dynamic_update_slice(cache, new, (0, 0, cache_index, 0)), axes)
+        updated = nn.with_logical_constraint(_write_rows(cache, new, cache_index), axes)
         return updated, updated
     # Write the new slots into the carried stack, then read the layer back: XLA then updates the
     # stack in place at every decode step (reading the layer before the write, or scanning the
     # cache in and out of the layer scan, costs copies of whole layers or of the whole stack).
-    stacked = nn.with_logical_constraint(
-        jax.lax.dynamic_update_slice(cache, new[None], (layer, 0, 0, cache_index, 0)), (None, *axes))
+    if jnp.ndim(cache_index) == 0:
+        stacked = jax.lax.dynamic_update_slice(cache, new[None], (layer, 0, 0, cache_index, 0))
+    else:
+        layer_cache = _write_rows(jax.lax.dynamic_index_in_dim(cache, layer, keepdims=False), new, cache_index)
+        stacked = jax.lax.dynamic_update_index_in_dim(cache, layer_cache, layer, 0)
+    stacked = nn.with_logical_constraint(stacked, (None, *axes))
     return jax.lax.dynamic_index_in_dim(stacked, layer, keepdims=False), stacked
 
 
@@ -311,12 +326,13 @@ class Decoder(nn.Module):
             query_slot = jnp.arange(length)
             key_slot = jnp.arange(length)
         else:
-            query_slot = cache_index + jnp.arange(length)
+            # [T], or [B, T] when each row writes at its own cache_index.
+            query_slot = jnp.asarray(cache_index)[..., None] + jnp.arange(length)
             key_slot = jnp.arange(key_valid.shape[1])
-        distance = query_slot[:, None] - key_slot[None, :]
-        mask = (distance >= 0)[None] & key_valid[:, None, :]
+        distance = query_slot[..., :, None] - key_slot  # [T, S] or [B, T, S]
+        mask = (distance >= 0) & key_valid[:, None, :]
         # Valid tokens of a row occupy contiguous slots, so slot distance is position distance.
-        window_mask = mask & (distance < cfg.sliding_window)[None] if cfg.sliding_layers else None
+        window_mask = mask & (distance < cfg.sliding_window) if cfg.sliding_layers else None
         if cfg.scan_layers:
             sliding = np.isin(np.arange(cfg.num_layers), cfg.sliding_layers)
             scan = nn.scan(_scanned_layer, variable_axes={"params": 0}, split_rngs={"params": True},

@@ -60,8 +60,8 @@ class CausalLM(nn.Module):
 
     def decode(self, input_ids, kv_mask, positions, cache: Cache, cache_index):
         """Incremental step: feeds `input_ids [B, T]` at cache slots `[cache_index, cache_index + T)`
-        with `positions [B, T]`; `kv_mask [B, S]` marks valid cache slots. Returns (logits of the
-        last fed token `[B, V]` float32, updated cache)."""
+        (cache_index a scalar or `[B]`) with `positions [B, T]`; `kv_mask [B, S]` marks valid
+        cache slots. Returns (logits of the last fed token `[B, V]` float32, updated cache)."""
         hidden, cache = self.backbone(input_ids, kv_mask, positions, cache, cache_index)
         return self.logits(hidden[:, -1:])[:, 0], cache
 

@@ -49,7 +49,15 @@ def static_from_config(config, tokenizer, variants=None) -> core.PPOStatic:
         mc_rollouts=int(p.get("mc_rollouts", 4)),
         mc_branch_points=int(p.get("mc_branch_points", 4)),
         entropy_quantile=float(p.get("entropy_quantile", 0.2)),
-        num_layers_unfrozen=int(p.get("num_layers_unfrozen", -1)))
+        num_layers_unfrozen=int(p.get("num_layers_unfrozen", -1)),
+        decode_slots=int(p.get("decode_slots", 0)))
+
+
+def validate_decode_slots(config, mesh) -> None:
+    """`config.ppo.decode_slots` (when it is below the batch) splits over the data-parallel shards."""
+    p = config.ppo
+    if 0 < p.get("decode_slots", 0) < p.batch_size:
+        sharding.validate_batch(p.decode_slots, mesh, "config.ppo.decode_slots")
 
 
 def loss_aggregation(ppo_config) -> str:
@@ -192,7 +200,7 @@ def evaluate(static: core.PPOStatic, mods: core.Models, actor_params, frozen: co
         mods.policy, actor_params, prompt_ids, prompt_mask, key=key,
         max_new_tokens=static.response_length, temperature=static.temperature,
         top_k=static.top_k, top_p=static.top_p, eos_id=static.eos_id, pad_id=static.pad_id,
-        **({"num_samples": m} if m > 1 else {}))
+        decode_slots=static.decode_slots, **({"num_samples": m} if m > 1 else {}))
     all_ids, all_mask = sample.tokens, sample.mask.astype(jnp.int32)
     ids, mask = all_ids[::m], all_mask[::m]  # the first sample of every prompt
     args = (prompt_ids, prompt_mask, ids, mask)
@@ -243,6 +251,7 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
     """Runs `config.ppo.steps` PPO / MA-PPO steps; returns the final PPOState."""
     p = config.ppo
     sharding.validate_batch(p.batch_size, mesh, "config.ppo.batch_size")
+    validate_decode_slots(config, mesh)
     if p.reward_source == "host" and task.host_reward is None:
         raise ValueError(f"config.ppo.reward_source='host': task {config.task.name!r} has no "
                          "host-side reward (APPS unit tests have one)")

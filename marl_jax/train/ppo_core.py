@@ -86,6 +86,9 @@ class PPOStatic:
     # > 0: the actor, reference, critic and reward model have the same embeddings and first k
     # layers (all frozen), which the scoring pass and the update run once for all of them.
     shared_trunk_layers: int = 0
+    # > 0: rollouts decode over this many slots (continuous batching, same samples; the KV cache
+    # holds that many rows instead of the batch's); 0: one static batch.
+    decode_slots: int = 0
 
     @property
     def uses_critic(self) -> bool:
@@ -253,7 +256,7 @@ def generate_responses(static: PPOStatic, models: Models, state: PPOState, promp
         models.policy, state.actor_params, prompt_ids, prompt_mask, key=key,
         max_new_tokens=static.response_length, temperature=static.temperature,
         top_k=static.top_k, top_p=static.top_p, eos_id=static.eos_id, pad_id=static.pad_id,
-        **groups)
+        decode_slots=static.decode_slots, **groups)
 
 
 def sampler_logprobs_are_exact(static: PPOStatic) -> bool:
