@@ -49,6 +49,35 @@ CASES = {
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
                          "rope_theta": 1000.0},
         pad_token_id=0, eos_token_id=1, bos_token_id=1),
+    # The families of 2025-26: hidden size, heads, kv heads and head_dim all different, sliding
+    # windows (4) shorter than the test sequences.
+    "qwen3_window_head_dim": dict(
+        model_type="qwen3", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=12, max_position_embeddings=128,
+        tie_word_embeddings=False, use_sliding_window=True, sliding_window=4, max_window_layers=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+        pad_token_id=0, eos_token_id=1, bos_token_id=1),
+    "gemma3_local_global": dict(
+        model_type="gemma3_text", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=12, max_position_embeddings=128,
+        query_pre_attn_scalar=10, sliding_window=4, layer_types=["sliding_attention", "full_attention",
+                                                                  "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
+        pad_token_id=0, eos_token_id=1, bos_token_id=2),
+    "mistral_window_mqa": dict(
+        model_type="mistral", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=10, max_position_embeddings=128,
+        sliding_window=4, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=1),
+    "olmo2_post_norms": dict(
+        model_type="olmo2", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=12, max_position_embeddings=128,
+        tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=1),
+    "phi3_fused_window": dict(
+        model_type="phi3", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=12, max_position_embeddings=128,
+        original_max_position_embeddings=128, sliding_window=4, tie_word_embeddings=False,
+        pad_token_id=0, eos_token_id=1, bos_token_id=1),
     "qwen2_bias": dict(
         model_type="qwen2", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,

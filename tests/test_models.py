@@ -3,6 +3,7 @@ save/load round trips through transformers, param-tree contracts, bad input."""
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -82,7 +83,11 @@ def test_yarn_options_match_transformers(options, tmp_path):
     ("qwen2_yarn", dict(rope_scaling=None)),
     ("gemma2_softcap_window", dict(sliding_layers=())), ("gemma2_softcap_window", dict(attn_logit_softcap=None)),
     ("gemma2_softcap_window", dict(final_logit_softcap=None)),
-    ("gemma2_softcap_window", dict(query_pre_attn_scalar=None))])
+    ("gemma2_softcap_window", dict(query_pre_attn_scalar=None)),
+    ("qwen3_window_head_dim", dict(sliding_layers=())), ("qwen3_window_head_dim", dict(qk_norm=None)),
+    ("gemma3_local_global", dict(local_rope_theta=None)), ("gemma3_local_global", dict(sliding_layers=())),
+    ("mistral_window_mqa", dict(sliding_layers=())), ("phi3_fused_window", dict(sliding_layers=())),
+    ("olmo2_post_norms", dict(qk_norm=None))])
 def test_each_feature_changes_logits_so_parity_covers_it(name, feature, tmp_path):
     model, params = M.load_pretrained(write_checkpoint(random_hf_model(name, seed=1), tmp_path))
     assert all(getattr(model.config, field) != value for field, value in feature.items())
@@ -370,12 +375,54 @@ def llama_checkpoint(tmp_path_factory):
 
 
 def test_unsupported_architecture_lists_families(llama_checkpoint, tmp_path):
-    path = _copy_checkpoint(llama_checkpoint, tmp_path / "x", edit_config=lambda c: c.update(model_type="mistral"))
-    with pytest.raises(ValueError, match=r"'mistral'.*supported families.*gpt2.*llama.*gemma.*qwen2"):
+    path = _copy_checkpoint(llama_checkpoint, tmp_path / "x", edit_config=lambda c: c.update(model_type="falcon"))
+    with pytest.raises(ValueError, match=r"'falcon'.*supported families.*gpt2.*llama.*gemma.*qwen3.*phi3"):
         M.load_pretrained(path)
+    import gguf
+
+    writer = gguf.GGUFWriter(str(tmp_path / "mamba.gguf"), "mamba")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"mamba\.gguf: GGUF architecture 'mamba' is not supported; supported: .*gemma3"):
+        M.load_pretrained(tmp_path / "mamba.gguf")
     with pytest.raises(ValueError, match="supported families"):
         M.ModelConfig.for_family("mamba", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
                                  num_heads=1, num_kv_heads=1, head_dim=8, max_position_embeddings=8)
+
+
+@pytest.mark.parametrize("name,fields,message", [
+    ("qwen3_window_head_dim", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0}),
+     r"rope type 'dynamic' is not supported; supported: \('default', 'linear', 'llama3', 'yarn'\)"),
+    ("gemma3_local_global", dict(layer_types=["sliding_attention", "full_attention"]),
+     r"layer_types has 2 entries for num_hidden_layers=3; one per layer is supported"),
+    ("gemma3_local_global", dict(layer_types=None, sliding_window_pattern=0),
+     r"sliding_window_pattern=0 is not supported: a positive int"),
+    ("gemma3_local_global", dict(layer_types=["chunked_attention"] * 3),
+     r"layer_types \['chunked_attention'\] are not supported; supported: \('full_attention', 'sliding_attention'\)"),
+    ("gemma3_local_global", dict(rope_parameters={"full_attention": {"rope_type": "default"},
+                                                  "sliding_attention": {"rope_type": "linear", "factor": 2.0}}),
+     r"sliding_attention rope type 'linear' is not supported; supported: \('default',\)"),
+    ("gemma3_local_global", dict(use_bidirectional_attention=True),
+     r"use_bidirectional_attention=True is not supported: bidirectional attention"),
+    ("phi3_fused_window", dict(partial_rotary_factor=0.5),
+     r"partial_rotary_factor=0.5 is not supported: rotary embeddings cover the whole head"),
+    ("phi3_fused_window", dict(rope_parameters={"rope_type": "longrope", "short_factor": [1.0] * 6,
+                                                "long_factor": [2.0] * 6}),
+     r"rope type 'longrope' is not supported; supported:"),
+])
+def test_config_fields_the_decoder_cannot_honour_are_named(name, fields, message, llama_checkpoint, tmp_path):
+    """One line naming the checkpoint, the field and what is supported (never wrong logits)."""
+    def replace(config):
+        config.clear()
+        config.update({**CASES[name], **fields})
+
+    path = _copy_checkpoint(llama_checkpoint, tmp_path / "bad", edit_config=replace)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: config\.json .*{message}") as raised:
+        M.load_pretrained(path)
+    assert "\n" not in str(raised.value)
 
 
 def test_missing_weight_is_named(llama_checkpoint, tmp_path):

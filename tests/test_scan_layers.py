@@ -21,9 +21,12 @@ from models_util import CASES, hf_logits, padded_batch, random_hf_model, write_c
 
 models_util.use_one_torch_thread()
 
-# One case per family; Gemma-2's has three layers, sliding windows on layers 0 and 2 only, soft-caps.
+# One case per family shape; Gemma-2's has three layers, sliding windows on layers 0 and 2 only,
+# soft-caps; Gemma 3's a local rope base on its sliding layers and per-head q/k norms; OLMo-2's
+# norms after attention and MLP only, q/k norms over the projection.
 FAMILY_CASES = {"llama": "llama_gqa_llama3_untied", "gemma": "gemma_mqa_head_dim",
-                "gemma2": "gemma2_softcap_window", "qwen2": "qwen2_bias", "gpt2": "gpt2"}
+                "gemma2": "gemma2_softcap_window", "qwen2": "qwen2_bias", "gpt2": "gpt2",
+                "gemma3": "gemma3_local_global", "olmo2": "olmo2_post_norms"}
 
 
 def _is_spec(x):

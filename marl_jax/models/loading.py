@@ -23,7 +23,11 @@ from marl_jax.models.heads import CausalLM, ScalarHeadModel, reward_head_init_st
 from marl_jax.models.params import stack_layers
 
 HEADS = ("lm", "scalar")
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "gemma": "gemma", "gpt2": "gpt2"}
+# llama.cpp architecture -> model_type (llama.cpp writes Mistral checkpoints as "llama").
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "gemma": "gemma", "gpt2": "gpt2", "qwen3": "qwen3",
+                      "gemma3": "gemma3_text", "olmo2": "olmo2", "phi3": "phi3"}
+# llama.cpp's Gemma 3: every sixth layer global, local layers at rope base 10000 (src/llama-model.cpp).
+_GGUF_GEMMA3_PATTERN, _GGUF_GEMMA3_LOCAL_THETA = 6, 10000.0
 
 
 # Hugging Face directories -------------------------------------------------------------------------
@@ -93,7 +97,16 @@ def _gguf_name_map(architecture: str) -> list[tuple[re.Pattern, str]]:
             r"blk\.(\d+)\.ffn_gate\.(weight|bias)": r"model.layers.\1.mlp.gate_proj.\2",
             r"blk\.(\d+)\.ffn_up\.(weight|bias)": r"model.layers.\1.mlp.up_proj.\2",
             r"blk\.(\d+)\.ffn_down\.(weight|bias)": r"model.layers.\1.mlp.down_proj.\2",
+            r"blk\.(\d+)\.attn_q_norm\.weight": r"model.layers.\1.self_attn.q_norm.weight",
+            r"blk\.(\d+)\.attn_k_norm\.weight": r"model.layers.\1.self_attn.k_norm.weight",
+            r"blk\.(\d+)\.post_attention_norm\.weight": r"model.layers.\1.post_attention_layernorm.weight",
+            r"blk\.(\d+)\.post_ffw_norm\.weight": r"model.layers.\1.post_feedforward_layernorm.weight",
         }
+        if architecture == "gemma3":  # llama.cpp's ffn_norm is Gemma's norm before the MLP
+            table[r"blk\.(\d+)\.ffn_norm\.weight"] = r"model.layers.\1.pre_feedforward_layernorm.weight"
+        if architecture == "phi3":  # fused projections
+            table[r"blk\.(\d+)\.attn_qkv\.weight"] = r"model.layers.\1.self_attn.qkv_proj.weight"
+            table[r"blk\.(\d+)\.ffn_up\.weight"] = r"model.layers.\1.mlp.gate_up_proj.weight"
     return [(re.compile(pattern + "$"), target) for pattern, target in table.items()]
 
 
@@ -147,6 +160,14 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
             tie_word_embeddings="output.weight" not in tensor_names, **tokens)
         if architecture == "qwen2":
             config["use_sliding_window"] = False
+        if architecture in ("gemma3", "phi3") and meta("attention.sliding_window"):
+            config["sliding_window"] = int(meta("attention.sliding_window"))
+        if architecture == "gemma3":
+            layers = config["num_hidden_layers"]
+            # llama.cpp scales Gemma 3 27B (62 layers) queries by hidden / heads, the others by head_dim.
+            scalar = hidden // heads if layers == 62 else config["head_dim"]
+            config.update(sliding_window_pattern=_GGUF_GEMMA3_PATTERN, rope_local_base_freq=_GGUF_GEMMA3_LOCAL_THETA,
+                          query_pre_attn_scalar=scalar)
         scaling = meta("rope.scaling.type")
         if scaling not in (None, "none"):
             if scaling != "linear":
@@ -167,7 +188,7 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
             weight = _unpermute_rope_rows(weight, heads)
         elif architecture == "llama" and ".self_attn.k_proj." in hf_name:
             weight = _unpermute_rope_rows(weight, kv_heads)
-        elif architecture == "gemma" and hf_name.endswith("norm.weight"):
+        elif architecture in ("gemma", "gemma3") and hf_name.endswith("norm.weight"):
             weight = weight - 1.0  # llama.cpp stores Gemma's RMSNorm scale as 1 + w
         elif architecture == "gpt2" and hf_name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
             weight = weight.T  # llama.cpp stores GPT-2's Conv1D weights as [out, in]
@@ -277,8 +298,11 @@ def load_pretrained(path: str | os.PathLike, dtype=jnp.float32, *, head: str = "
     if hf_config.get("model_type") not in FAMILIES:
         raise ValueError(f"{path}: model_type {hf_config.get('model_type')!r} is not supported; "
                          f"supported families: {FAMILIES}")
-    config = ModelConfig.from_hf(hf_config, param_dtype=dtype,
-                                 dtype=dtype if compute_dtype is None else compute_dtype, remat=remat,
-                                 scan_layers=scan_layers)
+    try:
+        config = ModelConfig.from_hf(hf_config, param_dtype=dtype,
+                                     dtype=dtype if compute_dtype is None else compute_dtype, remat=remat,
+                                     scan_layers=scan_layers)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
     model = build_model(config, head, head_init_std)
     return model, params_from_state(model, state, head=head, head_key=head_key)
