@@ -169,7 +169,10 @@ def test_stacked_cache_layout_and_prefill_equal_unrolled(family):
     scanned_logits, scanned_cache = prefill(scanned, stacked)
     np.testing.assert_allclose(scanned_logits, logits, atol=1e-6, rtol=0)
     for name in ("k", "v"):
-        np.testing.assert_allclose(scanned_cache[name], np.stack([c[name] for c in layer_caches]), atol=1e-6, rtol=0)
+        # Keys of deeper layers carry the float32 rounding of the layers below, which the
+        # normalisation of q/k norms (Gemma 3) scales up to ~1e-6 between the two compiled programs.
+        np.testing.assert_allclose(scanned_cache[name], np.stack([c[name] for c in layer_caches]), atol=1e-5,
+                                   rtol=0)
         np.testing.assert_array_equal(np.asarray(scanned_cache[name])[:, :, :, 6:], 0.0)
 
 
