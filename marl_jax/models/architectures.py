@@ -2,7 +2,8 @@
 
 `HUB_CONFIGS` maps a hub name to its published `config.json`, reduced to the fields
 `ModelConfig.from_hf` reads (sizes, norms, rope, tied embeddings, Gemma-2's soft-caps and
-sliding window, and the base models' token ids). `hf_config(path)` resolves `config.model.path`
+sliding window, Gemma 3's local / global layers, and the base models' token ids). Gemma 3 from 4B
+up is published as an image-text checkpoint; the table holds its text decoder (`text_config`). `hf_config(path)` resolves `config.model.path`
 offline: a local HF directory's config.json, else the hub cache's copy of the name, else this
 table.
 
@@ -49,6 +50,26 @@ def _qwen25(**sizes) -> dict:
     return dict(model_type="qwen2", hidden_act="silu", rms_norm_eps=1e-6, rope_theta=1000000.0,
                 use_sliding_window=False, initializer_range=0.02, bos_token_id=151643,
                 eos_token_id=151643, **sizes)
+
+
+def _qwen3(**sizes) -> dict:
+    return dict(model_type="qwen3", vocab_size=151936, head_dim=128, hidden_act="silu", rms_norm_eps=1e-6,
+                rope_theta=1000000.0, max_position_embeddings=40960, attention_bias=False,
+                use_sliding_window=False, initializer_range=0.02, bos_token_id=151643,
+                eos_token_id=151645, **sizes)
+
+
+def _gemma3(**sizes) -> dict:
+    """Gemma 3's text decoder: five local layers (sliding window, rope base 10,000) to one global
+    (rope base 1,000,000, linearly scaled 8x from 4B up)."""
+    return dict(model_type="gemma3_text", hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
+                sliding_window_pattern=6, rope_local_base_freq=10000.0, rope_theta=1000000.0,
+                attention_bias=False, tie_word_embeddings=True, initializer_range=0.02,
+                bos_token_id=2, eos_token_id=1, pad_token_id=0, **sizes)
+
+
+_GEMMA3_LONG = dict(vocab_size=262208, max_position_embeddings=131072, sliding_window=1024,
+                    rope_scaling={"rope_type": "linear", "factor": 8.0})
 
 
 def _smollm2(**token_ids) -> dict:
@@ -104,6 +125,35 @@ HUB_CONFIGS: dict[str, dict] = {
                                num_hidden_layers=28, num_attention_heads=28,
                                num_key_value_heads=4, max_position_embeddings=131072,
                                tie_word_embeddings=False),
+    "Qwen/Qwen3-0.6B": _qwen3(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                              num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
+    "Qwen/Qwen3-1.7B": _qwen3(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                              num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
+    "Qwen/Qwen3-4B": _qwen3(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                            num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
+    "Qwen/Qwen3-8B": _qwen3(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                            num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+    "Qwen/Qwen3-14B": _qwen3(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+                             num_attention_heads=40, num_key_value_heads=8, tie_word_embeddings=False),
+    "Qwen/Qwen3-32B": _qwen3(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                             num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False),
+    "google/gemma-3-270m": _gemma3(vocab_size=262144, hidden_size=640, intermediate_size=2048,
+                                   num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
+                                   head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
+                                   max_position_embeddings=32768),
+    "google/gemma-3-1b-pt": _gemma3(vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                                    num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1,
+                                    head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
+                                    max_position_embeddings=32768),
+    "google/gemma-3-4b-pt": _gemma3(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+                                    num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                                    query_pre_attn_scalar=256, **_GEMMA3_LONG),
+    "google/gemma-3-12b-pt": _gemma3(hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+                                     num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+                                     query_pre_attn_scalar=256, **_GEMMA3_LONG),
+    "google/gemma-3-27b-pt": _gemma3(hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
+                                     num_attention_heads=32, num_key_value_heads=16, head_dim=128,
+                                     query_pre_attn_scalar=168, **_GEMMA3_LONG),
     "HuggingFaceTB/SmolLM2-135M": _smollm2(bos_token_id=0, eos_token_id=0),
     "HuggingFaceTB/SmolLM2-135M-Instruct": _smollm2(bos_token_id=1, eos_token_id=2,
                                                     pad_token_id=2),
