@@ -208,6 +208,31 @@ def test_sharded_checkpoint_with_index(tmp_path):
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), single, sharded)
 
 
+def test_image_text_gemma3_checkpoint_reads_as_its_text_decoder(tmp_path):
+    """Gemma 3 from 4B up is published as `Gemma3ForConditionalGeneration`: its language model
+    loads (vision weights dropped, config completed with transformers' defaults) and gives the
+    logits transformers gets from the whole model on text."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    torch.manual_seed(0)
+    text = {k: v for k, v in CASES["gemma3_local_global"].items() if k != "model_type"}
+    config = Gemma3Config(text_config=text, vision_config=dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+        patch_size=14), mm_tokens_per_image=4, image_token_index=95, boi_token_index=93, eoi_token_index=94)
+    config._attn_implementation = "eager"
+    hf = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.add_(0.1 * torch.randn_like(param))
+    hf.save_pretrained(tmp_path)
+    model, params = M.load_pretrained(tmp_path)
+    assert model.config.family == "gemma3_text" and model.config.sliding_layers == (0, 2)
+    ids, mask = padded_batch([7, 12], 12, seed=3)
+    ours = np.asarray(M.forward_logits(model, params, jnp.asarray(ids), jnp.asarray(mask)))
+    valid = _valid(mask)
+    np.testing.assert_allclose(ours[valid], hf_logits(hf, ids, mask)[valid], atol=1e-4, rtol=0)
+
+
 @pytest.fixture(scope="module")
 def smollm2(smollm2_gguf):
     return models_util.smollm2(smollm2_gguf)

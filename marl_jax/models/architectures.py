@@ -3,15 +3,20 @@
 `HUB_CONFIGS` maps a hub name to its published `config.json`, reduced to the fields
 `ModelConfig.from_hf` reads (sizes, norms, rope, tied embeddings, Gemma-2's soft-caps and
 sliding window, Gemma 3's local / global layers, and the base models' token ids). Gemma 3 from 4B
-up is published as an image-text checkpoint; the table holds its text decoder (`text_config`). `hf_config(path)` resolves `config.model.path`
-offline: a local HF directory's config.json, else the hub cache's copy of the name, else this
-table.
+up is published as an image-text checkpoint; the table holds its text decoder, which is what
+`load_pretrained` reads of it. `hf_config(path)` resolves `config.model.path` offline: a local HF
+directory's config.json, else the hub cache's copy of the name, else this table (image-text
+configs reduced to their text decoder's).
 
 Parameter counts (transformers' `num_parameters()`, tied embeddings counted once):
 gemma-2b 2,506,172,416; gemma-7b 8,537,680,896; gemma-2-2b 2,614,341,888; gemma-2-9b
 9,241,705,984; gemma-2-27b 27,227,128,320; Llama-3.2-1B 1,235,814,400; Llama-3.2-3B
 3,212,749,824; Llama-3(.1)-8B 8,030,261,248; Qwen2.5-0.5B 494,032,768; Qwen2.5-1.5B
-1,543,714,304; Qwen2.5-7B 7,615,616,512; SmolLM2-135M 134,515,008; gpt2 124,439,808.
+1,543,714,304; Qwen2.5-7B 7,615,616,512; SmolLM2-135M 134,515,008; gpt2 124,439,808;
+Qwen3-0.6B 596,049,920; Qwen3-1.7B 1,720,574,976; Qwen3-4B 4,022,468,096; Qwen3-8B
+8,190,735,360; Qwen3-14B 14,768,307,200; Qwen3-32B 32,762,123,264; gemma-3-270m 268,098,176;
+gemma-3-1b 999,885,952; gemma-3-4b (text) 3,880,263,168; gemma-3-12b (text) 11,766,034,176;
+gemma-3-27b (text) 27,009,346,304.
 """
 from __future__ import annotations
 
@@ -181,7 +186,7 @@ def hf_config(path: str, *, cache_dir: str | None = None) -> tuple[dict, str]:
         if not file.is_file():
             raise FileNotFoundError(f"config.model.path={path!r}: the directory has no "
                                     "config.json")
-        return json.loads(file.read_text()), str(file)
+        return _text_decoder_config(json.loads(file.read_text())), str(file)
     if os.path.exists(path) or str(path).endswith(".gguf"):
         raise FileNotFoundError(f"config.model.path={path!r}: not an HF directory (GGUF files "
                                 "are read by marl_jax.models.loading.read_gguf)")
@@ -189,10 +194,16 @@ def hf_config(path: str, *, cache_dir: str | None = None) -> tuple[dict, str]:
 
     cached = try_to_load_from_cache(str(path), "config.json", cache_dir=cache_dir)
     if isinstance(cached, str):
-        return json.loads(pathlib.Path(cached).read_text()), cached
+        return _text_decoder_config(json.loads(pathlib.Path(cached).read_text())), cached
     if path in HUB_CONFIGS:
         return dict(HUB_CONFIGS[path]), f"marl_jax.models.architectures.HUB_CONFIGS[{path!r}]"
     raise FileNotFoundError(
         f"config.model.path={path!r}: no local directory, no config.json in the hub cache, and "
         f"not a known architecture; known: {', '.join(sorted(HUB_CONFIGS))} (or pass a local HF "
         "directory)")
+
+
+def _text_decoder_config(config: dict) -> dict:
+    from marl_jax.models.loading import text_decoder
+
+    return text_decoder(config, {})[0]

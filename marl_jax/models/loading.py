@@ -61,6 +61,43 @@ def read_hf_directory(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarr
     return config, state
 
 
+# Image-text checkpoints read as their text decoder: Gemma 3 from 4B up is published only as
+# `Gemma3ForConditionalGeneration` (weights under `language_model.model.` or, as transformers 5
+# saves them, `model.language_model.`; a vision tower and projector beside them).
+_MULTIMODAL_TEXT_TYPES = {"gemma3": "gemma3_text"}
+_TEXT_DECODER_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                          ("language_model.lm_head.", "lm_head."))
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                    "model.multi_modal_projector.")
+
+
+def text_decoder(config: dict, state: dict[str, np.ndarray]) -> tuple[dict, dict[str, np.ndarray]]:
+    """(config, state) of the text decoder of an image-text checkpoint with a `text_config`
+    (its fields completed with transformers' defaults, as the published configs list only
+    those that differ); any other checkpoint unchanged. The vision weights are dropped."""
+    text_type = _MULTIMODAL_TEXT_TYPES.get(config.get("model_type"))
+    if text_type is None or "text_config" not in config:
+        return config, state
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in config["text_config"].items() if k != "model_type"}
+    text = AutoConfig.for_model(text_type, **fields).to_dict()
+    text["model_type"] = text_type
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if config.get(key) is not None and text.get(key) is None:
+            text[key] = config[key]
+    renamed = {}
+    for name, value in state.items():
+        if name.startswith(_VISION_PREFIXES):
+            continue
+        for old, new in _TEXT_DECODER_PREFIXES:
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        renamed[name] = value
+    return text, renamed
+
+
 # GGUF ---------------------------------------------------------------------------------------------
 
 def _gguf_value(reader, key: str, default=None):
@@ -292,7 +329,7 @@ def load_pretrained(path: str | os.PathLike, dtype=jnp.float32, *, head: str = "
     if path.is_file() and path.suffix == ".gguf":
         hf_config, state = read_gguf(path)
     elif path.is_dir():
-        hf_config, state = read_hf_directory(path)
+        hf_config, state = text_decoder(*read_hf_directory(path))
     else:
         raise FileNotFoundError(f"{path}: neither a Hugging Face model directory nor a .gguf file")
     if hf_config.get("model_type") not in FAMILIES:
