@@ -161,14 +161,26 @@ def _llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
         weight.shape)
 
 
+_GGUF_ARCHITECTURES = {"gemma3_text": "gemma3"}
+# HF block tensor names -> llama.cpp's, per architecture where they differ from Llama's.
+_GGUF_BLOCK_NAMES = {
+    "gemma3": {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"},
+    "olmo2": {"post_attention_layernorm": "post_attention_norm", "post_feedforward_layernorm": "post_ffw_norm"},
+    "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
+}
+
+
 def write_gguf(model, path) -> str:
-    """Writes a torch CausalLM (llama, qwen2, gemma or gpt2) as an F32 GGUF the way llama.cpp's
-    convert_hf_to_gguf.py lays it out (tensor names, Llama q/k permutation, Gemma norms stored as
-    1 + w, GPT-2 weights as [out, in]), with a placeholder vocabulary so readers can size it."""
+    """Writes a torch CausalLM (llama, qwen2, qwen3, gemma, gemma3, olmo2, phi3 or gpt2) as an F32
+    GGUF the way llama.cpp's convert_hf_to_gguf.py lays it out (tensor names, Llama q/k
+    permutation, Gemma norms stored as 1 + w, GPT-2 weights as [out, in]; Gemma 3's layer
+    pattern, local rope base and query scale are llama.cpp's fixed ones, so the model should use
+    them), with a placeholder vocabulary so readers can size it."""
     import gguf
 
     config = model.config
-    arch = config.model_type
+    arch = _GGUF_ARCHITECTURES.get(config.model_type, config.model_type)
     state = {name: tensor.detach().numpy().astype(np.float32) for name, tensor in model.state_dict().items()}
     writer = gguf.GGUFWriter(str(path), arch)
     if arch == "gpt2":
@@ -194,7 +206,13 @@ def write_gguf(model, path) -> str:
         writer.add_head_count(config.num_attention_heads)
         writer.add_head_count_kv(config.num_key_value_heads)
         writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-        writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+        rope = config.rope_parameters.get("full_attention", config.rope_parameters)
+        writer.add_rope_freq_base(rope["rope_theta"])
+        if rope.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(rope["factor"])
+        if getattr(config, "sliding_window", None) and arch in ("gemma3", "phi3"):
+            writer.add_sliding_window(config.sliding_window)
         writer.add_vocab_size(config.vocab_size)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         writer.add_key_length(head_dim)
@@ -204,7 +222,8 @@ def write_gguf(model, path) -> str:
         block = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                  "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                  "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-                 "mlp.down_proj": "ffn_down"}
+                 "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+                 **_GGUF_BLOCK_NAMES.get(arch, {})}
         for i in range(config.num_hidden_layers):
             for hf_part, cpp_part in block.items():
                 for kind in ("weight", "bias"):
@@ -220,7 +239,7 @@ def write_gguf(model, path) -> str:
             value = _llama_cpp_permute(value, config.num_key_value_heads)
         elif arch == "gpt2" and name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
             value = value.T
-        elif arch == "gemma" and name.endswith("norm.weight"):
+        elif arch in ("gemma", "gemma3") and name.endswith("norm.weight"):
             value = value + 1.0
         writer.add_tensor(names[name], np.ascontiguousarray(value))
     writer.write_header_to_file()

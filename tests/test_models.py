@@ -279,14 +279,30 @@ def test_tiny_gguf_reads_like_transformers(name, tmp_path):
     np.testing.assert_allclose(ours[valid], hf_logits(reference, ids, mask)[valid], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "gemma_mqa_head_dim"])
+# What a GGUF cannot say is llama.cpp's fixed choice, which these checkpoints then make too:
+# Gemma 3's global layer every sixth, local rope base 10,000, query scale head_dim ** -0.5;
+# no sliding window for Qwen3.
+GGUF_AS_LLAMA_CPP = {
+    "gpt2": {}, "gemma_mqa_head_dim": {}, "olmo2_post_norms": {}, "phi3_fused_window": {},
+    "qwen3_window_head_dim": dict(use_sliding_window=False),
+    "gemma3_local_global": dict(num_hidden_layers=7, layer_types=None, sliding_window_pattern=6, query_pre_attn_scalar=12,
+                                rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                    "rope_theta": 10000.0},
+                                                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GGUF_AS_LLAMA_CPP))
 def test_gguf_reads_back_the_original_weights(name, tmp_path):
-    """transformers reads neither Gemma-1 GGUFs nor GPT-2 GGUFs of non-default context length, so
-    the reference here is the checkpoint the file was written from, in llama.cpp's layout (GPT-2's
-    Conv1D weights as [out, in], Gemma's RMSNorm weights as 1 + w)."""
-    original = random_hf_model(name, seed=3)
+    """transformers reads neither Gemma-1 GGUFs, GPT-2 GGUFs of non-default context length nor
+    OLMo-2 GGUFs, and gives Qwen3 and Gemma 3 files fixed head sizes, so the reference here is the
+    checkpoint the file was written from, in llama.cpp's layout (GPT-2's Conv1D weights as
+    [out, in], Gemma's RMSNorm weights as 1 + w, Phi-3's fused projections, windows on every
+    sixth-but-one Gemma 3 layer)."""
+    original = random_hf_model(name, seed=3, **GGUF_AS_LLAMA_CPP[name])
     model, params = M.load_pretrained(write_gguf(original, tmp_path / "tiny.gguf"))
     ids, mask = padded_batch([5, 9], 10, seed=1, right_pad=[2, 0])
+    assert model.config.family == original.config.model_type
     ours = np.asarray(M.forward_logits(model, params, jnp.asarray(ids), jnp.asarray(mask)))
     valid = _valid(mask)
     np.testing.assert_allclose(ours[valid], hf_logits(original, ids, mask)[valid], atol=1e-4, rtol=0)

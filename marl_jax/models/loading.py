@@ -143,7 +143,7 @@ def _gguf_name_map(architecture: str) -> list[tuple[re.Pattern, str]]:
             table[r"blk\.(\d+)\.ffn_norm\.weight"] = r"model.layers.\1.pre_feedforward_layernorm.weight"
         if architecture == "phi3":  # fused projections
             table[r"blk\.(\d+)\.attn_qkv\.weight"] = r"model.layers.\1.self_attn.qkv_proj.weight"
-            table[r"blk\.(\d+)\.ffn_up\.weight"] = r"model.layers.\1.mlp.gate_up_proj.weight"
+            table[r"blk\.(\d+)\.ffn_up\.(weight|bias)"] = r"model.layers.\1.mlp.gate_up_proj.\2"
     return [(re.compile(pattern + "$"), target) for pattern, target in table.items()]
 
 
