@@ -208,6 +208,17 @@ def test_sharded_checkpoint_with_index(tmp_path):
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), single, sharded)
 
 
+def test_gemma3_attention_softcap_is_ignored_as_transformers_does(tmp_path):
+    hf = random_hf_model("gemma3_local_global", seed=2, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+    with pytest.warns(UserWarning, match=r"attn_logit_softcapping=2\.0 is ignored for gemma3_text"):
+        model, params = M.load_pretrained(write_checkpoint(hf, tmp_path))
+    assert model.config.attn_logit_softcap is None and model.config.final_logit_softcap == 3.0
+    ids, mask = padded_batch([7, 12], 12, seed=3)
+    ours = np.asarray(M.forward_logits(model, params, jnp.asarray(ids), jnp.asarray(mask)))
+    valid = _valid(mask)
+    np.testing.assert_allclose(ours[valid], hf_logits(hf, ids, mask)[valid], atol=1e-4, rtol=0)
+
+
 def test_image_text_gemma3_checkpoint_reads_as_its_text_decoder(tmp_path):
     """Gemma 3 from 4B up is published as `Gemma3ForConditionalGeneration`: its language model
     loads (vision weights dropped, config completed with transformers' defaults) and gives the

@@ -546,6 +546,12 @@ def _llama_like_from_hf(config: dict) -> dict:
         )
     if family == "gemma3_text":
         fields["local_rope_theta"] = local_theta
+        if fields["attn_logit_softcap"] is not None:
+            # Gemma 3 replaced attention soft-capping by q/k norms; transformers' Gemma 3 keeps the
+            # config field but never applies it, and so the checkpoint was trained without it.
+            warnings.warn(f"config.json attn_logit_softcapping={fields['attn_logit_softcap']} is ignored for "
+                          "gemma3_text, as transformers' Gemma 3 ignores it", stacklevel=3)
+            fields["attn_logit_softcap"] = None
     return fields
 
 
