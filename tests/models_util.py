@@ -164,6 +164,8 @@ def _llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
 _GGUF_ARCHITECTURES = {"gemma3_text": "gemma3"}
 # HF block tensor names -> llama.cpp's, per architecture where they differ from Llama's.
 _GGUF_BLOCK_NAMES = {
+    "gemma2": {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"},
     "gemma3": {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                "post_feedforward_layernorm": "post_ffw_norm"},
     "olmo2": {"post_attention_layernorm": "post_attention_norm", "post_feedforward_layernorm": "post_ffw_norm"},
@@ -172,7 +174,7 @@ _GGUF_BLOCK_NAMES = {
 
 
 def write_gguf(model, path) -> str:
-    """Writes a torch CausalLM (llama, qwen2, qwen3, gemma, gemma3, olmo2, phi3 or gpt2) as an F32
+    """Writes a torch CausalLM (llama, qwen2, qwen3, gemma, gemma2, gemma3, olmo2, phi3 or gpt2) as an F32
     GGUF the way llama.cpp's convert_hf_to_gguf.py lays it out (tensor names, Llama q/k
     permutation, Gemma norms stored as 1 + w, GPT-2 weights as [out, in]; Gemma 3's layer
     pattern, local rope base and query scale are llama.cpp's fixed ones, so the model should use
@@ -211,8 +213,11 @@ def write_gguf(model, path) -> str:
         if rope.get("rope_type") == "linear":
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             writer.add_rope_scaling_factor(rope["factor"])
-        if getattr(config, "sliding_window", None) and arch in ("gemma3", "phi3"):
+        if getattr(config, "sliding_window", None) and arch in ("gemma2", "gemma3", "phi3"):
             writer.add_sliding_window(config.sliding_window)
+        if arch == "gemma2":
+            writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+            writer.add_final_logit_softcapping(config.final_logit_softcapping)
         writer.add_vocab_size(config.vocab_size)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         writer.add_key_length(head_dim)
@@ -239,7 +244,7 @@ def write_gguf(model, path) -> str:
             value = _llama_cpp_permute(value, config.num_key_value_heads)
         elif arch == "gpt2" and name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
             value = value.T
-        elif arch in ("gemma", "gemma3") and name.endswith("norm.weight"):
+        elif arch in ("gemma", "gemma2", "gemma3") and name.endswith("norm.weight"):
             value = value + 1.0
         writer.add_tensor(names[name], np.ascontiguousarray(value))
     writer.write_header_to_file()

@@ -291,10 +291,11 @@ def test_tiny_gguf_reads_like_transformers(name, tmp_path):
 
 
 # What a GGUF cannot say is llama.cpp's fixed choice, which these checkpoints then make too:
-# Gemma 3's global layer every sixth, local rope base 10,000, query scale head_dim ** -0.5;
-# no sliding window for Qwen3.
+# Gemma 3's global layer every sixth, local rope base 10,000; Gemma-2 and 3's query scale
+# head_dim ** -0.5; no sliding window for Qwen3.
 GGUF_AS_LLAMA_CPP = {
     "gpt2": {}, "gemma_mqa_head_dim": {}, "olmo2_post_norms": {}, "phi3_fused_window": {},
+    "gemma2_softcap_window": dict(query_pre_attn_scalar=8),
     "qwen3_window_head_dim": dict(use_sliding_window=False),
     "gemma3_local_global": dict(num_hidden_layers=7, layer_types=None, sliding_window_pattern=6, query_pre_attn_scalar=12,
                                 rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,

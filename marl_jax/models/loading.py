@@ -25,7 +25,7 @@ from marl_jax.models.params import stack_layers
 HEADS = ("lm", "scalar")
 # llama.cpp architecture -> model_type (llama.cpp writes Mistral checkpoints as "llama").
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "gemma": "gemma", "gpt2": "gpt2", "qwen3": "qwen3",
-                      "gemma3": "gemma3_text", "olmo2": "olmo2", "phi3": "phi3"}
+                      "gemma2": "gemma2", "gemma3": "gemma3_text", "olmo2": "olmo2", "phi3": "phi3"}
 # llama.cpp's Gemma 3: every sixth layer global, local layers at rope base 10000 (src/llama-model.cpp).
 _GGUF_GEMMA3_PATTERN, _GGUF_GEMMA3_LOCAL_THETA = 6, 10000.0
 
@@ -139,7 +139,7 @@ def _gguf_name_map(architecture: str) -> list[tuple[re.Pattern, str]]:
             r"blk\.(\d+)\.post_attention_norm\.weight": r"model.layers.\1.post_attention_layernorm.weight",
             r"blk\.(\d+)\.post_ffw_norm\.weight": r"model.layers.\1.post_feedforward_layernorm.weight",
         }
-        if architecture == "gemma3":  # llama.cpp's ffn_norm is Gemma's norm before the MLP
+        if architecture in ("gemma2", "gemma3"):  # llama.cpp's ffn_norm is Gemma's norm before the MLP
             table[r"blk\.(\d+)\.ffn_norm\.weight"] = r"model.layers.\1.pre_feedforward_layernorm.weight"
         if architecture == "phi3":  # fused projections
             table[r"blk\.(\d+)\.attn_qkv\.weight"] = r"model.layers.\1.self_attn.qkv_proj.weight"
@@ -197,14 +197,18 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
             tie_word_embeddings="output.weight" not in tensor_names, **tokens)
         if architecture == "qwen2":
             config["use_sliding_window"] = False
-        if architecture in ("gemma3", "phi3") and meta("attention.sliding_window"):
+        if architecture in ("gemma2", "gemma3", "phi3") and meta("attention.sliding_window"):
             config["sliding_window"] = int(meta("attention.sliding_window"))
+        if architecture in ("gemma2", "gemma3"):
+            # llama.cpp scales the queries of the 27B models (Gemma-2: 46 layers, Gemma 3: 62) by
+            # hidden / heads, the others' by head_dim.
+            big = config["num_hidden_layers"] == {"gemma2": 46, "gemma3": 62}[architecture]
+            config["query_pre_attn_scalar"] = hidden // heads if big else config["head_dim"]
+        if architecture == "gemma2":
+            config.update(attn_logit_softcapping=meta("attn_logit_softcapping"),
+                          final_logit_softcapping=meta("final_logit_softcapping"))
         if architecture == "gemma3":
-            layers = config["num_hidden_layers"]
-            # llama.cpp scales Gemma 3 27B (62 layers) queries by hidden / heads, the others by head_dim.
-            scalar = hidden // heads if layers == 62 else config["head_dim"]
-            config.update(sliding_window_pattern=_GGUF_GEMMA3_PATTERN, rope_local_base_freq=_GGUF_GEMMA3_LOCAL_THETA,
-                          query_pre_attn_scalar=scalar)
+            config.update(sliding_window_pattern=_GGUF_GEMMA3_PATTERN, rope_local_base_freq=_GGUF_GEMMA3_LOCAL_THETA)
         scaling = meta("rope.scaling.type")
         if scaling not in (None, "none"):
             if scaling != "linear":
@@ -225,7 +229,7 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
             weight = _unpermute_rope_rows(weight, heads)
         elif architecture == "llama" and ".self_attn.k_proj." in hf_name:
             weight = _unpermute_rope_rows(weight, kv_heads)
-        elif architecture in ("gemma", "gemma3") and hf_name.endswith("norm.weight"):
+        elif architecture in ("gemma", "gemma2", "gemma3") and hf_name.endswith("norm.weight"):
             weight = weight - 1.0  # llama.cpp stores Gemma's RMSNorm scale as 1 + w
         elif architecture == "gpt2" and hf_name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
             weight = weight.T  # llama.cpp stores GPT-2's Conv1D weights as [out, in]
