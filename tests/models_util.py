@@ -49,6 +49,35 @@ CASES = {
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
                          "rope_theta": 1000.0},
         pad_token_id=0, eos_token_id=1, bos_token_id=1),
+    # The families of 2025-26: hidden size, heads, kv heads and head_dim all different, sliding
+    # windows (4) shorter than the test sequences.
+    "qwen3_window_head_dim": dict(
+        model_type="qwen3", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=12, max_position_embeddings=128,
+        tie_word_embeddings=False, use_sliding_window=True, sliding_window=4, max_window_layers=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+        pad_token_id=0, eos_token_id=1, bos_token_id=1),
+    "gemma3_local_global": dict(
+        model_type="gemma3_text", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=12, max_position_embeddings=128,
+        query_pre_attn_scalar=10, sliding_window=4, layer_types=["sliding_attention", "full_attention",
+                                                                  "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
+        pad_token_id=0, eos_token_id=1, bos_token_id=2),
+    "mistral_window_mqa": dict(
+        model_type="mistral", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=10, max_position_embeddings=128,
+        sliding_window=4, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=1),
+    "olmo2_post_norms": dict(
+        model_type="olmo2", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=12, max_position_embeddings=128,
+        tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=1),
+    "phi3_fused_window": dict(
+        model_type="phi3", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=12, max_position_embeddings=128,
+        original_max_position_embeddings=128, sliding_window=4, tie_word_embeddings=False,
+        pad_token_id=0, eos_token_id=1, bos_token_id=1),
     "qwen2_bias": dict(
         model_type="qwen2", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
@@ -132,14 +161,28 @@ def _llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
         weight.shape)
 
 
+_GGUF_ARCHITECTURES = {"gemma3_text": "gemma3"}
+# HF block tensor names -> llama.cpp's, per architecture where they differ from Llama's.
+_GGUF_BLOCK_NAMES = {
+    "gemma2": {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"},
+    "gemma3": {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"},
+    "olmo2": {"post_attention_layernorm": "post_attention_norm", "post_feedforward_layernorm": "post_ffw_norm"},
+    "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
+}
+
+
 def write_gguf(model, path) -> str:
-    """Writes a torch CausalLM (llama, qwen2, gemma or gpt2) as an F32 GGUF the way llama.cpp's
-    convert_hf_to_gguf.py lays it out (tensor names, Llama q/k permutation, Gemma norms stored as
-    1 + w, GPT-2 weights as [out, in]), with a placeholder vocabulary so readers can size it."""
+    """Writes a torch CausalLM (llama, qwen2, qwen3, gemma, gemma2, gemma3, olmo2, phi3 or gpt2) as an F32
+    GGUF the way llama.cpp's convert_hf_to_gguf.py lays it out (tensor names, Llama q/k
+    permutation, Gemma norms stored as 1 + w, GPT-2 weights as [out, in]; Gemma 3's layer
+    pattern, local rope base and query scale are llama.cpp's fixed ones, so the model should use
+    them), with a placeholder vocabulary so readers can size it."""
     import gguf
 
     config = model.config
-    arch = config.model_type
+    arch = _GGUF_ARCHITECTURES.get(config.model_type, config.model_type)
     state = {name: tensor.detach().numpy().astype(np.float32) for name, tensor in model.state_dict().items()}
     writer = gguf.GGUFWriter(str(path), arch)
     if arch == "gpt2":
@@ -165,7 +208,16 @@ def write_gguf(model, path) -> str:
         writer.add_head_count(config.num_attention_heads)
         writer.add_head_count_kv(config.num_key_value_heads)
         writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-        writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+        rope = config.rope_parameters.get("full_attention", config.rope_parameters)
+        writer.add_rope_freq_base(rope["rope_theta"])
+        if rope.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(rope["factor"])
+        if getattr(config, "sliding_window", None) and arch in ("gemma2", "gemma3", "phi3"):
+            writer.add_sliding_window(config.sliding_window)
+        if arch == "gemma2":
+            writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+            writer.add_final_logit_softcapping(config.final_logit_softcapping)
         writer.add_vocab_size(config.vocab_size)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         writer.add_key_length(head_dim)
@@ -175,7 +227,8 @@ def write_gguf(model, path) -> str:
         block = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                  "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                  "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-                 "mlp.down_proj": "ffn_down"}
+                 "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+                 **_GGUF_BLOCK_NAMES.get(arch, {})}
         for i in range(config.num_hidden_layers):
             for hf_part, cpp_part in block.items():
                 for kind in ("weight", "bias"):
@@ -191,7 +244,7 @@ def write_gguf(model, path) -> str:
             value = _llama_cpp_permute(value, config.num_key_value_heads)
         elif arch == "gpt2" and name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
             value = value.T
-        elif arch == "gemma" and name.endswith("norm.weight"):
+        elif arch in ("gemma", "gemma2", "gemma3") and name.endswith("norm.weight"):
             value = value + 1.0
         writer.add_tensor(names[name], np.ascontiguousarray(value))
     writer.write_header_to_file()

@@ -59,6 +59,10 @@ def _transformers_num_params(hf: dict) -> int:
     ("HuggingFaceTB/SmolLM2-135M", 134_515_008),
     ("HuggingFaceTB/SmolLM2-135M-Instruct", 134_515_008),
     ("gpt2", 124_439_808),
+    ("Qwen/Qwen3-0.6B", 596_049_920),
+    ("Qwen/Qwen3-8B", 8_190_735_360),
+    ("google/gemma-3-270m", 268_098_176),
+    ("google/gemma-3-1b-pt", 999_885_952),
 ])
 def test_table_architectures_have_the_published_parameter_counts(name, total):
     assert _num_params(models.ModelConfig.from_hf(architectures.HUB_CONFIGS[name])) == total

@@ -3,6 +3,7 @@ save/load round trips through transformers, param-tree contracts, bad input."""
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -82,7 +83,11 @@ def test_yarn_options_match_transformers(options, tmp_path):
     ("qwen2_yarn", dict(rope_scaling=None)),
     ("gemma2_softcap_window", dict(sliding_layers=())), ("gemma2_softcap_window", dict(attn_logit_softcap=None)),
     ("gemma2_softcap_window", dict(final_logit_softcap=None)),
-    ("gemma2_softcap_window", dict(query_pre_attn_scalar=None))])
+    ("gemma2_softcap_window", dict(query_pre_attn_scalar=None)),
+    ("qwen3_window_head_dim", dict(sliding_layers=())), ("qwen3_window_head_dim", dict(qk_norm=None)),
+    ("gemma3_local_global", dict(local_rope_theta=None)), ("gemma3_local_global", dict(sliding_layers=())),
+    ("mistral_window_mqa", dict(sliding_layers=())), ("phi3_fused_window", dict(sliding_layers=())),
+    ("olmo2_post_norms", dict(qk_norm=None))])
 def test_each_feature_changes_logits_so_parity_covers_it(name, feature, tmp_path):
     model, params = M.load_pretrained(write_checkpoint(random_hf_model(name, seed=1), tmp_path))
     assert all(getattr(model.config, field) != value for field, value in feature.items())
@@ -203,6 +208,42 @@ def test_sharded_checkpoint_with_index(tmp_path):
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), single, sharded)
 
 
+def test_gemma3_attention_softcap_is_ignored_as_transformers_does(tmp_path):
+    hf = random_hf_model("gemma3_local_global", seed=2, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+    with pytest.warns(UserWarning, match=r"attn_logit_softcapping=2\.0 is ignored for gemma3_text"):
+        model, params = M.load_pretrained(write_checkpoint(hf, tmp_path))
+    assert model.config.attn_logit_softcap is None and model.config.final_logit_softcap == 3.0
+    ids, mask = padded_batch([7, 12], 12, seed=3)
+    ours = np.asarray(M.forward_logits(model, params, jnp.asarray(ids), jnp.asarray(mask)))
+    valid = _valid(mask)
+    np.testing.assert_allclose(ours[valid], hf_logits(hf, ids, mask)[valid], atol=1e-4, rtol=0)
+
+
+def test_image_text_gemma3_checkpoint_reads_as_its_text_decoder(tmp_path):
+    """Gemma 3 from 4B up is published as `Gemma3ForConditionalGeneration`: its language model
+    loads (vision weights dropped, config completed with transformers' defaults) and gives the
+    logits transformers gets from the whole model on text."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    torch.manual_seed(0)
+    text = {k: v for k, v in CASES["gemma3_local_global"].items() if k != "model_type"}
+    config = Gemma3Config(text_config=text, vision_config=dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+        patch_size=14), mm_tokens_per_image=4, image_token_index=95, boi_token_index=93, eoi_token_index=94)
+    config._attn_implementation = "eager"
+    hf = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.add_(0.1 * torch.randn_like(param))
+    hf.save_pretrained(tmp_path)
+    model, params = M.load_pretrained(tmp_path)
+    assert model.config.family == "gemma3_text" and model.config.sliding_layers == (0, 2)
+    ids, mask = padded_batch([7, 12], 12, seed=3)
+    ours = np.asarray(M.forward_logits(model, params, jnp.asarray(ids), jnp.asarray(mask)))
+    valid = _valid(mask)
+    np.testing.assert_allclose(ours[valid], hf_logits(hf, ids, mask)[valid], atol=1e-4, rtol=0)
+
+
 @pytest.fixture(scope="module")
 def smollm2(smollm2_gguf):
     return models_util.smollm2(smollm2_gguf)
@@ -249,14 +290,31 @@ def test_tiny_gguf_reads_like_transformers(name, tmp_path):
     np.testing.assert_allclose(ours[valid], hf_logits(reference, ids, mask)[valid], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "gemma_mqa_head_dim"])
+# What a GGUF cannot say is llama.cpp's fixed choice, which these checkpoints then make too:
+# Gemma 3's global layer every sixth, local rope base 10,000; Gemma-2 and 3's query scale
+# head_dim ** -0.5; no sliding window for Qwen3.
+GGUF_AS_LLAMA_CPP = {
+    "gpt2": {}, "gemma_mqa_head_dim": {}, "olmo2_post_norms": {}, "phi3_fused_window": {},
+    "gemma2_softcap_window": dict(query_pre_attn_scalar=8),
+    "qwen3_window_head_dim": dict(use_sliding_window=False),
+    "gemma3_local_global": dict(num_hidden_layers=7, layer_types=None, sliding_window_pattern=6, query_pre_attn_scalar=12,
+                                rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                    "rope_theta": 10000.0},
+                                                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GGUF_AS_LLAMA_CPP))
 def test_gguf_reads_back_the_original_weights(name, tmp_path):
-    """transformers reads neither Gemma-1 GGUFs nor GPT-2 GGUFs of non-default context length, so
-    the reference here is the checkpoint the file was written from, in llama.cpp's layout (GPT-2's
-    Conv1D weights as [out, in], Gemma's RMSNorm weights as 1 + w)."""
-    original = random_hf_model(name, seed=3)
+    """transformers reads neither Gemma-1 GGUFs, GPT-2 GGUFs of non-default context length nor
+    OLMo-2 GGUFs, and gives Qwen3 and Gemma 3 files fixed head sizes, so the reference here is the
+    checkpoint the file was written from, in llama.cpp's layout (GPT-2's Conv1D weights as
+    [out, in], Gemma's RMSNorm weights as 1 + w, Phi-3's fused projections, windows on every
+    sixth-but-one Gemma 3 layer)."""
+    original = random_hf_model(name, seed=3, **GGUF_AS_LLAMA_CPP[name])
     model, params = M.load_pretrained(write_gguf(original, tmp_path / "tiny.gguf"))
     ids, mask = padded_batch([5, 9], 10, seed=1, right_pad=[2, 0])
+    assert model.config.family == original.config.model_type
     ours = np.asarray(M.forward_logits(model, params, jnp.asarray(ids), jnp.asarray(mask)))
     valid = _valid(mask)
     np.testing.assert_allclose(ours[valid], hf_logits(original, ids, mask)[valid], atol=1e-4, rtol=0)
@@ -370,12 +428,54 @@ def llama_checkpoint(tmp_path_factory):
 
 
 def test_unsupported_architecture_lists_families(llama_checkpoint, tmp_path):
-    path = _copy_checkpoint(llama_checkpoint, tmp_path / "x", edit_config=lambda c: c.update(model_type="mistral"))
-    with pytest.raises(ValueError, match=r"'mistral'.*supported families.*gpt2.*llama.*gemma.*qwen2"):
+    path = _copy_checkpoint(llama_checkpoint, tmp_path / "x", edit_config=lambda c: c.update(model_type="falcon"))
+    with pytest.raises(ValueError, match=r"'falcon'.*supported families.*gpt2.*llama.*gemma.*qwen3.*phi3"):
         M.load_pretrained(path)
+    import gguf
+
+    writer = gguf.GGUFWriter(str(tmp_path / "mamba.gguf"), "mamba")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"mamba\.gguf: GGUF architecture 'mamba' is not supported; supported: .*gemma3"):
+        M.load_pretrained(tmp_path / "mamba.gguf")
     with pytest.raises(ValueError, match="supported families"):
         M.ModelConfig.for_family("mamba", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
                                  num_heads=1, num_kv_heads=1, head_dim=8, max_position_embeddings=8)
+
+
+@pytest.mark.parametrize("name,fields,message", [
+    ("qwen3_window_head_dim", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0}),
+     r"rope type 'dynamic' is not supported; supported: \('default', 'linear', 'llama3', 'yarn'\)"),
+    ("gemma3_local_global", dict(layer_types=["sliding_attention", "full_attention"]),
+     r"layer_types has 2 entries for num_hidden_layers=3; one per layer is supported"),
+    ("gemma3_local_global", dict(layer_types=None, sliding_window_pattern=0),
+     r"sliding_window_pattern=0 is not supported: a positive int"),
+    ("gemma3_local_global", dict(layer_types=["chunked_attention"] * 3),
+     r"layer_types \['chunked_attention'\] are not supported; supported: \('full_attention', 'sliding_attention'\)"),
+    ("gemma3_local_global", dict(rope_parameters={"full_attention": {"rope_type": "default"},
+                                                  "sliding_attention": {"rope_type": "linear", "factor": 2.0}}),
+     r"sliding_attention rope type 'linear' is not supported; supported: \('default',\)"),
+    ("gemma3_local_global", dict(use_bidirectional_attention=True),
+     r"use_bidirectional_attention=True is not supported: bidirectional attention"),
+    ("phi3_fused_window", dict(partial_rotary_factor=0.5),
+     r"partial_rotary_factor=0.5 is not supported: rotary embeddings cover the whole head"),
+    ("phi3_fused_window", dict(rope_parameters={"rope_type": "longrope", "short_factor": [1.0] * 6,
+                                                "long_factor": [2.0] * 6}),
+     r"rope type 'longrope' is not supported; supported:"),
+])
+def test_config_fields_the_decoder_cannot_honour_are_named(name, fields, message, llama_checkpoint, tmp_path):
+    """One line naming the checkpoint, the field and what is supported (never wrong logits)."""
+    def replace(config):
+        config.clear()
+        config.update({**CASES[name], **fields})
+
+    path = _copy_checkpoint(llama_checkpoint, tmp_path / "bad", edit_config=replace)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: config\.json .*{message}") as raised:
+        M.load_pretrained(path)
+    assert "\n" not in str(raised.value)
 
 
 def test_missing_weight_is_named(llama_checkpoint, tmp_path):

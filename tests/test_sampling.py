@@ -104,6 +104,31 @@ def test_cache_path_matches_full_forward_for_every_family(name, tmp_path):
     np.testing.assert_allclose(np.asarray(out.logprobs), chosen, atol=2e-5)
 
 
+# Every family with a sliding window (4) or a local rope, and a Llama 3.2-style one (llama3 rope).
+WINDOWED_CASES = ["gemma2_softcap_window", "gemma3_local_global", "llama_gqa_llama3_untied", "mistral_window_mqa",
+                  "olmo2_post_norms", "phi3_fused_window", "qwen3_window_head_dim"]
+
+
+@pytest.mark.parametrize("name", WINDOWED_CASES)
+def test_greedy_matches_transformers_generate_past_the_window(name, tmp_path):
+    """20 greedy tokens after left-padded prompts longer than the window equal transformers'
+    `generate` (its own cache, sliding-window layers included)."""
+    hf = random_hf_model(name, seed=9)
+    model, params = M.load_pretrained(write_checkpoint(hf, tmp_path))
+    ids, mask = padded_batch([7, 10], 10, seed=10)
+    steps, eos, pad = 20, 1, 0
+    out = generate(model, params, jnp.asarray(ids), jnp.asarray(mask), key=jax.random.key(0),
+                   max_new_tokens=steps, temperature=0.0, eos_id=eos, pad_id=pad)
+    with torch.no_grad():
+        reference = hf.generate(input_ids=torch.as_tensor(ids, dtype=torch.long),
+                                attention_mask=torch.as_tensor(mask, dtype=torch.long), max_new_tokens=steps,
+                                min_new_tokens=0, do_sample=False, eos_token_id=eos,
+                                pad_token_id=pad)[:, ids.shape[1]:].numpy()
+    reference = np.pad(reference, ((0, 0), (0, steps - reference.shape[1])), constant_values=pad)
+    np.testing.assert_array_equal(np.asarray(out.tokens), reference)
+    assert np.asarray(out.mask).sum(1).max() > 4, "decoding should run past the window"
+
+
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (1.5, 3, 1.0), (1.0, 0, 0.6),
                                                      (1.2, 5, 0.8)])
 def test_first_token_distribution(eight_token_model, temperature, top_k, top_p):

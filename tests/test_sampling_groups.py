@@ -177,6 +177,26 @@ def test_continuation_reproduces_the_response_from_any_prefix(tiny, settings):
             np.testing.assert_array_equal(value[~sampled], 0.0)
 
 
+def test_sliding_windows_in_group_continuations(tmp_path):
+    """Gemma 3 with a 4-token window on two of three layers (and its own local rope), prompts
+    longer than the window: a group's responses continue from any prefix unchanged, though the
+    continuation lays the context out in other cache slots. (The cached sampler against the
+    windowed full forward: test_sampling.py, every family.)"""
+    from models_util import padded_batch, random_hf_model, write_checkpoint
+
+    model, params = M.load_pretrained(write_checkpoint(random_hf_model("gemma3_local_global", seed=4), tmp_path))
+    assert model.config.sliding_window == 4 and model.config.sliding_layers == (0, 2)
+    ids, mask = (jnp.asarray(x) for x in padded_batch([6, 9, 7, 5], 9, seed=5))
+    settings = _settings("plain")
+    row_keys = jax.random.split(jax.random.key(13), 8)
+    group = _sample(model, params, ids, mask, row_keys=row_keys, num_samples=2, max_new_tokens=10, **settings)
+    t = _prefix_lengths(group, seed=1)
+    again = continue_responses(model, params, jnp.repeat(ids, 2, axis=0), jnp.repeat(mask, 2, axis=0), group.tokens,
+                               group.mask, jnp.asarray(t), row_keys=row_keys, eos_id=EOS, pad_id=0, **settings)
+    np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(group.tokens))
+    assert (np.asarray(group.mask).sum(1) - t).max() > 4, "some row should resample past the window"
+
+
 def test_continuation_groups_share_the_prefix_and_stop_at_max_new_tokens(tiny):
     model, params, ids, mask = tiny
     settings = dict(temperature=1.0, top_k=40, eos_id=EOS, pad_id=0)

@@ -1,5 +1,6 @@
-"""Decoder-only language models (GPT-2, Llama, Gemma, Gemma-2, Qwen2 families), value / reward heads,
-loading from Hugging Face directories and GGUF files, saving back to Hugging Face format."""
+"""Decoder-only language models (GPT-2, Llama, Gemma, Gemma-2, Gemma 3, Qwen2, Qwen3, Mistral, OLMo-2
+and Phi-3 families), value / reward heads, loading from Hugging Face directories and GGUF files,
+saving back to Hugging Face format."""
 from marl_jax.models.config import FAMILIES, ModelConfig
 from marl_jax.models.decoder import Decoder, init_cache, positions_from_mask
 from marl_jax.models.heads import (

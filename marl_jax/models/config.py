@@ -1,10 +1,11 @@
 """`ModelConfig`: every architectural choice of the decoder as a field, read from and written to
 Hugging Face `config.json` dictionaries.
 
-The supported families (GPT-2, Llama, Gemma, Gemma-2, Qwen2) are one decoder with different field
-values: norm type, gated or plain MLP, activation, learned or rotary positions, biases, tied
-embeddings, embedding scaling and, for Gemma-2, sandwich norms, logit soft-capping and
-sliding-window layers. SmolLM2 is a Llama.
+The supported families (GPT-2, Llama, Gemma, Gemma-2, Gemma 3, Qwen2, Qwen3, Mistral, OLMo-2,
+Phi-3) are one decoder with different field values: norm type, gated or plain MLP, activation,
+learned or rotary positions, biases, tied embeddings, embedding scaling, norms before and / or after
+attention and MLP, query/key norms, logit soft-capping, sliding-window layers with their own rope
+base. SmolLM2 and Llama 3.2 are Llamas; Phi-3's fused projections are split by the key map.
 """
 from __future__ import annotations
 
@@ -15,11 +16,15 @@ from typing import Any
 
 import jax.numpy as jnp
 
-FAMILIES = ("gpt2", "llama", "gemma", "qwen2", "gemma2")
+FAMILIES = ("gpt2", "llama", "gemma", "qwen2", "gemma2", "qwen3", "gemma3_text", "mistral", "olmo2", "phi3")
 NORM_TYPES = ("rmsnorm", "layernorm")
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 POSITION_EMBEDDINGS = ("rope", "learned")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# None: no query/key norm; "head": RMSNorm over each head's H values (Qwen3, Gemma 3); "projection":
+# over the whole projection N * H (OLMo-2).
+QK_NORMS = (None, "head", "projection")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 DTYPES = ("float32", "bfloat16", "float16")
 
 # transformers activation names -> ours ("gelu_new" and "gelu_pytorch_tanh" are the same tanh
@@ -41,6 +46,11 @@ CAUSAL_LM_ARCHITECTURES = {
     "gemma": "GemmaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 SEQUENCE_CLASSIFICATION_ARCHITECTURES = {
     "gpt2": "GPT2ForSequenceClassification",
@@ -48,6 +58,11 @@ SEQUENCE_CLASSIFICATION_ARCHITECTURES = {
     "gemma": "GemmaForSequenceClassification",
     "qwen2": "Qwen2ForSequenceClassification",
     "gemma2": "Gemma2ForSequenceClassification",
+    "qwen3": "Qwen3ForSequenceClassification",
+    "gemma3_text": "Gemma3TextForSequenceClassification",
+    "mistral": "MistralForSequenceClassification",
+    "olmo2": "Olmo2ForSequenceClassification",
+    "phi3": "Phi3ForSequenceClassification",
 }
 
 
@@ -117,15 +132,21 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     # Gemma multiplies the token embeddings by sqrt(D).
     scale_embeddings: bool = False
-    # Gemma-2: norms after attention and after the MLP too (before the residual add), attention
-    # scale query_pre_attn_scalar ** -0.5 instead of H ** -0.5, tanh soft-capping of attention and
-    # final logits, and a sliding attention window on the layers listed in `sliding_layers`.
+    # Norms before attention and MLP (`pre_norms`) and / or after them, before the residual add
+    # (`sandwich_norms`): Llama pre only, Gemma-2 / Gemma 3 both, OLMo-2 after only.
+    pre_norms: bool = True
     sandwich_norms: bool = False
+    qk_norm: str | None = None
+    # Gemma-2 / Gemma 3: attention scale query_pre_attn_scalar ** -0.5 instead of H ** -0.5, tanh
+    # soft-capping of attention and final logits. Layers listed in `sliding_layers` attend to the
+    # last `sliding_window` positions only (Gemma-2/3, Mistral, Phi-3, Qwen3 when enabled) and,
+    # when `local_rope_theta` is set (Gemma 3), rotate with that base and no rope scaling.
     query_pre_attn_scalar: int | None = None
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
+    local_rope_theta: float | None = None
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
@@ -152,6 +173,10 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"ModelConfig.qk_norm: {self.qk_norm!r} is not one of {QK_NORMS}")
+        if not (self.pre_norms or self.sandwich_norms):
+            raise ValueError("ModelConfig: pre_norms and sandwich_norms are both off; a layer needs one")
         if self.norm_type not in NORM_TYPES:
             raise ValueError(f"ModelConfig.norm_type: {self.norm_type!r} is not one of {NORM_TYPES}")
         if self.activation not in ACTIVATIONS:
@@ -176,7 +201,7 @@ class ModelConfig:
             bad = [i for i in self.sliding_layers if not 0 <= i < self.num_layers]
             if bad:
                 raise ValueError(f"ModelConfig.sliding_layers {bad} are not layer indices [0, {self.num_layers})")
-        for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
+        for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "local_rope_theta"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"ModelConfig.{name} must be positive or None, got {value!r}")
@@ -221,6 +246,14 @@ class ModelConfig:
             "qwen2": dict(norm_type="rmsnorm", norm_eps=1e-6, activation="silu", qkv_bias=True),
             "gemma2": dict(norm_type="rmsnorm", norm_eps=1e-6, norm_scale_offset=1.0, activation="gelu_tanh",
                            tie_word_embeddings=True, scale_embeddings=True, sandwich_norms=True),
+            "qwen3": dict(norm_type="rmsnorm", norm_eps=1e-6, activation="silu", qk_norm="head"),
+            "gemma3_text": dict(norm_type="rmsnorm", norm_eps=1e-6, norm_scale_offset=1.0, activation="gelu_tanh",
+                                tie_word_embeddings=True, scale_embeddings=True, sandwich_norms=True,
+                                qk_norm="head"),
+            "mistral": dict(norm_type="rmsnorm", norm_eps=1e-6, activation="silu"),
+            "olmo2": dict(norm_type="rmsnorm", norm_eps=1e-6, activation="silu", pre_norms=False,
+                          sandwich_norms=True, qk_norm="projection"),
+            "phi3": dict(norm_type="rmsnorm", norm_eps=1e-5, activation="silu"),
         }[family]
         return cls(family=family, **{**defaults, **fields})
 
@@ -285,19 +318,32 @@ class ModelConfig:
             "rope_scaling": rope if rope["rope_type"] != "default" else None,
             "rope_parameters": {**rope, "rope_theta": self.rope_theta},
         }
+        layer_types = ["sliding_attention" if i in self.sliding_layers else "full_attention"
+                       for i in range(self.num_layers)]
+        window = self.sliding_window if self.sliding_layers else None
         if self.family == "llama":
             config.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
-        if self.family in ("gemma", "gemma2"):
+        if self.family in ("qwen3", "olmo2"):
+            config["attention_bias"] = self.qkv_bias
+        if self.family in ("gemma", "gemma2", "gemma3_text"):
             config["hidden_activation"] = config["hidden_act"]
-        if self.family == "gemma2":
+        if self.family in ("gemma2", "gemma3_text"):
             config.update(
                 query_pre_attn_scalar=self.query_pre_attn_scalar or self.head_dim,
                 attn_logit_softcapping=self.attn_logit_softcap,
                 final_logit_softcapping=self.final_logit_softcap,
                 sliding_window=self.sliding_window,
-                layer_types=["sliding_attention" if i in self.sliding_layers else "full_attention"
-                             for i in range(self.num_layers)],
+                layer_types=layer_types,
             )
+        if self.family == "gemma3_text":
+            local = {"rope_type": "default", "rope_theta": self.local_rope_theta or self.rope_theta}
+            del config["rope_theta"], config["rope_scaling"]
+            config["rope_parameters"] = {"full_attention": config["rope_parameters"], "sliding_attention": local}
+        if self.family == "qwen3":
+            config.update(use_sliding_window=bool(self.sliding_layers), sliding_window=window,
+                          layer_types=layer_types, max_window_layers=self.num_layers)
+        if self.family in ("mistral", "phi3"):
+            config["sliding_window"] = window
         return config
 
 
@@ -351,6 +397,14 @@ def _gpt2_from_hf(config: dict) -> dict:
 
 def _rope_from_hf(config: dict) -> tuple[float, dict | None]:
     parameters = dict(config.get("rope_parameters") or {})
+    if set(parameters) & set(LAYER_TYPES):
+        raise ValueError(f"config.json rope_parameters keyed by layer type {sorted(parameters)} are read "
+                         "for gemma3_text only")
+    factor = parameters.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if factor is not None and float(factor) != 1.0:
+        raise ValueError(f"config.json partial_rotary_factor={factor} is not supported: rotary embeddings "
+                         "cover the whole head (1.0)")
+    parameters.pop("partial_rotary_factor", None)
     legacy = dict(config.get("rope_scaling") or {})
     if "type" in legacy and "rope_type" not in legacy:
         legacy["rope_type"] = legacy.pop("type")
@@ -379,19 +433,90 @@ _YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscal
                   "truncate")
 
 
+def _gemma3_rope_from_hf(config: dict) -> tuple[float, dict | None, float]:
+    """(full-attention theta, its scaling, sliding-attention theta) of a Gemma 3 config: per layer
+    type `rope_parameters` (transformers 5) or legacy `rope_theta` / `rope_scaling` /
+    `rope_local_base_freq`."""
+    parameters = config.get("rope_parameters") or {}
+    if set(parameters) & set(LAYER_TYPES):
+        unknown = sorted(set(parameters) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"config.json rope_parameters has layer types {unknown}; supported: {LAYER_TYPES}")
+        full = {"rope_parameters": parameters.get("full_attention") or {}}
+        local = dict(parameters.get("sliding_attention") or {})
+    else:
+        full = {key: config[key] for key in ("rope_parameters", "rope_scaling", "rope_theta") if key in config}
+        local = {"rope_theta": config.get("rope_local_base_freq", 10000.0)}
+    full.setdefault("rope_theta", 1_000_000.0)
+    if "rope_parameters" in full:
+        full["rope_parameters"] = {"rope_theta": full.pop("rope_theta"), **full["rope_parameters"]}
+    local_type = local.get("rope_type", "default")
+    if local_type != "default":
+        raise ValueError(f"config.json sliding_attention rope type {local_type!r} is not supported; "
+                         "supported: ('default',)")
+    theta, scaling = _rope_from_hf(full)
+    return theta, scaling, float(local.get("rope_theta", 10000.0))
+
+
+def _layer_types(config: dict, layers: int) -> list[str]:
+    """Per-layer attention kinds from `layer_types`, else from the family's pattern."""
+    family = config["model_type"]
+    layer_types = config.get("layer_types")
+    if layer_types is None:
+        if family == "gemma2":
+            layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        elif family == "gemma3_text":
+            pattern = config.get("sliding_window_pattern", 6)
+            if not isinstance(pattern, int) or pattern < 1:
+                raise ValueError(f"config.json sliding_window_pattern={pattern!r} is not supported: "
+                                 "a positive int (every pattern-th layer is global)")
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+        elif family == "qwen3":
+            first = int(config.get("max_window_layers", layers))
+            layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    if len(layer_types) != layers:
+        raise ValueError(f"config.json layer_types has {len(layer_types)} entries for num_hidden_layers={layers}; "
+                         "one per layer is supported")
+    unknown = sorted(set(layer_types) - set(LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"config.json layer_types {unknown} are not supported; supported: {LAYER_TYPES}")
+    return layer_types
+
+
+def _sliding_from_hf(config: dict, layers: int) -> dict:
+    """sliding_window and sliding_layers of a config: none unless the family uses windows and the
+    config sets one (Qwen3 only with `use_sliding_window`)."""
+    family = config["model_type"]
+    window = config.get("sliding_window")
+    if family == "qwen3" and not config.get("use_sliding_window", False):
+        window = None
+    if family not in ("gemma2", "gemma3_text", "qwen3", "mistral", "phi3") or not window:
+        return dict(sliding_window=None, sliding_layers=())
+    # Mistral and Phi-3 window every layer (their models ignore a `layer_types` entry).
+    layer_types = ["sliding_attention"] * layers if family in ("mistral", "phi3") else _layer_types(config, layers)
+    return dict(sliding_window=int(window),
+                sliding_layers=tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention"))
+
+
 def _llama_like_from_hf(config: dict) -> dict:
     family = config["model_type"]
     if family == "qwen2":
         _reject(config, "use_sliding_window", True, "sliding-window attention")
+    if family == "gemma3_text":
+        _reject(config, "use_bidirectional_attention", True, "bidirectional attention (causal decoders only)")
     hidden = int(config["hidden_size"])
     heads = int(config["num_attention_heads"])
     activation = config.get("hidden_activation") or config.get("hidden_act") or "silu"
-    if family in ("gemma", "gemma2") and config.get("hidden_activation") is None:
+    if family in ("gemma", "gemma2", "gemma3_text") and config.get("hidden_activation") is None:
         # Gemma checkpoints saying hidden_act="gelu" were trained with the tanh approximation.
         activation = "gelu_pytorch_tanh"
     if activation not in _HF_ACTIVATIONS:
         raise ValueError(f"config.json hidden_act {activation!r} is not one of {sorted(_HF_ACTIVATIONS)}")
-    theta, scaling = _rope_from_hf(config)
+    local_theta = None
+    if family == "gemma3_text":
+        theta, scaling, local_theta = _gemma3_rope_from_hf(config)
+    else:
+        theta, scaling = _rope_from_hf(config)
     fields = dict(
         vocab_size=int(config["vocab_size"]),
         hidden_size=hidden,
@@ -405,24 +530,28 @@ def _llama_like_from_hf(config: dict) -> dict:
         activation=_HF_ACTIVATIONS[activation],
         rope_theta=theta,
         rope_scaling=_freeze(scaling),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", family in ("gemma", "gemma2"))),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", family in ("gemma", "gemma2", "gemma3_text"))),
+        **_sliding_from_hf(config, int(config["num_hidden_layers"])),
     )
-    if family == "llama":
+    if family in ("llama", "qwen3", "olmo2"):
         bias = bool(config.get("attention_bias", False))
-        fields.update(qkv_bias=bias, out_bias=bias, mlp_bias=bool(config.get("mlp_bias", False)))
-    if family == "gemma2":
-        layers = fields["num_layers"]
-        layer_types = config.get("layer_types") or [
-            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-        window = config.get("sliding_window")
+        fields.update(qkv_bias=bias, out_bias=bias)
+    if family == "llama":
+        fields.update(mlp_bias=bool(config.get("mlp_bias", False)))
+    if family in ("gemma2", "gemma3_text"):
         fields.update(
             query_pre_attn_scalar=int(config.get("query_pre_attn_scalar") or fields["head_dim"]),
             attn_logit_softcap=config.get("attn_logit_softcapping"),
             final_logit_softcap=config.get("final_logit_softcapping"),
-            sliding_window=int(window) if window else None,
-            sliding_layers=tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
-            if window else (),
         )
+    if family == "gemma3_text":
+        fields["local_rope_theta"] = local_theta
+        if fields["attn_logit_softcap"] is not None:
+            # Gemma 3 replaced attention soft-capping by q/k norms; transformers' Gemma 3 keeps the
+            # config field but never applies it, and so the checkpoint was trained without it.
+            warnings.warn(f"config.json attn_logit_softcapping={fields['attn_logit_softcap']} is ignored for "
+                          "gemma3_text, as transformers' Gemma 3 ignores it", stacklevel=3)
+            fields["attn_logit_softcap"] = None
     return fields
 
 
@@ -451,6 +580,12 @@ def rope_inverse_frequencies(config: ModelConfig):
     elif rope_type == "yarn":
         inv_freq = _yarn_inverse_frequencies(inv_freq, dim, config.rope_theta, scaling)
     return inv_freq
+
+
+def local_rope_inverse_frequencies(config: ModelConfig):
+    """Inverse frequencies `[H / 2]` of the sliding-window layers of a config with
+    `local_rope_theta` (Gemma 3): the default rope at that base."""
+    return rope_inverse_frequencies(config.replace(rope_theta=config.local_rope_theta, rope_scaling=None))
 
 
 def rope_attention_factor(config: ModelConfig) -> float:

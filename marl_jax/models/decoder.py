@@ -1,5 +1,5 @@
-"""One config-driven decoder-only transformer (Flax linen) for the GPT-2, Llama, Gemma, Gemma-2 and
-Qwen2 families.
+"""One config-driven decoder-only transformer (Flax linen) for the GPT-2, Llama, Gemma, Gemma-2,
+Gemma 3, Qwen2, Qwen3, Mistral, OLMo-2 and Phi-3 families.
 
 Two call paths share every layer:
 - training / scoring: `Decoder(input_ids [B, T], attention_mask [B, T], positions [B, T])`, causal
@@ -27,7 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from marl_jax.models.config import ModelConfig, rope_attention_factor, rope_inverse_frequencies
+from marl_jax.models.config import (
+    ModelConfig,
+    local_rope_inverse_frequencies,
+    rope_attention_factor,
+    rope_inverse_frequencies,
+)
 
 # Unrolled: a list, per layer {"k": [B, K, S, H], "v": [B, K, S, H]}; scanned: {"k", "v"}: [L, B, K, S, H].
 Cache = list | dict
@@ -109,8 +114,13 @@ class Norm(nn.Module):
         return y.astype(dtype) * scale.astype(dtype)
 
 
-def rotary_tables(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos, sin `[B, T, H / 2]` float32 for integer `positions [B, T]`."""
+def rotary_tables(config: ModelConfig, positions: jax.Array, local: bool = False) -> tuple[jax.Array, jax.Array]:
+    """cos, sin `[B, T, H / 2]` float32 for integer `positions [B, T]`; `local`: those of the
+    sliding-window layers of a config with `local_rope_theta`."""
+    if local:
+        inv_freq = jnp.asarray(local_rope_inverse_frequencies(config))
+        angles = positions.astype(jnp.float32)[..., None] * inv_freq
+        return jnp.cos(angles), jnp.sin(angles)
     inv_freq = jnp.asarray(rope_inverse_frequencies(config))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
     factor = rope_attention_factor(config)
@@ -198,6 +208,11 @@ class Attention(nn.Module):
         q = nn.with_logical_constraint(q, ("activation_batch", "activation_length", "activation_heads", None))
         k = nn.with_logical_constraint(k, ("activation_batch", "activation_length", "activation_kv_heads", None))
         v = nn.with_logical_constraint(v, ("activation_batch", "activation_length", "activation_kv_heads", None))
+        if cfg.qk_norm == "head":
+            q, k = Norm(cfg, name="q_norm")(q), Norm(cfg, name="k_norm")(k)
+        elif cfg.qk_norm == "projection":
+            q = Norm(cfg, name="q_norm")(q.reshape(*q.shape[:2], -1)).reshape(q.shape)
+            k = Norm(cfg, name="k_norm")(k.reshape(*k.shape[:2], -1)).reshape(k.shape)
         if rotary is not None:
             q = apply_rotary(q, *rotary)
             k = apply_rotary(k, *rotary)
@@ -232,20 +247,21 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); with `sandwich_norms` (Gemma-2)
-    the attention and MLP outputs are normalised again before the residual add."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); with `sandwich_norms` (Gemma-2/3,
+    OLMo-2) the attention and MLP outputs are normalised before the residual add, and without
+    `pre_norms` (OLMo-2) their inputs are not."""
 
     config: ModelConfig
 
     @nn.compact
     def __call__(self, x, rotary, mask, cache=None, cache_index=None, layer=None):
         cfg = self.config
-        attn_out, new_cache = Attention(cfg, name="attn")(Norm(cfg, name="attn_norm")(x), rotary, mask, cache,
-                                                          cache_index, layer)
+        attn_in = Norm(cfg, name="attn_norm")(x) if cfg.pre_norms else x
+        attn_out, new_cache = Attention(cfg, name="attn")(attn_in, rotary, mask, cache, cache_index, layer)
         if cfg.sandwich_norms:
             attn_out = Norm(cfg, name="post_attn_norm")(attn_out)
         x = x + attn_out
-        mlp_out = MLP(cfg, name="mlp")(Norm(cfg, name="mlp_norm")(x))
+        mlp_out = MLP(cfg, name="mlp")(Norm(cfg, name="mlp_norm")(x) if cfg.pre_norms else x)
         if cfg.sandwich_norms:
             mlp_out = Norm(cfg, name="post_mlp_norm")(mlp_out)
         x = x + mlp_out
@@ -277,14 +293,25 @@ def _layer_class(cfg: ModelConfig):
     return nn.remat(DecoderLayer)
 
 
-def _scanned_layer(layer: DecoderLayer, carry, index, sliding, rotary, mask, window_mask, cache_index):
+def _scanned_layer(layer: DecoderLayer, carry, index, sliding, rotary, local_rotary, mask, window_mask,
+                   cache_index):
     """One step of the layer scan: carry (x `[B, T, D]`, stacked cache or None); per layer its
     index and sliding-window flag."""
     x, cache = carry
     if window_mask is not None:
         mask = jnp.where(sliding, window_mask, mask)
+    if local_rotary is not None:
+        rotary = tuple(jnp.where(sliding, local, full) for local, full in zip(local_rotary, rotary))
     x, cache = layer(x, rotary, mask, cache, cache_index, None if cache is None else index)
     return (x, cache), None
+
+
+def _rotaries(cfg: ModelConfig, positions) -> tuple:
+    """(rotary tables of full-attention layers, of sliding layers when they differ, else None)."""
+    if cfg.position_embedding == "learned":
+        return None, None
+    local = rotary_tables(cfg, positions, local=True) if cfg.local_rope_theta and cfg.sliding_layers else None
+    return rotary_tables(cfg, positions), local
 
 
 class Decoder(nn.Module):
@@ -320,7 +347,7 @@ class Decoder(nn.Module):
             raise ValueError(f"the cache layout does not match config.scan_layers={cfg.scan_layers}; "
                              "build the cache with init_cache(config, ...)")
         x = self._embed(input_ids, positions)
-        rotary = None if cfg.position_embedding == "learned" else rotary_tables(cfg, positions)
+        rotary, local_rotary = _rotaries(cfg, positions)
         key_valid = attention_mask.astype(bool)
         if cache is None:
             query_slot = jnp.arange(length)
@@ -336,15 +363,16 @@ class Decoder(nn.Module):
         if cfg.scan_layers:
             sliding = np.isin(np.arange(cfg.num_layers), cfg.sliding_layers)
             scan = nn.scan(_scanned_layer, variable_axes={"params": 0}, split_rngs={"params": True},
-                           in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+                           in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
                            length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
             (x, new_cache), _ = scan(self.layers, (x, cache), jnp.arange(cfg.num_layers), jnp.asarray(sliding),
-                                     rotary, mask, window_mask, cache_index)
+                                     rotary, local_rotary, mask, window_mask, cache_index)
             return self.final_norm(x), new_cache
         new_cache = [] if cache is not None else None
         for i, layer in enumerate(self.layers):
-            layer_mask = window_mask if i in cfg.sliding_layers else mask
-            x, layer_cache = layer(x, rotary, layer_mask, None if cache is None else cache[i], cache_index)
+            sliding = i in cfg.sliding_layers
+            x, layer_cache = layer(x, local_rotary if sliding and local_rotary else rotary,
+                                   window_mask if sliding else mask, None if cache is None else cache[i], cache_index)
             if cache is not None:
                 new_cache.append(layer_cache)
         return self.final_norm(x), new_cache
@@ -360,13 +388,14 @@ class Decoder(nn.Module):
         return nn.with_logical_constraint(x, ("activation_batch", "activation_length", "activation_embed"))
 
     def _unrolled_inputs(self, attention_mask, name: str):
-        """(rotary tables, causal mask, sliding-window mask) of a full sequence (no cache)."""
+        """(positions, (rotary tables, sliding-layer rotary tables), causal mask, sliding-window mask)
+        of a full sequence (no cache)."""
         cfg = self.config
         if cfg.scan_layers:
             raise ValueError(f"Decoder.{name} runs a range of layers: it needs unrolled layers "
                              "(config.scan_layers=False)")
         positions = positions_from_mask(attention_mask)
-        rotary = None if cfg.position_embedding == "learned" else rotary_tables(cfg, positions)
+        rotary = _rotaries(cfg, positions)
         slot = jnp.arange(attention_mask.shape[1])
         distance = slot[:, None] - slot[None, :]
         mask = (distance >= 0)[None] & attention_mask.astype(bool)[:, None, :]
@@ -374,8 +403,11 @@ class Decoder(nn.Module):
         return positions, rotary, mask, window_mask
 
     def _layer_range(self, x, rotary, mask, window_mask, start: int, stop: int):
+        """Layers `[start, stop)`; rotary: (full-attention tables, sliding-layer tables or None)."""
+        full, local = rotary
         for i in range(start, stop):
-            x, _ = self.layers[i](x, rotary, window_mask if i in self.config.sliding_layers else mask)
+            sliding = i in self.config.sliding_layers
+            x, _ = self.layers[i](x, local if sliding and local else full, window_mask if sliding else mask)
         return x
 
     def trunk(self, input_ids, attention_mask, num_layers: int):

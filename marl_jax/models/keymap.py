@@ -1,7 +1,8 @@
 """Hugging Face tensor names <-> our parameter paths, one rule per HF tensor.
 
 A rule names one HF tensor, the parameter paths it fills, and the two layout conversions
-(HF -> params, params -> HF). GPT-2's fused `c_attn` is the one rule that fills three paths.
+(HF -> params, params -> HF). Fused tensors (GPT-2's `c_attn`, Phi-3's `qkv_proj` and
+`gate_up_proj`) are rules that fill several paths: the decoder keeps separate q, k, v, gate, up.
 HF layouts: `nn.Linear.weight [out, in]` (Llama, Gemma, Qwen2) and `Conv1D.weight [in, out]`
 (GPT-2). Ours: `[in..., out...]` kernels with heads split out, e.g. q `[D, N, H]`, o `[N, H, D]`.
 """
@@ -18,13 +19,8 @@ from marl_jax.models.config import ModelConfig
 Path = tuple[str, ...]
 
 # Buffers some checkpoints carry that are not parameters.
-_IGNORED = {
-    "gpt2": re.compile(r"^(transformer\.)?h\.\d+\.attn\.(masked_)?bias$"),
-    "llama": re.compile(r"^(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq$"),
-    "gemma": re.compile(r"^(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq$"),
-    "qwen2": re.compile(r"^(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq$"),
-    "gemma2": re.compile(r"^(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq$"),
-}
+_IGNORED_GPT2 = re.compile(r"^(transformer\.)?h\.\d+\.attn\.(masked_)?bias$")
+_IGNORED_ROTARY = re.compile(r"^(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 LM_HEAD = "lm_head.weight"
 SCORE = "score.weight"
 
@@ -78,24 +74,21 @@ def _llama_like_rules(cfg: ModelConfig) -> list[Rule]:
     ]
     for i in range(cfg.num_layers):
         hf, ours = f"model.layers.{i}.", ("backbone", f"layers_{i}")
-        if cfg.sandwich_norms:  # Gemma-2 names its four norms differently
+        if cfg.sandwich_norms:  # Gemma-2/3 and OLMo-2 name their post norms differently
             rules += [
                 _same(hf + "post_attention_layernorm.weight", ours + ("post_attn_norm", "scale")),
-                _same(hf + "pre_feedforward_layernorm.weight", ours + ("mlp_norm", "scale")),
                 _same(hf + "post_feedforward_layernorm.weight", ours + ("post_mlp_norm", "scale")),
             ]
+            if cfg.pre_norms:
+                rules.append(_same(hf + "pre_feedforward_layernorm.weight", ours + ("mlp_norm", "scale")))
         else:
             rules.append(_same(hf + "post_attention_layernorm.weight", ours + ("mlp_norm", "scale")))
-        rules += [
-            _same(hf + "input_layernorm.weight", ours + ("attn_norm", "scale")),
-            _linear_in(hf + "self_attn.q_proj.weight", ours + ("attn", "q", "kernel"), (n, h)),
-            _linear_in(hf + "self_attn.k_proj.weight", ours + ("attn", "k", "kernel"), (k, h)),
-            _linear_in(hf + "self_attn.v_proj.weight", ours + ("attn", "v", "kernel"), (k, h)),
-            _linear_out(hf + "self_attn.o_proj.weight", ours + ("attn", "o", "kernel"), (n, h)),
-            _transposed(hf + "mlp.gate_proj.weight", ours + ("mlp", "gate", "kernel")),
-            _transposed(hf + "mlp.up_proj.weight", ours + ("mlp", "up", "kernel")),
-            _transposed(hf + "mlp.down_proj.weight", ours + ("mlp", "down", "kernel")),
-        ]
+        if cfg.pre_norms:
+            rules.append(_same(hf + "input_layernorm.weight", ours + ("attn_norm", "scale")))
+        if cfg.qk_norm:
+            rules += [_same(hf + f"self_attn.{name}.weight", ours + ("attn", name, "scale"))
+                      for name in ("q_norm", "k_norm")]
+        rules += _projection_rules(cfg, hf, ours)
         if cfg.qkv_bias:
             rules += [
                 _reshaped(hf + "self_attn.q_proj.bias", ours + ("attn", "q", "bias"), (n, h)),
@@ -108,6 +101,33 @@ def _llama_like_rules(cfg: ModelConfig) -> list[Rule]:
             rules += [_same(hf + f"mlp.{name}_proj.bias", ours + ("mlp", name, "bias"))
                       for name in ("gate", "up", "down")]
     return rules
+
+
+def _projection_rules(cfg: ModelConfig, hf: str, ours: Path) -> list[Rule]:
+    """Attention and MLP weights of one layer: separate q/k/v and gate/up tensors, or Phi-3's
+    fused `qkv_proj [(N + 2K) H, D]` and `gate_up_proj [2F, D]` (gate first)."""
+    n, k, h, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+    attn, mlp = ours + ("attn",), ours + ("mlp",)
+    shared = [
+        _linear_out(hf + "self_attn.o_proj.weight", attn + ("o", "kernel"), (n, h)),
+        _transposed(hf + "mlp.down_proj.weight", mlp + ("down", "kernel")),
+    ]
+    if cfg.family == "phi3":
+        return shared + [
+            Rule(hf + "self_attn.qkv_proj.weight", (attn + ("q", "kernel"), attn + ("k", "kernel"), attn + ("v", "kernel")),
+                 lambda w: tuple(part.T.reshape(d, -1, h) for part in np.split(w, [n * h, (n + k) * h])),
+                 lambda q, k_, v: np.concatenate([x.reshape(d, -1).T for x in (q, k_, v)])),
+            Rule(hf + "mlp.gate_up_proj.weight", (mlp + ("gate", "kernel"), mlp + ("up", "kernel")),
+                 lambda w: tuple(part.T for part in np.split(w, 2)),
+                 lambda gate, up: np.concatenate([gate.T, up.T])),
+        ]
+    return shared + [
+        _linear_in(hf + "self_attn.q_proj.weight", attn + ("q", "kernel"), (n, h)),
+        _linear_in(hf + "self_attn.k_proj.weight", attn + ("k", "kernel"), (k, h)),
+        _linear_in(hf + "self_attn.v_proj.weight", attn + ("v", "kernel"), (k, h)),
+        _transposed(hf + "mlp.gate_proj.weight", mlp + ("gate", "kernel")),
+        _transposed(hf + "mlp.up_proj.weight", mlp + ("up", "kernel")),
+    ]
 
 
 def _gpt2_rules(cfg: ModelConfig) -> list[Rule]:
@@ -161,4 +181,4 @@ def canonical_names(family: str, state: dict[str, np.ndarray]) -> dict[str, np.n
 
 
 def is_ignored(family: str, hf_name: str) -> bool:
-    return bool(_IGNORED[family].match(hf_name))
+    return bool((_IGNORED_GPT2 if family == "gpt2" else _IGNORED_ROTARY).match(hf_name))

@@ -23,7 +23,11 @@ from marl_jax.models.heads import CausalLM, ScalarHeadModel, reward_head_init_st
 from marl_jax.models.params import stack_layers
 
 HEADS = ("lm", "scalar")
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "gemma": "gemma", "gpt2": "gpt2"}
+# llama.cpp architecture -> model_type (llama.cpp writes Mistral checkpoints as "llama").
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "gemma": "gemma", "gpt2": "gpt2", "qwen3": "qwen3",
+                      "gemma2": "gemma2", "gemma3": "gemma3_text", "olmo2": "olmo2", "phi3": "phi3"}
+# llama.cpp's Gemma 3: every sixth layer global, local layers at rope base 10000 (src/llama-model.cpp).
+_GGUF_GEMMA3_PATTERN, _GGUF_GEMMA3_LOCAL_THETA = 6, 10000.0
 
 
 # Hugging Face directories -------------------------------------------------------------------------
@@ -55,6 +59,43 @@ def read_hf_directory(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarr
     for file in paths:
         state.update(safetensors.numpy.load_file(str(file)))
     return config, state
+
+
+# Image-text checkpoints read as their text decoder: Gemma 3 from 4B up is published only as
+# `Gemma3ForConditionalGeneration` (weights under `language_model.model.` or, as transformers 5
+# saves them, `model.language_model.`; a vision tower and projector beside them).
+_MULTIMODAL_TEXT_TYPES = {"gemma3": "gemma3_text"}
+_TEXT_DECODER_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                          ("language_model.lm_head.", "lm_head."))
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                    "model.multi_modal_projector.")
+
+
+def text_decoder(config: dict, state: dict[str, np.ndarray]) -> tuple[dict, dict[str, np.ndarray]]:
+    """(config, state) of the text decoder of an image-text checkpoint with a `text_config`
+    (its fields completed with transformers' defaults, as the published configs list only
+    those that differ); any other checkpoint unchanged. The vision weights are dropped."""
+    text_type = _MULTIMODAL_TEXT_TYPES.get(config.get("model_type"))
+    if text_type is None or "text_config" not in config:
+        return config, state
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in config["text_config"].items() if k != "model_type"}
+    text = AutoConfig.for_model(text_type, **fields).to_dict()
+    text["model_type"] = text_type
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if config.get(key) is not None and text.get(key) is None:
+            text[key] = config[key]
+    renamed = {}
+    for name, value in state.items():
+        if name.startswith(_VISION_PREFIXES):
+            continue
+        for old, new in _TEXT_DECODER_PREFIXES:
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        renamed[name] = value
+    return text, renamed
 
 
 # GGUF ---------------------------------------------------------------------------------------------
@@ -93,7 +134,16 @@ def _gguf_name_map(architecture: str) -> list[tuple[re.Pattern, str]]:
             r"blk\.(\d+)\.ffn_gate\.(weight|bias)": r"model.layers.\1.mlp.gate_proj.\2",
             r"blk\.(\d+)\.ffn_up\.(weight|bias)": r"model.layers.\1.mlp.up_proj.\2",
             r"blk\.(\d+)\.ffn_down\.(weight|bias)": r"model.layers.\1.mlp.down_proj.\2",
+            r"blk\.(\d+)\.attn_q_norm\.weight": r"model.layers.\1.self_attn.q_norm.weight",
+            r"blk\.(\d+)\.attn_k_norm\.weight": r"model.layers.\1.self_attn.k_norm.weight",
+            r"blk\.(\d+)\.post_attention_norm\.weight": r"model.layers.\1.post_attention_layernorm.weight",
+            r"blk\.(\d+)\.post_ffw_norm\.weight": r"model.layers.\1.post_feedforward_layernorm.weight",
         }
+        if architecture in ("gemma2", "gemma3"):  # llama.cpp's ffn_norm is Gemma's norm before the MLP
+            table[r"blk\.(\d+)\.ffn_norm\.weight"] = r"model.layers.\1.pre_feedforward_layernorm.weight"
+        if architecture == "phi3":  # fused projections
+            table[r"blk\.(\d+)\.attn_qkv\.weight"] = r"model.layers.\1.self_attn.qkv_proj.weight"
+            table[r"blk\.(\d+)\.ffn_up\.(weight|bias)"] = r"model.layers.\1.mlp.gate_up_proj.\2"
     return [(re.compile(pattern + "$"), target) for pattern, target in table.items()]
 
 
@@ -147,6 +197,18 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
             tie_word_embeddings="output.weight" not in tensor_names, **tokens)
         if architecture == "qwen2":
             config["use_sliding_window"] = False
+        if architecture in ("gemma2", "gemma3", "phi3") and meta("attention.sliding_window"):
+            config["sliding_window"] = int(meta("attention.sliding_window"))
+        if architecture in ("gemma2", "gemma3"):
+            # llama.cpp scales the queries of the 27B models (Gemma-2: 46 layers, Gemma 3: 62) by
+            # hidden / heads, the others' by head_dim.
+            big = config["num_hidden_layers"] == {"gemma2": 46, "gemma3": 62}[architecture]
+            config["query_pre_attn_scalar"] = hidden // heads if big else config["head_dim"]
+        if architecture == "gemma2":
+            config.update(attn_logit_softcapping=meta("attn_logit_softcapping"),
+                          final_logit_softcapping=meta("final_logit_softcapping"))
+        if architecture == "gemma3":
+            config.update(sliding_window_pattern=_GGUF_GEMMA3_PATTERN, rope_local_base_freq=_GGUF_GEMMA3_LOCAL_THETA)
         scaling = meta("rope.scaling.type")
         if scaling not in (None, "none"):
             if scaling != "linear":
@@ -167,7 +229,7 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
             weight = _unpermute_rope_rows(weight, heads)
         elif architecture == "llama" and ".self_attn.k_proj." in hf_name:
             weight = _unpermute_rope_rows(weight, kv_heads)
-        elif architecture == "gemma" and hf_name.endswith("norm.weight"):
+        elif architecture in ("gemma", "gemma2", "gemma3") and hf_name.endswith("norm.weight"):
             weight = weight - 1.0  # llama.cpp stores Gemma's RMSNorm scale as 1 + w
         elif architecture == "gpt2" and hf_name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
             weight = weight.T  # llama.cpp stores GPT-2's Conv1D weights as [out, in]
@@ -271,14 +333,17 @@ def load_pretrained(path: str | os.PathLike, dtype=jnp.float32, *, head: str = "
     if path.is_file() and path.suffix == ".gguf":
         hf_config, state = read_gguf(path)
     elif path.is_dir():
-        hf_config, state = read_hf_directory(path)
+        hf_config, state = text_decoder(*read_hf_directory(path))
     else:
         raise FileNotFoundError(f"{path}: neither a Hugging Face model directory nor a .gguf file")
     if hf_config.get("model_type") not in FAMILIES:
         raise ValueError(f"{path}: model_type {hf_config.get('model_type')!r} is not supported; "
                          f"supported families: {FAMILIES}")
-    config = ModelConfig.from_hf(hf_config, param_dtype=dtype,
-                                 dtype=dtype if compute_dtype is None else compute_dtype, remat=remat,
-                                 scan_layers=scan_layers)
+    try:
+        config = ModelConfig.from_hf(hf_config, param_dtype=dtype,
+                                     dtype=dtype if compute_dtype is None else compute_dtype, remat=remat,
+                                     scan_layers=scan_layers)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
     model = build_model(config, head, head_init_std)
     return model, params_from_state(model, state, head=head, head_key=head_key)
