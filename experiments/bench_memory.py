@@ -225,8 +225,8 @@ def resolve_model(config, platform: str):
         tokenizer = _pathless_tokenizer(config)
         cfg, source = build.model_config(config, tokenizer), "config.model.config"
     dtype = m.dtype if m.dtype != "auto" else ("bfloat16" if platform == "tpu" else "float32")
-    cfg = cfg.replace(dtype=dtype, param_dtype=m.param_dtype, remat=bool(m.remat),
-                      scan_layers=bool(m.get("scan_layers", False)))
+    cfg = build.with_lora(cfg.replace(dtype=dtype, param_dtype=m.param_dtype, remat=bool(m.remat),
+                                      scan_layers=bool(m.get("scan_layers", False))), config)
     if not cfg.eos_token_id:
         raise SystemExit(f"{source}: the model has no eos_token_id; the sampler needs one")
     eos = cfg.eos_token_id[0]

@@ -15,6 +15,7 @@ from marl_jax import distributed
 from marl_jax.config import validate_config
 from marl_jax.data.real_tasks import decode_responses
 from marl_jax.data.tasks import build_task
+from marl_jax.models import lora
 from marl_jax.train import build, exports, metrics as metrics_lib, reward, sharding
 from marl_jax.train import ppo as ppo_lib
 from marl_jax.train.ppo import run_ppo
@@ -54,7 +55,7 @@ class Pipeline:
         self.policy = build.policy_module(cfg)
         self.reward_model = build.reward_module(cfg)
         self.critic = build.critic_module(cfg)
-        self._sft = self._rm = self._initial = None
+        self._sft = self._rm = self._initial = self._pretrained_base = None
         self._sampled = False  # the policy's preference pairs are in self.task.rm
         self._sampled_data = None  # the held-out gold pairs, once the sampled data is in
         self.run_earlier_stages = run_earlier_stages
@@ -98,10 +99,33 @@ class Pipeline:
             self._add_sampled_data()
             init = self.initial_params()
             self._initial = None  # held by `init` only, and freed with it
+            self._pretrained_base = self._lora_base(init)
             self._sft = run_sft(self.config, self.task, self.policy, init, mesh=self.mesh,
                                 writer=self.writer, workdir=self.workdir)
-            self._export("sft", self.policy, self._sft)
+            self._export("sft", self.policy, self._sft, adapter_base=self._pretrained_base)
+            if self.policy.config.lora_rank and self.config.model.lora.merge_sft:
+                self._sft = lora.merge(self._sft, lora.settings(self.policy.config))
         return self._sft
+
+    def _lora_base(self, init):
+        """With LoRA, the transformers directory of the pretrained base the SFT adapter applies
+        to: `config.model.path` when it is one, else `<workdir>/models/base`, written here from
+        `init` (a model built from its config, or read from a GGUF file). None without LoRA."""
+        if not self.policy.config.lora_rank:
+            return None
+        path = self.config.model.path
+        if path and os.path.isfile(os.path.join(build.pretrained_path(path), "config.json")):
+            return os.path.abspath(build.pretrained_path(path))
+        base_dir = exports.export_dir(self.workdir, exports.BASE_EXPORT)
+        if not distributed.main_process_value(os.path.isfile(os.path.join(base_dir,
+                                                                          "config.json"))):
+            base = distributed.global_to_host(lora.frozen_base(init))
+            if jax.process_index() == 0:
+                tmp = base_dir + ".tmp"
+                build.models.save_pretrained(self.policy, base, tmp)
+                self.task.tokenizer.save_pretrained(tmp)
+                os.replace(tmp, base_dir)
+        return os.path.abspath(base_dir)
 
     def rm(self, needed_by: str = ""):
         if self._rm is None:
@@ -240,8 +264,9 @@ class Pipeline:
         self._export("policy", self.policy, state.actor_params)
         return state
 
-    def _export(self, name, module, params, extra=None):
-        exports.export_model(self.workdir, name, module, params, self.task.tokenizer, extra)
+    def _export(self, name, module, params, extra=None, adapter_base=None):
+        exports.export_model(self.workdir, name, module, params, self.task.tokenizer, extra,
+                             adapter_base)
 
     def close(self):
         self.writer.close()

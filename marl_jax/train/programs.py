@@ -44,10 +44,15 @@ def jit_program(fun: Callable, in_shardings: tuple, out_shardings: Any,
 
 
 # ---- the programs, for concrete or abstract arguments -------------------------------------------
-def supervised_program(train_step: Callable, state_shardings, mesh) -> Program:
-    """The SFT / reward-model train step (`supervised.make_train_step`), the state donated."""
-    return jit_program(train_step, (state_shardings, sharding.batch_sharding(mesh)),
-                       (state_shardings, sharding.replicated(mesh)), donate_argnums=(0,))
+def supervised_program(train_step: Callable, state_shardings, mesh, base_shardings=None) -> Program:
+    """The SFT / reward-model train step (`supervised.make_train_step`), the state donated;
+    with `base_shardings` a LoRA step (`supervised.make_lora_train_step`) whose third argument
+    is the frozen base."""
+    in_shardings = (state_shardings, sharding.batch_sharding(mesh))
+    if base_shardings is not None:
+        in_shardings += (base_shardings,)
+    return jit_program(train_step, in_shardings, (state_shardings, sharding.replicated(mesh)),
+                       donate_argnums=(0,))
 
 
 def frozen_shardings(mods: core.Models, mesh, state_sh: core.PPOState, rm_params) -> core.Frozen:
