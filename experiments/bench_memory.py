@@ -336,10 +336,12 @@ def stage_programs(config, cfg, token_ids, mesh, wanted) -> list:
                                     build.reward_module(cfg))
     inputs = aot.task_inputs(config)
     entries = []
+    # The state, and with LoRA the frozen base after the batch.
+    state_args = lambda program, args: (program, args, (0, *range(2, len(args))), 0)
     if "sft" in wanted and config.sft.steps > 0:
-        entries.append(("sft", *aot.sft_program(config, policy, mesh, inputs), (0,), 0))
+        entries.append(("sft", *state_args(*aot.sft_program(config, policy, mesh, inputs))))
     if "rm" in wanted and config.rm.steps > 0:
-        entries.append(("rm", *aot.rm_program(config, reward_model, mesh, inputs), (0,), 0))
+        entries.append(("rm", *state_args(*aot.rm_program(config, reward_model, mesh, inputs))))
     ppo_wanted = [n for n in ("rollout", "update", "ppo_step") if n in wanted]
     if ppo_wanted and config.ppo.steps > 0:
         ppo = aot.ppo_programs(config, token_ids, policy, critic, reward_model, mesh, inputs)
@@ -349,6 +351,20 @@ def stage_programs(config, cfg, token_ids, mesh, wanted) -> list:
             weight_args, outside = ((0,), frozen) if name == "update" else ((0, 1), 0)
             entries.append((name, *ppo[name], weight_args, outside))
     return entries
+
+
+def lora_weights_line(entries) -> str | None:
+    """With LoRA, what the PPO programs hold per device: the one frozen base of the four roles,
+    and their adapters and heads (and those's optimizer states); None without LoRA."""
+    for name, _, args, *_ in entries:
+        if name in ("rollout", "ppo_step") and args[0].actor_params.keys() != args[1].ref_params.keys():
+            state, frozen = args[0], args[1]
+            trained = per_device_bytes([state.actor_params, state.critic_params, frozen.rm_params])
+            moments = per_device_bytes([state.actor_opt_state, state.critic_opt_state])
+            return (f"weights: one frozen base {per_device_bytes(frozen.ref_params) / GIB:.3f} GiB "
+                    "per device (actor, reference, critic and reward model); adapters and heads "
+                    f"{trained / GIB:.3f} GiB, their optimizer states {moments / GIB:.3f} GiB")
+    return None
 
 
 # ---- output --------------------------------------------------------------------------------
@@ -428,6 +444,8 @@ def main(argv):
     if not rows:
         raise SystemExit("nothing to compile: every selected stage has 0 steps")
     print(table(rows))
+    if (line := lora_weights_line(entries)) is not None:
+        print(line)
     for row in rows:
         if "error" in row:
             print(f"{row['program']}: {row['error']}")

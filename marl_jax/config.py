@@ -141,6 +141,7 @@ def base_config() -> ml_collections.ConfigDict:
 
     p = c.ppo = optimizer_config(lr=1.5e-5, steps=1000, batch_size=256)
     p.critic_learning_rate = 1.5e-5
+    p.rollout_chunks = 1  # sample the prompts in this many sequential chunks (KV-cache memory)
     p.ppo_epochs = 1
     p.num_minibatches = 1
     p.response_length = 512
@@ -288,6 +289,10 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
     check(p.batch_size % (p.num_minibatches * p.grad_accum_steps) == 0, "ppo.grad_accum_steps",
           f"ppo.num_minibatches * ppo.grad_accum_steps = {p.num_minibatches} * "
           f"{p.grad_accum_steps} must divide ppo.batch_size={p.batch_size}")
+    chunks = p.get("rollout_chunks", 1)
+    check(isinstance(chunks, int) and chunks >= 1 and p.batch_size % (chunks * p.group_size) == 0,
+          "ppo.rollout_chunks", "must be an integer >= 1 dividing ppo.batch_size / "
+          "ppo.group_size (prompts per step)")
     check(p.estimator in ESTIMATORS, "ppo.estimator", f"must be one of {ESTIMATORS}")
     check(isinstance(p.group_size, int) and p.group_size >= 1 and p.batch_size % p.group_size == 0,
           "ppo.group_size", f"must be an integer >= 1 dividing ppo.batch_size={p.batch_size}")
@@ -326,6 +331,10 @@ def _check_lora(c, check):
         for stage in ("sft", "rm", "ppo"):
             check(c[stage].get("num_layers_unfrozen", -1) < 0, f"{stage}.num_layers_unfrozen",
                   "LoRA trains adapters on every layer: use -1 with model.lora.rank > 0")
+        check(c.rm.init_from == "sft", "rm.init_from",
+              "LoRA trains the reward model's adapters on the SFT base: use sft")
+        check(c.ppo.critic_init in ("rm", "sft"), "ppo.critic_init",
+              "LoRA trains the critic's adapters on the shared base: use rm or sft")
         check(c.stage != "experiment", "stage",
               "experiments (arms vmapped over seeds) run full fine-tuning: set model.lora.rank=0")
 

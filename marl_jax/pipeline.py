@@ -258,10 +258,21 @@ class Pipeline:
 
     def ppo(self):
         rm_params, stats = self.rm(needed_by="ppo")
+        sft_params = self.sft(needed_by="ppo")
         state = run_ppo(self.config, self.task, self.policy, self.critic, self.reward_model,
-                        self.sft(needed_by="ppo"), rm_params, stats, mesh=self.mesh, writer=self.writer,
+                        sft_params, rm_params, stats, mesh=self.mesh, writer=self.writer,
                         workdir=self.workdir)
-        self._export("policy", self.policy, state.actor_params)
+        if not self.policy.config.lora_rank:
+            self._export("policy", self.policy, state.actor_params)
+            return state
+        # The actor's adapters apply to the SFT model when SFT merged its adapter, else to the
+        # pretrained base.
+        merged = self.config.model.lora.merge_sft
+        adapter_base = os.path.abspath(exports.export_dir(self.workdir, "sft")) if merged \
+            else self._pretrained_base
+        self._export("policy", self.policy, lora.attach(lora.frozen_base(sft_params),
+                                                         state.actor_params),
+                     adapter_base=adapter_base)
         return state
 
     def _export(self, name, module, params, extra=None, adapter_base=None):

@@ -23,7 +23,7 @@ import optax
 
 from marl_jax import estimators, losses, sampling
 from marl_jax.macro import advantage, termination
-from marl_jax.models import last_token_score
+from marl_jax.models import last_token_score, lora
 from marl_jax.models.heads import (backbone_hidden, continuation_scores, scalar_outputs,
                                    trunk_states)
 from marl_jax.train.optim import accumulate_gradients, apply_if_finite
@@ -77,6 +77,12 @@ class PPOStatic:
     # > 0: the actor, reference, critic and reward model have the same embeddings and first k
     # layers (all frozen), which the scoring pass and the update run once for all of them.
     shared_trunk_layers: int = 0
+    # LoRA: actor, critic and reward-model params are adapters (and heads) on the one frozen
+    # base, `Frozen.ref_params`, which is also the reference (the base with the adapters off).
+    lora: bool = False
+    # Prompts are sampled in this many sequential chunks (rows c, c + n, ... in chunk c, so each
+    # spreads over the data-sharded devices): the KV cache holds one chunk's rows.
+    rollout_chunks: int = 1
 
     @property
     def uses_critic(self) -> bool:
@@ -116,7 +122,8 @@ class PPOState:
 
 @flax.struct.dataclass
 class Frozen:
-    """What a PPO run reads but never updates."""
+    """What a PPO run reads but never updates. With LoRA `ref_params` is the base every role's
+    adapters attach to (`with_base`) and `rm_params` the reward model's adapters and head."""
 
     ref_params: Any
     rm_params: Any
@@ -153,6 +160,12 @@ class Models:
     # Learning rate of optimizer update i (for the `lr` metrics); counts updates, not steps.
     actor_schedule: Any = None
     critic_schedule: Any = None
+
+
+def with_base(static: PPOStatic, params, frozen: Frozen):
+    """A role's params as its model applies them: with LoRA its adapters (and head) attached
+    to the frozen base (a tree of the same arrays, no copy), else `params` themselves."""
+    return lora.attach(frozen.ref_params, params) if static.lora else params
 
 
 # ---- rollout -------------------------------------------------------------------------------------
@@ -219,16 +232,31 @@ def shared_trunk(static: PPOStatic, models: Models, params, prompt_ids, prompt_m
 
 
 def generate_responses(static: PPOStatic, models: Models, state: PPOState, prompt_ids,
-                       prompt_mask, key):
+                       prompt_mask, key, frozen: Frozen = None):
     """Samples `group_size` responses to each of `prompt_ids [B / group_size, P]` from the
     current actor (each prompt prefilled once): `SampleOutput` with tokens, logprobs, mask and
     entropy `[B, R]`, the samples of a prompt in adjacent rows."""
     groups = {} if static.group_size == 1 else {"num_samples": static.group_size}
-    return sampling.generate(
-        models.policy, state.actor_params, prompt_ids, prompt_mask, key=key,
-        max_new_tokens=static.response_length, temperature=static.temperature,
-        top_k=static.top_k, top_p=static.top_p, eos_id=static.eos_id, pad_id=static.pad_id,
-        **groups)
+    actor = with_base(static, state.actor_params, frozen)
+
+    def sample(ids, mask, chunk_key):
+        return sampling.generate(
+            models.policy, actor, ids, mask, key=chunk_key,
+            max_new_tokens=static.response_length, temperature=static.temperature,
+            top_k=static.top_k, top_p=static.top_p, eos_id=static.eos_id, pad_id=static.pad_id,
+            **groups)
+
+    n = static.rollout_chunks
+    if n == 1:
+        return sample(prompt_ids, prompt_mask, key)
+    # Prompt j of chunk c is prompt j * n + c; its group_size samples come back adjacent.
+    split = lambda x: x.reshape((x.shape[0] // n, n) + x.shape[1:]).swapaxes(0, 1)
+    out = jax.lax.map(lambda xs: sample(*xs), (split(prompt_ids), split(prompt_mask),
+                                                jax.random.split(key, n)))
+    k = static.group_size
+    join = lambda x: x.reshape((n, x.shape[1] // k, k) + x.shape[2:]).swapaxes(0, 1).reshape(
+        (n * x.shape[1],) + x.shape[2:])
+    return jax.tree.map(join, out)
 
 
 def sampler_logprobs_are_exact(static: PPOStatic) -> bool:
@@ -248,7 +276,7 @@ def sequence_score(static: PPOStatic, models: Models, frozen: Frozen, prompt_ids
     if static.reward_source == "gold":
         scores = models.gold_fn(documents, response_ids, response_mask)
         return scores, scores
-    raw = sequence_scores(models.reward, frozen.rm_params, prompt_ids, prompt_mask, response_ids,
+    raw = sequence_scores(models.reward, with_base(static, frozen.rm_params, frozen), prompt_ids, prompt_mask, response_ids,
                           response_mask, trunk)
     if static.normalize_reward:
         return (raw - frozen.reward_mean) / frozen.reward_std, raw
@@ -281,15 +309,17 @@ def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, pr
     if sampled_logprobs is not None and sampler_logprobs_are_exact(static):
         old_logprobs = sampled_logprobs * response_mask
     else:
-        old_logprobs, actor_entropy = token_logprobs(models.policy, state.actor_params, *args,
-                                                     static.temperature, trunk)
+        old_logprobs, actor_entropy = token_logprobs(
+            models.policy, with_base(static, state.actor_params, frozen), *args,
+            static.temperature, trunk)
         entropies = actor_entropy if entropies is None else entropies
     ref = continuation_scores(models.policy, frozen.ref_params, *args, static.temperature,
                               trunk)
     if entropies is None:
         entropies = jnp.zeros_like(old_logprobs)
     if static.uses_critic:
-        values, final_values = critic_outputs(models.critic, state.critic_params, *args, trunk)
+        values, final_values = critic_outputs(
+            models.critic, with_base(static, state.critic_params, frozen), *args, trunk)
     else:
         values = final_values = None
     scores, raw_scores = sequence_score(static, models, frozen, *args, documents, host_scores,
@@ -328,7 +358,7 @@ def rollout(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, 
             prompt_mask, key, documents=None):
     """`generate_responses` then `score`: (Experience, metrics). The prompts `[B / group_size,
     P]` (and documents) are repeated to one row per sample."""
-    sample = generate_responses(static, models, state, prompt_ids, prompt_mask, key)
+    sample = generate_responses(static, models, state, prompt_ids, prompt_mask, key, frozen)
     prompt_ids, prompt_mask, documents = repeat_groups(static, prompt_ids, prompt_mask, documents)
     return score(static, models, state, frozen, prompt_ids, prompt_mask, sample.tokens,
                  sample.mask.astype(jnp.int32), documents, sampled_logprobs=sample.logprobs,
@@ -421,8 +451,9 @@ def critic_free_advantages(static: PPOStatic, models: Models, state: PPOState, f
     k_points, k_rollouts = jax.random.split(key)
     seg = variant_segments(static, segments, hparams.variant)
     starts, valid = estimators.choose_branch_points(k_points, seg, mask, static.mc_branch_points)
-    returns, budget = monte_carlo_returns(static, models, state.actor_params, frozen, exp, starts,
-                                          valid, k_rollouts)
+    returns, budget = monte_carlo_returns(static, models,
+                                          with_base(static, state.actor_params, frozen), frozen,
+                                          exp, starts, valid, k_rollouts)
     values = returns.mean(axis=-1)
     per_token_kl = kl_rewards(static, exp, state.kl_coef)
     terminal = ((exp.rewards - per_token_kl) * mask).sum(axis=1)
@@ -479,10 +510,12 @@ def segment_stats(segments, variant, static, mask):
 
 
 # ---- update ---------------------------------------------------------------------------------
-def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, adv, ret, key):
+def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, adv, ret, key,
+           frozen: Frozen = None):
     """`ppo_epochs` x `num_minibatches` actor and critic updates from advantages and returns
     `[B, R]` (every token carrying its macro's A and G); the actor alone for the critic-free
-    estimators (`ret` unused)."""
+    estimators (`ret` unused). With LoRA the gradients are those of the adapters and heads
+    alone, attached to `frozen`'s base."""
     b = static.batch_size
     mb = b // static.num_minibatches
     data = dict(prompt_ids=exp.prompt_ids, prompt_mask=exp.prompt_mask,
@@ -502,7 +535,7 @@ def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, 
 
     def actor_loss(params, batch):
         logprobs, entropy = token_logprobs(
-            models.policy, params, batch["prompt_ids"], batch["prompt_mask"],
+            models.policy, with_base(static, params, frozen), batch["prompt_ids"], batch["prompt_mask"],
             batch["response_ids"], batch["response_mask"], static.temperature, trunk_of(batch))
         loss, m = losses.ppo_policy_loss(logprobs, batch["old_logprobs"], batch["advantages"],
                                          batch["response_mask"], cliprange=static.cliprange,
@@ -510,7 +543,8 @@ def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, 
         return loss, dict(m, entropy=_masked_mean(entropy, batch["response_mask"]))
 
     def critic_loss(params, batch):
-        values = response_values(models.critic, params, batch["prompt_ids"],
+        values = response_values(models.critic, with_base(static, params, frozen),
+                                 batch["prompt_ids"],
                                  batch["prompt_mask"], batch["response_ids"],
                                  batch["response_mask"], trunk_of(batch))
         loss, m = losses.ppo_value_loss(values, batch["old_values"], batch["returns"],
@@ -617,11 +651,11 @@ def rollout_phase(static: PPOStatic, models: Models, state: PPOState, frozen: Fr
 
 
 def generate_phase(static: PPOStatic, models: Models, state: PPOState, prompt_ids,
-                   prompt_mask):
+                   prompt_mask, frozen: Frozen = None):
     """The sampling part of `rollout_phase` alone, for steps with host work in between (parsing
     termination, host-computed rewards): a `SampleOutput`."""
     return generate_responses(static, models, state, prompt_ids, prompt_mask,
-                              step_keys(state)[0])
+                              step_keys(state)[0], frozen)
 
 
 def update_phase(static: PPOStatic, models: Models, state: PPOState, exp: Experience,
@@ -648,7 +682,7 @@ def update_phase(static: PPOStatic, models: Models, state: PPOState, exp: Experi
             static, models, state, frozen, hparams, exp, segments,
             jax.random.fold_in(k_segment, 1))
         budget = {k: v + branch_budget.get(k, 0.0) for k, v in budget.items()}
-    new_state, upd_metrics = update(static, models, state, exp, adv, ret, k_update)
+    new_state, upd_metrics = update(static, models, state, exp, adv, ret, k_update, frozen)
     new_state = new_state.replace(
         step=state.step + 1,
         kl_coef=adapt_kl_coef(static, state.kl_coef, roll_metrics["objective/kl"]),
