@@ -3,6 +3,7 @@ merging), the PEFT export read by transformers + peft, resume on the same base o
 errors."""
 import importlib
 import json
+import types
 
 import jax
 import jax.numpy as jnp
@@ -221,3 +222,63 @@ def test_resume_is_exact_and_needs_the_same_base(tmp_path):
         _sft_run(tmp_path / "resumed", other, 6)
     assert "\n" not in str(error.value)
     assert (metrics_file.read_bytes(), sorted(p.name for p in ckpt.iterdir())) == before
+
+
+def test_lora_ppo_step_on_eight_devices_with_the_base_sharded_fsdp():
+    """One MA-PPO step of the synthetic task's model with LoRA over an fsdp=8 mesh: the state
+    holds adapters and heads only, the one base (the reference) is sharded over fsdp, the
+    reference logprobs are the base's (computed here on one device), the actor starts equal to
+    it (KL 0), and the step moves the adapters."""
+    from marl_jax.models.heads import continuation_scores
+    from marl_jax.train import aot, ppo, sharding
+    from marl_jax.train import ppo_core as core
+
+    config = importlib.import_module("configs.synthetic").get_config()
+    config.stage = "ppo"
+    config.model.lora.rank = 4
+    config.mesh.update(dict(data=1, fsdp=8, tensor=1))
+    config.ppo.update(dict(batch_size=8, response_length=8, rollout_chunks=2))
+    cfg = build.with_lora(M.ModelConfig(**dict(config.model.config), vocab_size=39,
+                                        eos_token_id=(2,), pad_token_id=0), config)
+    policy, critic, reward_model = (build.policy_module(cfg), build.critic_module(cfg),
+                                    build.reward_module(cfg))
+    mesh = sharding.make_mesh(config.mesh)
+    tokens = types.SimpleNamespace(eos_token_id=2, pad_token_id=0)
+    with sharding.mesh_context(mesh, sharding.logical_rules(mesh, build.model_dims(cfg))):
+        programs = aot.ppo_programs(config, tokens, policy, critic, reward_model, mesh)
+    step, (state_abs, frozen_abs, _, prompt_abs, _, docs_abs) = programs["ppo_step"]
+    rollout = programs["rollout"][0]
+    assert step.in_shardings[1].ref_params["backbone"]["layers_0"]["mlp"]["up"][
+        "kernel"].spec[0] == "fsdp"
+
+    params = M.init_params(policy, jax.random.key(0))
+    base, actor = lora.frozen_base(params), lora.trainable(params)
+    rm_params = lora.trainable(M.init_params(reward_model, jax.random.key(1)))
+    critic_params = lora.trainable(M.init_params(critic, jax.random.key(2)))
+    mods = ppo.make_models(config, policy, critic, reward_model, lambda d, i, m: m.sum(1) * 0.0)
+    state = jax.device_put(ppo.initial_state(config, mods, actor, critic_params, 0),
+                           step.in_shardings[0])
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), state) == jax.tree.map(
+        lambda x: (x.shape, x.dtype), state_abs)
+    frozen = jax.device_put(core.Frozen(ref_params=base, rm_params=rm_params,
+                                        reward_mean=jnp.float32(0), reward_std=jnp.float32(1)),
+                            step.in_shardings[1])
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(3, 39, prompt_abs.shape).astype(np.int32)
+    docs = rng.integers(0, 8, docs_abs.shape).astype(np.int32)
+    batch_sh = sharding.batch_sharding(mesh)
+    args = [jax.device_put(x, batch_sh) for x in (prompts, np.ones_like(prompts), docs)]
+    hparams = jax.device_put(ppo.hparams_from_config(config.ppo), sharding.replicated(mesh))
+    with sharding.mesh_context(mesh, sharding.logical_rules(mesh, build.model_dims(cfg))):
+        exp, roll = rollout.fn(state, frozen, *args)
+        new_state, metrics = step.fn(jax.tree.map(jnp.copy, state), frozen, hparams, *args)
+    ref = continuation_scores(policy, base, prompts, np.ones_like(prompts),
+                              np.asarray(exp.response_ids), np.asarray(exp.response_mask),
+                              config.ppo.temperature)
+    np.testing.assert_allclose(np.asarray(exp.ref_logprobs), np.asarray(ref.logprobs), atol=1e-5)
+    assert abs(float(roll["objective/kl"])) < 1e-4
+    assert float(metrics["train/skipped_updates"]) == 0.0
+    moved = new_state.actor_params["backbone"]["layers_1"]["attn"]["v"]["lora_b"]
+    assert np.abs(np.asarray(moved)).max() > 0
+    assert set(jax.tree_util.keystr(p)[-9:] for p, _ in jax.tree_util.tree_flatten_with_path(
+        new_state.actor_params)[0]) == {"'lora_a']", "'lora_b']"}
