@@ -356,8 +356,10 @@ def stage_programs(config, cfg, token_ids, mesh, wanted) -> list:
 def lora_weights_line(entries) -> str | None:
     """With LoRA, what the PPO programs hold per device: the one frozen base of the four roles,
     and their adapters and heads (and those's optimizer states); None without LoRA."""
+    from marl_jax.models import lora
+
     for name, _, args, *_ in entries:
-        if name in ("rollout", "ppo_step") and args[0].actor_params.keys() != args[1].ref_params.keys():
+        if name in ("rollout", "ppo_step") and lora.has_adapters(args[0].actor_params):
             state, frozen = args[0], args[1]
             trained = per_device_bytes([state.actor_params, state.critic_params, frozen.rm_params])
             moments = per_device_bytes([state.actor_opt_state, state.critic_opt_state])
