@@ -206,9 +206,3 @@ def check(rank: int, targets, config, field: str = "model.lora") -> None:
         if rank > min(dims[target]):
             raise ValueError(f"config.{field}.rank={rank}: above the {target} projection's "
                              f"smaller dimension {min(dims[target])} {dims[target]}")
-
-
-def count(params) -> int:
-    """Number of adapter parameters."""
-    return sum(x.size for x in jax.tree.leaves(adapters(params)))
-

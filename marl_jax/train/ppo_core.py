@@ -276,8 +276,8 @@ def sequence_score(static: PPOStatic, models: Models, frozen: Frozen, prompt_ids
     if static.reward_source == "gold":
         scores = models.gold_fn(documents, response_ids, response_mask)
         return scores, scores
-    raw = sequence_scores(models.reward, with_base(static, frozen.rm_params, frozen), prompt_ids, prompt_mask, response_ids,
-                          response_mask, trunk)
+    raw = sequence_scores(models.reward, with_base(static, frozen.rm_params, frozen), prompt_ids,
+                          prompt_mask, response_ids, response_mask, trunk)
     if static.normalize_reward:
         return (raw - frozen.reward_mean) / frozen.reward_std, raw
     return raw, raw
@@ -544,9 +544,8 @@ def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, 
 
     def critic_loss(params, batch):
         values = response_values(models.critic, with_base(static, params, frozen),
-                                 batch["prompt_ids"],
-                                 batch["prompt_mask"], batch["response_ids"],
-                                 batch["response_mask"], trunk_of(batch))
+                                 batch["prompt_ids"], batch["prompt_mask"],
+                                 batch["response_ids"], batch["response_mask"], trunk_of(batch))
         loss, m = losses.ppo_value_loss(values, batch["old_values"], batch["returns"],
                                         batch["response_mask"],
                                         cliprange_value=static.cliprange_value)
