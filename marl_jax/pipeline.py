@@ -163,7 +163,8 @@ class Pipeline:
                                                 batch_size=self.config.rm.batch_size,
                                                 trunk=trunk)
             del trunk
-            self._export("rm", self.reward_model, params, extra={exports.REWARD_STATS: stats})
+            self._export("rm", self.reward_model, params, extra={exports.REWARD_STATS: stats},
+                         adapter_base=self._sft_base())
             self._rm = (params, stats)
         return self._rm
 
@@ -265,15 +266,19 @@ class Pipeline:
         if not self.policy.config.lora_rank:
             self._export("policy", self.policy, state.actor_params)
             return state
-        # The actor's adapters apply to the SFT model when SFT merged its adapter, else to the
-        # pretrained base.
-        merged = self.config.model.lora.merge_sft
-        adapter_base = os.path.abspath(exports.export_dir(self.workdir, "sft")) if merged \
-            else self._pretrained_base
         self._export("policy", self.policy, lora.attach(lora.frozen_base(sft_params),
                                                          state.actor_params),
-                     adapter_base=adapter_base)
+                     adapter_base=self._sft_base())
         return state
+
+    def _sft_base(self):
+        """The directory of the base the reward model's and the actor's adapters apply to: the
+        SFT model when SFT merged its adapter into it, else the pretrained base."""
+        if not self.policy.config.lora_rank:
+            return None
+        if self.config.model.lora.merge_sft:
+            return os.path.abspath(exports.export_dir(self.workdir, "sft"))
+        return self._pretrained_base
 
     def _export(self, name, module, params, extra=None, adapter_base=None):
         exports.export_model(self.workdir, name, module, params, self.task.tokenizer, extra,

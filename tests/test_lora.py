@@ -149,6 +149,28 @@ def test_peft_export_gives_the_adapted_models_logits_in_transformers(tmp_path):
     assert np.abs(theirs[valid] - hf_logits(hf, ids, mask)[valid]).max() > 1e-2
 
 
+def test_reward_model_peft_export_gives_its_scores_in_transformers(tmp_path):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification
+
+    hf = random_hf_model("qwen2_bias", seed=6)
+    base_dir = write_checkpoint(hf, tmp_path / "base")
+    model, params = M.load_pretrained(base_dir)
+    cfg = model.config.replace(lora_rank=2, lora_targets=("q", "v", "down"))
+    reward_model = build.reward_module(cfg)
+    fresh = M.init_params(reward_model, jax.random.key(1))
+    params = lora.attach(dict(fresh, backbone=params["backbone"]), _randomised_adapters(fresh))
+    peft_export.save_adapter(cfg, params, tmp_path / "adapter", base_dir)
+    ids, mask = padded_batch([9, 9], 9, seed=7)
+    ours = np.asarray(M.last_token_score(reward_model.apply({"params": params}, ids, mask), mask))
+    seq_cls = AutoModelForSequenceClassification.from_pretrained(base_dir, num_labels=1)
+    with torch.no_grad():
+        peft_model = PeftModel.from_pretrained(seq_cls, str(tmp_path / "adapter")).eval()
+        theirs = peft_model(input_ids=torch.as_tensor(ids, dtype=torch.long)).logits[:, 0].numpy()
+    np.testing.assert_allclose(theirs, ours, atol=2e-4)
+
+
 def test_peft_export_of_gpt2_is_refused_in_one_line():
     cfg = M.ModelConfig.for_family("gpt2", **{**TINY, "num_kv_heads": 4}, lora_rank=2,
                                    lora_targets=("q",))

@@ -3,7 +3,9 @@ adds them to the transformers model of their base.
 
     adapter_config.json        peft_type LORA, r, lora_alpha, target_modules, base_model_name_or_path
     adapter_model.safetensors  base_model.model.model.layers.<i>.self_attn.q_proj.lora_A.weight
-                               [r, in] and ...lora_B.weight [out, r], per targeted projection
+                               [r, in] and ...lora_B.weight [out, r], per targeted projection;
+                               a reward model's head as base_model.model.score.weight [1, D]
+                               (task SEQ_CLS, `score` among PEFT's modules_to_save)
 
 Our A `[in..., r]` and B `[r, out...]` flatten their head axes in the order the key map
 (`keymap.py`) flattens the kernels', so the adapter acts on the same rows and columns.
@@ -52,13 +54,16 @@ def adapter_state_dict(config: ModelConfig, params) -> dict[str, np.ndarray]:
                 a.reshape(-1, rank).T.astype(np.float32))
             state[f"{name}.lora_B.weight"] = np.ascontiguousarray(
                 b.reshape(rank, -1).T.astype(np.float32))
+    if ("head", "kernel") in flat:
+        state["base_model.model.score.weight"] = np.ascontiguousarray(flat[("head", "kernel")].T)
     return state
 
 
-def adapter_config(config: ModelConfig, base_model_name_or_path: str) -> dict:
+def adapter_config(config: ModelConfig, base_model_name_or_path: str, scores: bool = False) -> dict:
+    """`scores`: a reward model's adapter (sequence classification with its `score` head)."""
     return {
         "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
+        "task_type": "SEQ_CLS" if scores else "CAUSAL_LM",
         "r": config.lora_rank,
         "lora_alpha": config.lora_alpha,
         "lora_dropout": 0.0,
@@ -68,7 +73,7 @@ def adapter_config(config: ModelConfig, base_model_name_or_path: str) -> dict:
         "fan_in_fan_out": False,
         "inference_mode": True,
         "init_lora_weights": True,
-        "modules_to_save": None,
+        "modules_to_save": ["score"] if scores else None,
         "use_rslora": False,
         "use_dora": False,
     }
@@ -77,7 +82,8 @@ def adapter_config(config: ModelConfig, base_model_name_or_path: str) -> dict:
 def save_adapter(config: ModelConfig, params, directory: str | os.PathLike,
                  base_model_name_or_path: str) -> pathlib.Path:
     """Writes `adapter_config.json` and `adapter_model.safetensors` of the adapters in `params`
-    (a CausalLM's) into `directory`; only process 0 writes."""
+    (a CausalLM's, or a reward model's with its head) into `directory`; only process 0
+    writes."""
     import safetensors.numpy
 
     state = adapter_state_dict(config, params)
@@ -85,7 +91,8 @@ def save_adapter(config: ModelConfig, params, directory: str | os.PathLike,
     if jax.process_index() == 0:
         directory.mkdir(parents=True, exist_ok=True)
         (directory / ADAPTER_CONFIG).write_text(json.dumps(
-            adapter_config(config, base_model_name_or_path), indent=2, sort_keys=True))
+            adapter_config(config, base_model_name_or_path, "head" in params), indent=2,
+            sort_keys=True))
         safetensors.numpy.save_file(state, str(directory / ADAPTER_WEIGHTS),
                                     metadata={"format": "pt"})
     return directory
