@@ -293,6 +293,9 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
     check(isinstance(chunks, int) and chunks >= 1 and p.batch_size % (chunks * p.group_size) == 0,
           "ppo.rollout_chunks", "must be an integer >= 1 dividing ppo.batch_size / "
           "ppo.group_size (prompts per step)")
+    check(chunks == 1 or p.get("num_layers_unfrozen", -1) < 0, "ppo.rollout_chunks",
+          "scores the whole batch at once when a frozen trunk is shared (num_layers_unfrozen): "
+          "use 1")
     check(p.estimator in ESTIMATORS, "ppo.estimator", f"must be one of {ESTIMATORS}")
     check(isinstance(p.group_size, int) and p.group_size >= 1 and p.batch_size % p.group_size == 0,
           "ppo.group_size", f"must be an integer >= 1 dividing ppo.batch_size={p.batch_size}")

@@ -304,3 +304,37 @@ def test_lora_ppo_step_on_eight_devices_with_the_base_sharded_fsdp():
     assert np.abs(np.asarray(moved)).max() > 0
     assert set(jax.tree_util.keystr(p)[-9:] for p, _ in jax.tree_util.tree_flatten_with_path(
         new_state.actor_params)[0]) == {"'lora_a']", "'lora_b']"}
+
+
+def test_chunked_scoring_equals_the_whole_batch():
+    """`rollout_chunks` only changes memory: scoring the rows in 2 interleaved chunks gives the
+    whole batch's experience (logprobs, values, scores, rewards)."""
+    from marl_jax.train import ppo
+    from marl_jax.train import ppo_core as core
+
+    config = importlib.import_module("configs.synthetic").get_config()
+    config.ppo.update(dict(batch_size=4, response_length=6))
+    cfg = M.ModelConfig(**dict(config.model.config), vocab_size=39, eos_token_id=(2,),
+                        pad_token_id=0)
+    policy, critic, reward_model = (build.policy_module(cfg), build.critic_module(cfg),
+                                    build.reward_module(cfg))
+    mods = ppo.make_models(config, policy, critic, reward_model, None)
+    actor = M.init_params(policy, jax.random.key(0))
+    state = ppo.initial_state(config, mods, actor, M.init_params(critic, jax.random.key(1)), 0)
+    frozen = core.Frozen(ref_params=jax.tree.map(lambda x: x * 1.05, actor),
+                         rm_params=M.init_params(reward_model, jax.random.key(2)),
+                         reward_mean=jnp.float32(0.1), reward_std=jnp.float32(2.0))
+    prompt_ids, prompt_mask = padded_batch([5, 3, 4, 5], 5, seed=8, vocab=39)
+    response_ids, response_mask = padded_batch([6, 2, 4, 0], 6, seed=9, vocab=39,
+                                               right_pad=[0, 4, 2, 6])
+    response_ids = np.where(response_mask > 0, response_ids, 0)  # left-aligned, pad 0
+    tokens = types.SimpleNamespace(eos_token_id=2, pad_token_id=0)
+    out = {}
+    for chunks in (1, 2):
+        config.ppo.rollout_chunks = chunks
+        static = ppo.static_from_config(config, tokens)
+        out[chunks], _ = jax.jit(lambda *a: core.score(static, mods, state, frozen, *a))(
+            prompt_ids, prompt_mask, response_ids, response_mask)
+    for name in ("old_logprobs", "ref_logprobs", "values", "scores", "rewards"):
+        np.testing.assert_allclose(np.asarray(getattr(out[2], name)),
+                                   np.asarray(getattr(out[1], name)), atol=1e-5, err_msg=name)

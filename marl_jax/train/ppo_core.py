@@ -80,8 +80,8 @@ class PPOStatic:
     # LoRA: actor, critic and reward-model params are adapters (and heads) on the one frozen
     # base, `Frozen.ref_params`, which is also the reference (the base with the adapters off).
     lora: bool = False
-    # Prompts are sampled in this many sequential chunks (rows c, c + n, ... in chunk c, so each
-    # spreads over the data-sharded devices): the KV cache holds one chunk's rows.
+    # Prompts are sampled and scored in this many sequential chunks (`in_row_chunks`): the KV
+    # cache and the scoring pass's activations hold one chunk's rows.
     rollout_chunks: int = 1
 
     @property
@@ -168,6 +168,18 @@ def with_base(static: PPOStatic, params, frozen: Frozen):
     return lora.attach(frozen.ref_params, params) if static.lora else params
 
 
+def in_row_chunks(n: int, fn, *rows):
+    """`fn(*rows)` computed over `n` sequential chunks of the rows (arrays `[B, ...]` or None),
+    row r in chunk r % n so each chunk spreads over the batch-sharded devices, the outputs
+    (each with a leading row axis) joined back in row order. For functions whose rows are
+    independent of each other, so only memory changes: one chunk's activations at a time."""
+    if n == 1:
+        return fn(*rows)
+    split = lambda x: x.reshape((x.shape[0] // n, n) + x.shape[1:]).swapaxes(0, 1)
+    out = jax.lax.map(lambda xs: fn(*xs), jax.tree.map(split, rows))
+    return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape((-1,) + x.shape[2:]), out)
+
+
 # ---- rollout -------------------------------------------------------------------------------------
 def _concat(prompt_ids, prompt_mask, response_ids, response_mask):
     return (jnp.concatenate([prompt_ids, response_ids], axis=1),
@@ -238,25 +250,25 @@ def generate_responses(static: PPOStatic, models: Models, state: PPOState, promp
     entropy `[B, R]`, the samples of a prompt in adjacent rows."""
     groups = {} if static.group_size == 1 else {"num_samples": static.group_size}
     actor = with_base(static, state.actor_params, frozen)
+    k, n = static.group_size, static.rollout_chunks
 
     def sample(ids, mask, chunk_key):
-        return sampling.generate(
+        out = sampling.generate(
             models.policy, actor, ids, mask, key=chunk_key,
             max_new_tokens=static.response_length, temperature=static.temperature,
             top_k=static.top_k, top_p=static.top_p, eos_id=static.eos_id, pad_id=static.pad_id,
             **groups)
+        # [prompts, k, ...]: a prompt's samples stay adjacent when the chunks are joined.
+        return jax.tree.map(lambda x: x.reshape((ids.shape[0], k) + x.shape[1:]), out)
 
-    n = static.rollout_chunks
     if n == 1:
-        return sample(prompt_ids, prompt_mask, key)
-    # Prompt j of chunk c is prompt j * n + c; its group_size samples come back adjacent.
-    split = lambda x: x.reshape((x.shape[0] // n, n) + x.shape[1:]).swapaxes(0, 1)
-    out = jax.lax.map(lambda xs: sample(*xs), (split(prompt_ids), split(prompt_mask),
-                                                jax.random.split(key, n)))
-    k = static.group_size
-    join = lambda x: x.reshape((n, x.shape[1] // k, k) + x.shape[2:]).swapaxes(0, 1).reshape(
-        (n * x.shape[1],) + x.shape[2:])
-    return jax.tree.map(join, out)
+        out = sample(prompt_ids, prompt_mask, key)
+    else:
+        # Row r's key is its chunk's, r % n: each chunk draws with one key.
+        keys = jnp.tile(jax.random.split(key, n), prompt_ids.shape[0] // n)
+        out = in_row_chunks(n, lambda ids, mask, row_keys: sample(ids, mask, row_keys[0]),
+                            prompt_ids, prompt_mask, keys)
+    return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), out)
 
 
 def sampler_logprobs_are_exact(static: PPOStatic) -> bool:
@@ -305,25 +317,27 @@ def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, pr
     """
     args = (prompt_ids, prompt_mask, response_ids, response_mask)
     trunk = shared_trunk(static, models, frozen.ref_params, *args)
+    # A shared trunk's states cover the whole batch; the config keeps it and chunks apart.
+    n = static.rollout_chunks if trunk is None else 1
     entropies = None if sampled_entropy is None else sampled_entropy * response_mask
     if sampled_logprobs is not None and sampler_logprobs_are_exact(static):
         old_logprobs = sampled_logprobs * response_mask
     else:
-        old_logprobs, actor_entropy = token_logprobs(
-            models.policy, with_base(static, state.actor_params, frozen), *args,
-            static.temperature, trunk)
+        old_logprobs, actor_entropy = in_row_chunks(n, lambda *a: token_logprobs(
+            models.policy, with_base(static, state.actor_params, frozen), *a,
+            static.temperature, trunk), *args)
         entropies = actor_entropy if entropies is None else entropies
-    ref = continuation_scores(models.policy, frozen.ref_params, *args, static.temperature,
-                              trunk)
+    ref = in_row_chunks(n, lambda *a: continuation_scores(
+        models.policy, frozen.ref_params, *a, static.temperature, trunk), *args)
     if entropies is None:
         entropies = jnp.zeros_like(old_logprobs)
     if static.uses_critic:
-        values, final_values = critic_outputs(
-            models.critic, with_base(static, state.critic_params, frozen), *args, trunk)
+        values, final_values = in_row_chunks(n, lambda *a: critic_outputs(
+            models.critic, with_base(static, state.critic_params, frozen), *a, trunk), *args)
     else:
         values = final_values = None
-    scores, raw_scores = sequence_score(static, models, frozen, *args, documents, host_scores,
-                                        trunk)
+    scores, raw_scores = in_row_chunks(n, lambda *a: sequence_score(
+        static, models, frozen, *a, trunk), *args, documents, host_scores)
     ended_with_eos = _ended_with_eos(response_ids, response_mask, static.eos_id)
     rewards, reward_metrics = losses.assemble_rewards(
         old_logprobs, ref.logprobs, scores, response_mask, kl_coef=state.kl_coef,
