@@ -338,3 +338,46 @@ def test_chunked_scoring_equals_the_whole_batch():
     for name in ("old_logprobs", "ref_logprobs", "values", "scores", "rewards"):
         np.testing.assert_allclose(np.asarray(getattr(out[2], name)),
                                    np.asarray(getattr(out[1], name)), atol=1e-5, err_msg=name)
+
+
+def test_lora_pipeline_exports_peft_adapters_of_one_base(tmp_path):
+    """SFT -> reward model -> PPO with LoRA: each export's PEFT adapter, applied with peft to the
+    base it names, gives that export's merged model (and differs from the base: it trained);
+    PPO's checkpoints hold adapters and heads plus the base's identity, not the base."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from marl_jax import pipeline as pipeline_lib
+    from train_util import tiny_config
+
+    workdir = tmp_path / "run"
+    config = tiny_config(**{"model.lora.rank": 4, "sft.steps": 10, "sft.learning_rate": 3e-2,
+                            "ppo.eval_every": 0, "ppo.learning_rate": 3e-2})
+    pipeline_lib.run(config, str(workdir))
+    models_dir = workdir / "models"
+    ids = torch.as_tensor(np.random.default_rng(0).integers(3, 20, (2, 9)), dtype=torch.long)
+
+    def logits(model):
+        with torch.no_grad():
+            return model(input_ids=ids).logits.numpy()
+
+    for name, loader in (("sft", AutoModelForCausalLM), ("policy", AutoModelForCausalLM),
+                         ("rm", AutoModelForSequenceClassification)):
+        adapter = models_dir / name / "adapter"
+        base_dir = json.loads((adapter / "adapter_config.json").read_text())[
+            "base_model_name_or_path"]
+        assert base_dir == str(models_dir / ("base" if name == "sft" else "sft"))
+        extra = {"num_labels": 1} if name == "rm" else {}
+        base = loader.from_pretrained(base_dir, **extra).eval()
+        base_logits = logits(base)
+        adapted = logits(PeftModel.from_pretrained(base, str(adapter)).eval())
+        merged = logits(loader.from_pretrained(models_dir / name).eval())
+        np.testing.assert_allclose(adapted, merged, atol=1e-3, err_msg=name)
+        if name != "rm":  # the reward model's base has an untrained score head
+            assert np.abs(adapted - base_logits).max() > 1e-3, name
+    with checkpoint.Checkpointer(workdir / "checkpoints" / "ppo") as saved:
+        state, meta = saved.restore()
+    assert len(meta["base"]["hash"]) == 64
+    names = {p[-1].key for p, _ in jax.tree_util.tree_flatten_with_path(state["actor_params"])[0]}
+    assert names == {"lora_a", "lora_b"}
