@@ -348,7 +348,10 @@ def stage_programs(config, cfg, token_ids, mesh, wanted) -> list:
         frozen = per_device_bytes(ppo["rollout"][1][1])
         for name in ppo_wanted:
             # The update takes the state only; the frozen models wait on the devices beside it.
+            # With LoRA it reads the frozen base, an argument (5) like the state.
             weight_args, outside = ((0,), frozen) if name == "update" else ((0, 1), 0)
+            if name == "update" and cfg.lora_rank:
+                weight_args, outside = (0, 5), 0
             entries.append((name, *ppo[name], weight_args, outside))
     return entries
 
