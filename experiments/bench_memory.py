@@ -225,8 +225,8 @@ def resolve_model(config, platform: str):
         tokenizer = _pathless_tokenizer(config)
         cfg, source = build.model_config(config, tokenizer), "config.model.config"
     dtype = m.dtype if m.dtype != "auto" else ("bfloat16" if platform == "tpu" else "float32")
-    cfg = cfg.replace(dtype=dtype, param_dtype=m.param_dtype, remat=bool(m.remat),
-                      scan_layers=bool(m.get("scan_layers", False)))
+    cfg = build.with_lora(cfg.replace(dtype=dtype, param_dtype=m.param_dtype, remat=bool(m.remat),
+                                      scan_layers=bool(m.get("scan_layers", False))), config)
     if not cfg.eos_token_id:
         raise SystemExit(f"{source}: the model has no eos_token_id; the sampler needs one")
     eos = cfg.eos_token_id[0]
@@ -336,19 +336,40 @@ def stage_programs(config, cfg, token_ids, mesh, wanted) -> list:
                                     build.reward_module(cfg))
     inputs = aot.task_inputs(config)
     entries = []
+    # The state, and with LoRA the frozen base after the batch.
+    state_args = lambda program, args: (program, args, (0, *range(2, len(args))), 0)
     if "sft" in wanted and config.sft.steps > 0:
-        entries.append(("sft", *aot.sft_program(config, policy, mesh, inputs), (0,), 0))
+        entries.append(("sft", *state_args(*aot.sft_program(config, policy, mesh, inputs))))
     if "rm" in wanted and config.rm.steps > 0:
-        entries.append(("rm", *aot.rm_program(config, reward_model, mesh, inputs), (0,), 0))
+        entries.append(("rm", *state_args(*aot.rm_program(config, reward_model, mesh, inputs))))
     ppo_wanted = [n for n in ("rollout", "update", "ppo_step") if n in wanted]
     if ppo_wanted and config.ppo.steps > 0:
         ppo = aot.ppo_programs(config, token_ids, policy, critic, reward_model, mesh, inputs)
         frozen = per_device_bytes(ppo["rollout"][1][1])
         for name in ppo_wanted:
             # The update takes the state only; the frozen models wait on the devices beside it.
+            # With LoRA it reads the frozen base, an argument (5) like the state.
             weight_args, outside = ((0,), frozen) if name == "update" else ((0, 1), 0)
+            if name == "update" and cfg.lora_rank:
+                weight_args, outside = (0, 5), 0
             entries.append((name, *ppo[name], weight_args, outside))
     return entries
+
+
+def lora_weights_line(entries) -> str | None:
+    """With LoRA, what the PPO programs hold per device: the one frozen base of the four roles,
+    and their adapters and heads (and those's optimizer states); None without LoRA."""
+    from marl_jax.models import lora
+
+    for name, _, args, *_ in entries:
+        if name in ("rollout", "ppo_step") and lora.has_adapters(args[0].actor_params):
+            state, frozen = args[0], args[1]
+            trained = per_device_bytes([state.actor_params, state.critic_params, frozen.rm_params])
+            moments = per_device_bytes([state.actor_opt_state, state.critic_opt_state])
+            return (f"weights: one frozen base {per_device_bytes(frozen.ref_params) / GIB:.3f} GiB "
+                    "per device (actor, reference, critic and reward model); adapters and heads "
+                    f"{trained / GIB:.3f} GiB, their optimizer states {moments / GIB:.3f} GiB")
+    return None
 
 
 # ---- output --------------------------------------------------------------------------------
@@ -428,6 +449,8 @@ def main(argv):
     if not rows:
         raise SystemExit("nothing to compile: every selected stage has 0 steps")
     print(table(rows))
+    if (line := lora_weights_line(entries)) is not None:
+        print(line)
     for row in rows:
         if "error" in row:
             print(f"{row['program']}: {row['error']}")

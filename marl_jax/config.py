@@ -121,6 +121,14 @@ def base_config() -> ml_collections.ConfigDict:
         remat=False,
         scan_layers=False,   # one `scan` over the decoder layers (MaxText's scan_layers)
         config=ml_collections.ConfigDict(),
+        # LoRA (marl_jax/models/lora.py): rank 0 = full fine-tuning. With rank r > 0 every stage
+        # trains float32 adapters (and its heads) on one frozen base, scaled by alpha / r, on the
+        # projections in `targets` (() = every one the architecture has: q, k, v, o, gate, up,
+        # down). `merge_sft`: the SFT adapter is merged into the base the later stages start
+        # from; False keeps it apart (the reference and every role then start from the
+        # pretrained base, the actor from the SFT adapter).
+        lora=ml_collections.ConfigDict(dict(rank=0, alpha=16.0, dropout=0.0, targets=(),
+                                            merge_sft=True)),
     ))
 
     c.sft = optimizer_config(lr=1e-5, steps=1000, batch_size=32)
@@ -136,6 +144,7 @@ def base_config() -> ml_collections.ConfigDict:
 
     p = c.ppo = optimizer_config(lr=1.5e-5, steps=1000, batch_size=256)
     p.critic_learning_rate = 1.5e-5
+    p.rollout_chunks = 1  # sample the prompts in this many sequential chunks (KV-cache memory)
     p.ppo_epochs = 1
     p.num_minibatches = 1
     p.response_length = 512
@@ -241,6 +250,7 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
           "tpu_topology", "must be empty or a Cloud TPU slice like v4-16, v5litepod-8, v5p-32")
     check(c.model.dtype in ("auto",) + DTYPES, "model.dtype", f"must be auto or one of {DTYPES}")
     check(c.model.param_dtype in DTYPES, "model.param_dtype", f"must be one of {DTYPES}")
+    _check_lora(c, check)
     p = c.ppo
     check(p.termination in TERMINATIONS, "ppo.termination", f"must be one of {TERMINATIONS}")
     check(isinstance(p.ngram, int) and p.ngram >= 1, "ppo.ngram", "must be an integer >= 1")
@@ -306,6 +316,13 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
     check(p.batch_size % (p.num_minibatches * p.grad_accum_steps) == 0, "ppo.grad_accum_steps",
           f"ppo.num_minibatches * ppo.grad_accum_steps = {p.num_minibatches} * "
           f"{p.grad_accum_steps} must divide ppo.batch_size={p.batch_size}")
+    chunks = p.get("rollout_chunks", 1)
+    check(isinstance(chunks, int) and chunks >= 1 and p.batch_size % (chunks * p.group_size) == 0,
+          "ppo.rollout_chunks", "must be an integer >= 1 dividing ppo.batch_size / "
+          "ppo.group_size (prompts per step)")
+    check(chunks == 1 or p.get("num_layers_unfrozen", -1) < 0, "ppo.rollout_chunks",
+          "scores the whole batch at once when a frozen trunk is shared (num_layers_unfrozen): "
+          "use 1")
     check(p.estimator in ESTIMATORS, "ppo.estimator", f"must be one of {ESTIMATORS}")
     check(isinstance(p.group_size, int) and p.group_size >= 1 and p.batch_size % p.group_size == 0,
           "ppo.group_size", f"must be an integer >= 1 dividing ppo.batch_size={p.batch_size}")
@@ -324,6 +341,32 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
               "must be a positive integer or -1 (all remaining devices)")
     check(sum(c.mesh[a] == -1 for a in ("data", "fsdp", "tensor")) <= 1, "mesh",
           "at most one mesh axis may be -1")
+
+
+def _check_lora(c, check):
+    """The LoRA fields that need no model; `marl_jax.models.lora.check` checks the rank against
+    the projections once the architecture is known (before anything compiles)."""
+    from marl_jax.models import lora
+
+    if "lora" not in c.model:
+        return
+    lo = c.model.lora
+    check(isinstance(lo.rank, int) and lo.rank >= 0, "model.lora.rank",
+          "must be an integer >= 0 (0 = full fine-tuning)")
+    check(lo.alpha > 0, "model.lora.alpha", "must be > 0")
+    check(lo.dropout == 0.0, "model.lora.dropout",
+          "adapter dropout is not supported; use 0.0")
+    if lo.rank:
+        lora.check(lo.rank, tuple(lo.targets) or lora.TARGETS, None)
+        for stage in ("sft", "rm", "ppo"):
+            check(c[stage].get("num_layers_unfrozen", -1) < 0, f"{stage}.num_layers_unfrozen",
+                  "LoRA trains adapters on every layer: use -1 with model.lora.rank > 0")
+        check(c.rm.init_from == "sft", "rm.init_from",
+              "LoRA trains the reward model's adapters on the SFT base: use sft")
+        check(c.ppo.critic_init in ("rm", "sft"), "ppo.critic_init",
+              "LoRA trains the critic's adapters on the shared base: use rm or sft")
+        check(c.stage != "experiment", "stage",
+              "experiments (arms vmapped over seeds) run full fine-tuning: set model.lora.rank=0")
 
 
 def _check_task_fields(c, config_file):

@@ -17,6 +17,7 @@ from marl_jax.config import validate_config
 from marl_jax.data.real_tasks import decode_responses
 from marl_jax.data.tasks import build_task
 from marl_jax.eval.unit_test_reward import attach_unit_test_reward
+from marl_jax.models import lora
 from marl_jax.train import build, exports, metrics as metrics_lib, reward, sharding
 from marl_jax.train import ppo as ppo_lib
 from marl_jax.train.ppo import run_ppo
@@ -50,7 +51,7 @@ class Pipeline:
         self.policy = build.policy_module(cfg)
         self.reward_model = build.reward_module(cfg)
         self.critic = build.critic_module(cfg)
-        self._sft = self._rm = self._initial = None
+        self._sft = self._rm = self._initial = self._pretrained_base = None
         self._sampled = False  # the policy's preference pairs are in self.task.rm
         self._sampled_data = None  # the held-out gold pairs, once the sampled data is in
         self.run_earlier_stages = run_earlier_stages
@@ -94,10 +95,33 @@ class Pipeline:
             self._add_sampled_data()
             init = self.initial_params()
             self._initial = None  # held by `init` only, and freed with it
+            self._pretrained_base = self._lora_base(init)
             self._sft = run_sft(self.config, self.task, self.policy, init, mesh=self.mesh,
                                 writer=self.writer, workdir=self.workdir)
-            self._export("sft", self.policy, self._sft)
+            self._export("sft", self.policy, self._sft, adapter_base=self._pretrained_base)
+            if self.policy.config.lora_rank and self.config.model.lora.merge_sft:
+                self._sft = lora.merge(self._sft, lora.settings(self.policy.config))
         return self._sft
+
+    def _lora_base(self, init):
+        """With LoRA, the transformers directory of the pretrained base the SFT adapter applies
+        to: `config.model.path` when it is one, else `<workdir>/models/base`, written here from
+        `init` (a model built from its config, or read from a GGUF file). None without LoRA."""
+        if not self.policy.config.lora_rank:
+            return None
+        path = self.config.model.path
+        if path and os.path.isfile(os.path.join(build.pretrained_path(path), "config.json")):
+            return os.path.abspath(build.pretrained_path(path))
+        base_dir = exports.export_dir(self.workdir, exports.BASE_EXPORT)
+        if not distributed.main_process_value(os.path.isfile(os.path.join(base_dir,
+                                                                          "config.json"))):
+            base = distributed.global_to_host(lora.frozen_base(init))
+            if jax.process_index() == 0:
+                tmp = base_dir + ".tmp"
+                build.models.save_pretrained(self.policy, base, tmp)
+                self.task.tokenizer.save_pretrained(tmp)
+                os.replace(tmp, base_dir)
+        return os.path.abspath(base_dir)
 
     def rm(self, needed_by: str = ""):
         if self._rm is None:
@@ -135,7 +159,8 @@ class Pipeline:
                                                 batch_size=self.config.rm.batch_size,
                                                 trunk=trunk)
             del trunk
-            self._export("rm", self.reward_model, params, extra={exports.REWARD_STATS: stats})
+            self._export("rm", self.reward_model, params, extra={exports.REWARD_STATS: stats},
+                         adapter_base=self._sft_base())
             self._rm = (params, stats)
         return self._rm
 
@@ -230,14 +255,30 @@ class Pipeline:
 
     def ppo(self):
         rm_params, stats = self.rm(needed_by="ppo")
+        sft_params = self.sft(needed_by="ppo")
         state = run_ppo(self.config, self.task, self.policy, self.critic, self.reward_model,
-                        self.sft(needed_by="ppo"), rm_params, stats, mesh=self.mesh, writer=self.writer,
+                        sft_params, rm_params, stats, mesh=self.mesh, writer=self.writer,
                         workdir=self.workdir)
-        self._export("policy", self.policy, state.actor_params)
+        if not self.policy.config.lora_rank:
+            self._export("policy", self.policy, state.actor_params)
+            return state
+        self._export("policy", self.policy, lora.attach(lora.frozen_base(sft_params),
+                                                         state.actor_params),
+                     adapter_base=self._sft_base())
         return state
 
-    def _export(self, name, module, params, extra=None):
-        exports.export_model(self.workdir, name, module, params, self.task.tokenizer, extra)
+    def _sft_base(self):
+        """The directory of the base the reward model's and the actor's adapters apply to: the
+        SFT model when SFT merged its adapter into it, else the pretrained base."""
+        if not self.policy.config.lora_rank:
+            return None
+        if self.config.model.lora.merge_sft:
+            return os.path.abspath(exports.export_dir(self.workdir, "sft"))
+        return self._pretrained_base
+
+    def _export(self, name, module, params, extra=None, adapter_base=None):
+        exports.export_model(self.workdir, name, module, params, self.task.tokenizer, extra,
+                             adapter_base)
 
     def close(self):
         self.writer.close()

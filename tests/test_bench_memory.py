@@ -292,3 +292,30 @@ def test_tpu_v4_8_compiles_on_this_machine(tmp_path):
     assert row["peak"] == row["xla_peak"] + row["code"]
     assert row["weights"] >= 12 * _transformers_num_params(SYNTHETIC_POLICY) / 4
     assert peak_gib * GIB >= row["weights"]
+
+
+def test_cpu8_lora_holds_one_base_for_the_four_roles(tmp_path):
+    """With LoRA the PPO programs hold one frozen base (the reference) and the adapters and heads
+    of actor, critic and reward model, not four models: the weights are one fp32 base split 8
+    ways plus the adapters (with Adam moments for the two trained ones)."""
+    report = tmp_path / "memory.json"
+    rank = 4
+    stdout, (devices, _, _, fits) = _run(
+        f"--config={ROOT / 'configs' / 'synthetic.py'}", "--topology=cpu:8",
+        "--config.mesh.data=1", "--config.mesh.fsdp=-1", *SMALL_BATCHES,
+        f"--config.model.lora.rank={rank}", "--config.stage=all", "--programs=sft,ppo_step",
+        "--capacity_gib=2",
+        f"--json={report}")
+    assert (devices, fits) == (8, True)
+    rows = {row["program"]: row for row in json.loads(report.read_text())["programs"]}
+    n = _transformers_num_params(SYNTHETIC_POLICY)
+    d, f = _M.hidden_size, _M.intermediate_size
+    q, kv = _M.num_heads * _M.head_dim, _M.num_kv_heads * _M.head_dim
+    adapters = _M.num_layers * rank * ((d + q) * 2 + (d + kv) * 2 + 3 * (d + f))
+    base = 4 * n / 8
+    # SFT: the base (an argument beside the state) + adapters with two Adam moments.
+    assert base <= rows["sft"]["weights"] <= 1.1 * (base + 12 * adapters)
+    # PPO: one base + three adapter sets (heads of D + 1 floats), two of them with moments.
+    assert base <= rows["ppo_step"]["weights"] <= 1.1 * (base + (3 * 4 + 2 * 8) * adapters)
+    assert rows["ppo_step"]["peak"] >= rows["ppo_step"]["weights"]
+    assert "weights: one frozen base" in stdout

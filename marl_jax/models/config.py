@@ -155,6 +155,11 @@ class ModelConfig:
     param_dtype: str = "float32"
     remat: bool = False
     scan_layers: bool = False
+    # LoRA (`marl_jax.models.lora`): rank 0 = off; adapters on the projections named in
+    # `lora_targets`, scaled by lora_alpha / lora_rank. Not part of the HF config.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", _dtype_name(self.dtype, "dtype"))

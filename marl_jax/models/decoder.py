@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from marl_jax.models import lora as lora_lib
 from marl_jax.models.config import (
     ModelConfig,
     local_rope_inverse_frequencies,
@@ -65,7 +66,8 @@ def _activation(name: str, x: jax.Array) -> jax.Array:
 
 class Dense(nn.Module):
     """`y = x . W (+ b)` contracting the last `contract_dims` axes of x; W has shape
-    `in_shape + features` and logical names `kernel_axes`."""
+    `in_shape + features` and logical names `kernel_axes`; with `lora` (and this projection's
+    name among its targets) plus a low-rank adapter path (`lora.low_rank_update`)."""
 
     features: tuple[int, ...]
     kernel_axes: tuple[str | None, ...]
@@ -74,6 +76,7 @@ class Dense(nn.Module):
     init_std: float = 0.02
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    lora: lora_lib.LoraSettings | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -85,7 +88,8 @@ class Dense(nn.Module):
             bias = partitioned_param(self, "bias", nn.initializers.zeros, self.features,
                                      self.kernel_axes[self.contract_dims:], self.param_dtype)
             y = y + bias.astype(self.dtype)
-        return y
+        return lora_lib.low_rank_update(self, x, y, self.lora, in_shape, self.kernel_axes,
+                                        self.contract_dims, self.dtype)
 
 
 class Norm(nn.Module):
@@ -198,7 +202,8 @@ class Attention(nn.Module):
         `{"k", "v"}: [B, K, S, H]`, or with `layer` (traced index) the stacked `[L, B, K, S, H]`.
         Returns (`[B, T, D]`, updated cache or None)."""
         cfg = self.config
-        dense = dict(dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype, init_std=cfg.initializer_range)
+        dense = dict(dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype, init_std=cfg.initializer_range,
+                     lora=lora_lib.settings(cfg))
         q = Dense((cfg.num_heads, cfg.head_dim), ("embed", "heads", "head_dim"), use_bias=cfg.qkv_bias,
                   name="q", **dense)(x)
         k = Dense((cfg.num_kv_heads, cfg.head_dim), ("embed", "kv_heads", "head_dim"), use_bias=cfg.qkv_bias,
@@ -237,7 +242,7 @@ class MLP(nn.Module):
     def __call__(self, x):
         cfg = self.config
         dense = dict(dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype, init_std=cfg.initializer_range,
-                     use_bias=cfg.mlp_bias)
+                     use_bias=cfg.mlp_bias, lora=lora_lib.settings(cfg))
         hidden = _activation(cfg.activation, Dense((cfg.intermediate_size,), ("embed", "mlp"), name=(
             "gate" if cfg.gated_mlp else "up"), **dense)(x))
         if cfg.gated_mlp:

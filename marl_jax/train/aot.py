@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from marl_jax import models
+from marl_jax.models import lora
 from marl_jax.data import tasks
 from marl_jax.train import build, ppo, programs, reward, sft, sharding, supervised
 from marl_jax.train import ppo_core as core
@@ -75,17 +76,25 @@ def _supervised(cfg, name: str, module, loss_fn, batch: dict, mesh, weight_fn=No
     sharding.validate_batch(cfg.batch_size, mesh, f"config.{name}.batch_size")
     optimizer = make_optimizer(cfg, cfg.steps)
     params = abstract_params(module)
+    kwargs = dict(schedule=stage_schedule(cfg, cfg.steps),
+                  grad_accum_steps=int(cfg.get("grad_accum_steps", 1)), weight_fn=weight_fn)
+    base = None
+    if module.config.lora_rank:  # the state trains adapters (and heads); the base is an argument
+        base, params = lora.frozen_base(params), lora.trainable(params)
     state_sh = build.train_state_shardings(module, optimizer, mesh, params)
-    step = supervised.make_train_step(loss_fn, optimizer, schedule=stage_schedule(cfg, cfg.steps),
-                                      grad_accum_steps=int(cfg.get("grad_accum_steps", 1)),
-                                      weight_fn=weight_fn)
-    program = programs.supervised_program(step, state_sh, mesh)
-    return program, (with_shardings(_train_state(params, optimizer), state_sh),
-                     with_shardings(batch, sharding.batch_sharding(mesh)))
+    args = (with_shardings(_train_state(params, optimizer), state_sh),
+            with_shardings(batch, sharding.batch_sharding(mesh)))
+    if base is None:
+        step = supervised.make_train_step(loss_fn, optimizer, **kwargs)
+        return programs.supervised_program(step, state_sh, mesh), args
+    base_sh = build.param_shardings(module, mesh, base)
+    step = supervised.make_lora_train_step(loss_fn, optimizer, **kwargs)
+    return (programs.supervised_program(step, state_sh, mesh, base_shardings=base_sh),
+            args + (with_shardings(base, base_sh),))
 
 
 def sft_program(config, policy, mesh, inputs: TaskInputs | None = None):
-    """(Program, abstract (state, batch)) of the SFT step: `[B, P]` prompts and `[B, R]`
+    """(Program, abstract (state, batch), plus the frozen base with LoRA) of the SFT step: `[B, P]` prompts and `[B, R]`
     demonstrations (ids and masks, int32), B = `config.sft.batch_size`."""
     inputs = inputs or task_inputs(config)
     b, r = config.sft.batch_size, config.ppo.response_length
@@ -97,7 +106,7 @@ def sft_program(config, policy, mesh, inputs: TaskInputs | None = None):
 
 
 def rm_program(config, reward_model, mesh, inputs: TaskInputs | None = None):
-    """(Program, abstract (state, batch)) of the reward-model step: `[B, P]` prompts, `[B, R]`
+    """(Program, abstract (state, batch), plus the frozen base with LoRA) of the reward-model step: `[B, P]` prompts, `[B, R]`
     chosen and rejected responses (ids and masks, int32), B = `config.rm.batch_size`."""
     inputs = inputs or task_inputs(config)
     b, r = config.rm.batch_size, config.ppo.response_length
@@ -127,15 +136,21 @@ def ppo_programs(config, tokenizer, policy, critic, reward_model, mesh,
     actor, critic_params, rm_params = (abstract_params(m) for m in (policy, critic, reward_model))
     if not ppo.uses_critic(p):
         critic_params = {}
+    base = None
+    if static.lora:
+        base, actor, rm_params = (lora.frozen_base(actor), lora.trainable(actor),
+                                  lora.trainable(rm_params))
+        critic_params = lora.trainable(critic_params) if critic_params else {}
     state_sh = ppo.state_shardings(mods, mesh, actor, critic_params)
-    frozen_sh = programs.frozen_shardings(mods, mesh, state_sh, rm_params)
+    frozen_sh = programs.frozen_shardings(mods, mesh, state_sh, rm_params, base)
     rep, batch_sh = sharding.replicated(mesh), sharding.batch_sharding(mesh)
 
     state = with_shardings(jax.eval_shape(
         lambda a, c: ppo.initial_state(config, mods, a, c, config.seed), actor, critic_params),
         state_sh)
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
-    frozen = with_shardings(core.Frozen(ref_params=actor, rm_params=rm_params,
+    frozen = with_shardings(core.Frozen(ref_params=actor if base is None else base,
+                                        rm_params=rm_params,
                                         reward_mean=scalar, reward_std=scalar), frozen_sh)
     hparams = with_shardings(build.abstract(ppo.hparams_from_config(p)), rep)
     prompts = with_shardings((_ids(static.prompts_per_step, inputs.prompt_length),) * 2, batch_sh)

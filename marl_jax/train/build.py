@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from marl_jax import models
+from marl_jax.models import lora
 from marl_jax.train import sharding
 
 
@@ -111,8 +112,21 @@ def model_config(config, tokenizer) -> models.ModelConfig:
         fields.setdefault("pad_token_id", tokenizer.pad_token_id)
         fields.setdefault("bos_token_id", tokenizer.bos_token_id)
         cfg = models.ModelConfig(**fields)
-    return dataclasses.replace(cfg, dtype=compute_dtype(config), param_dtype=m.param_dtype, remat=m.remat,
-                               scan_layers=m.get("scan_layers", False))
+    cfg = dataclasses.replace(cfg, dtype=compute_dtype(config), param_dtype=m.param_dtype, remat=m.remat,
+                              scan_layers=m.get("scan_layers", False))
+    return with_lora(cfg, config)
+
+
+def with_lora(cfg: models.ModelConfig, config) -> models.ModelConfig:
+    """`cfg` with the LoRA fields of `config.model.lora` (rank 0: unchanged), checked against
+    the architecture's projections (one-line ValueError)."""
+    lo = config.model.get("lora", None)
+    if lo is None or not lo.rank:
+        return cfg
+    targets = tuple(lo.targets) or tuple(t for t in lora.TARGETS if t in lora.projection_dims(cfg))
+    lora.check(int(lo.rank), targets, cfg)
+    return dataclasses.replace(cfg, lora_rank=int(lo.rank), lora_alpha=float(lo.alpha),
+                               lora_targets=targets)
 
 
 def release_pretrained() -> None:
@@ -150,7 +164,10 @@ def initial_policy_params(config, module, key):
 
 
 def param_shardings(module, mesh, abstract_params):
-    return sharding.logical_to_sharding(models.logical_axes(module), mesh, shapes=abstract_params)
+    """Shardings of `module`'s params, or of the part of them `abstract_params` holds (a LoRA
+    stage's adapters and heads)."""
+    logical = lora.select(models.logical_axes(module), abstract_params)
+    return sharding.logical_to_sharding(logical, mesh, shapes=abstract_params)
 
 
 def model_dims(cfg: models.ModelConfig) -> dict:

@@ -263,3 +263,47 @@ def _like(template: Any, value: Any) -> Any:
     if isinstance(template, float):
         return float(value)
     return value
+
+
+# Elements of each base leaf that its fingerprint reads (evenly strided over the leaf).
+FINGERPRINT_SAMPLES = 4096
+
+
+def lora_identity(base) -> dict:
+    """The identity of a LoRA stage's frozen base, saved in its checkpoints' metadata in its
+    place: `{"hash": sha256 of every leaf's path, shape, dtype and the bytes of
+    FINGERPRINT_SAMPLES evenly strided elements}` (the base's path is in the saved config).
+    Reads a few KiB per leaf, so hashing a 27B base costs no more than a step; a merged SFT
+    adapter changes every element of the kernels it targets, so any trained base differs."""
+    import hashlib
+
+    from marl_jax import distributed
+
+    def sample(x):
+        flat = x.reshape(-1)
+        return flat[::max(1, flat.size // FINGERPRINT_SAMPLES)][:FINGERPRINT_SAMPLES]
+
+    samples = distributed.global_to_host(jax.jit(lambda t: jax.tree.map(sample, t))(base))
+    digest = hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(base)[0]:
+        picked = np.asarray(_get_path(samples, path))
+        digest.update(f"{jax.tree_util.keystr(path)}{tuple(leaf.shape)}{leaf.dtype}".encode())
+        digest.update(np.ascontiguousarray(picked).tobytes())
+    return {"hash": digest.hexdigest()}
+
+
+def _get_path(tree, path):
+    for key in path:
+        tree = tree[key.key]
+    return tree
+
+
+def check_same_base(saved: dict | None, metadata: dict, name: str) -> None:
+    """One-line ValueError when a LoRA checkpoint's adapters were trained on another base than
+    the one this run attaches them to (before anything is written)."""
+    want = (metadata or {}).get("base")
+    have = (saved or {}).get("base")
+    if want is not None and have is not None and want != have:
+        raise ValueError(f"checkpoints/{name}: its adapters were trained on a base with hash "
+                         f"{have['hash'][:12]}, this run's base has hash {want['hash'][:12]}; "
+                         "use the workdir's own base (config.model.path) or a new workdir")

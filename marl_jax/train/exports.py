@@ -16,12 +16,18 @@ import shutil
 import jax
 
 from marl_jax import distributed, models
+from marl_jax.models import lora, peft_export
 from marl_jax.train import checkpoint
 
 # The reward model's score mean and std over its training responses, saved beside it so PPO
 # (and anyone serving it) can centre and scale its scores.
 REWARD_STATS = "reward_stats.json"
 EXPORT_INFO = "export_info.json"
+# A LoRA export's adapter in PEFT format, beside the merged model.
+ADAPTER_DIR = "adapter"
+# The pretrained base of a LoRA run whose model was built from its config (no checkpoint to
+# point the SFT adapter at).
+BASE_EXPORT = "base"
 # The checkpoint stage each export follows.
 EXPORT_STAGES = {"sft": "sft", "rm": "rm", "policy": "ppo"}
 
@@ -65,10 +71,14 @@ def current_export_file(workdir: str, name: str, filename: str):
         return json.load(f)
 
 
-def export_model(workdir: str, name: str, module, params, tokenizer, extra=None) -> None:
+def export_model(workdir: str, name: str, module, params, tokenizer, extra=None,
+                 adapter_base: str | None = None) -> None:
     """Writes `<workdir>/models/<name>` (weights, config, tokenizer, `extra` JSON files) of
     `params`, the state of the stage's latest checkpoint, unless it already holds that
-    checkpoint. Every process takes part (the params are gathered); process 0 writes."""
+    checkpoint. Every process takes part (the params are gathered); process 0 writes.
+
+    LoRA params are exported merged (a plain transformers model) and, given `adapter_base`
+    (the directory of the base they apply to), also as a PEFT adapter in `<export>/adapter/`."""
     path = export_dir(workdir, name)
     info = export_info(workdir, name)
     if distributed.main_process_value(read_export_info(path) == info):
@@ -78,6 +88,11 @@ def export_model(workdir: str, name: str, module, params, tokenizer, extra=None)
         return
     tmp, old = path + ".tmp", path + ".old"
     shutil.rmtree(tmp, ignore_errors=True)
+    if lora.has_adapters(params):
+        if adapter_base is not None:
+            peft_export.save_adapter(module.config, params, os.path.join(tmp, ADAPTER_DIR),
+                                     adapter_base)
+        params = lora.merge(params, lora.settings(module.config))
     models.save_pretrained(module, params, tmp)
     tokenizer.save_pretrained(tmp)
     for filename, content in dict(extra or {}, **{EXPORT_INFO: info}).items():

@@ -65,7 +65,8 @@ def run(stage: Stage, *, state, total_steps: int, step_fn: Callable, writer, met
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
         if shardings is None:
             shardings = jax.tree.map(lambda x: x.sharding, state)
-        state, _ = stage.restore(abstract_state, shardings, step=start)
+        state, saved = stage.restore(abstract_state, shardings, step=start)
+        ckpt_lib.check_same_base(saved, metadata, stage.name)
     # Rows logged after the step we start from (also from a run killed before its first
     # checkpoint) are logged again below.
     for name in truncate_stages or (stage.name,):

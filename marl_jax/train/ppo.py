@@ -17,7 +17,8 @@ from marl_jax import distributed, estimators
 from marl_jax import models as models_lib
 from marl_jax import sampling
 from marl_jax.data import batches
-from marl_jax.train import build, loop, programs, sharding
+from marl_jax.models import lora
+from marl_jax.train import build, checkpoint, loop, programs, sharding
 from marl_jax.train import ppo_core as core
 from marl_jax.train.optim import make_optimizer, stage_schedule
 
@@ -50,7 +51,9 @@ def static_from_config(config, tokenizer, variants=None) -> core.PPOStatic:
         mc_branch_points=int(p.get("mc_branch_points", 4)),
         entropy_quantile=float(p.get("entropy_quantile", 0.2)),
         num_layers_unfrozen=int(p.get("num_layers_unfrozen", -1)),
-        decode_slots=int(p.get("decode_slots", 0)))
+        decode_slots=int(p.get("decode_slots", 0)),
+        lora=bool(config.model.get("lora", {}).get("rank", 0)),
+        rollout_chunks=int(p.get("rollout_chunks", 1)))
 
 
 def validate_decode_slots(config, mesh) -> None:
@@ -66,6 +69,18 @@ def loss_aggregation(ppo_config) -> str:
     if chosen == "auto":
         return estimators.DEFAULT_LOSS_AGGREGATION[ppo_config.get("estimator", "gae")]
     return chosen
+
+
+def lora_roles(policy, critic, sft_params, rm_params, critic_params, key):
+    """With LoRA, the four roles on one base: (base, actor, reward model, critic) where the base
+    is the SFT model's frozen part (the reference), the actor its adapters (fresh ones, B = 0,
+    when SFT merged its adapter into the base), the reward model and the critic their adapters
+    and heads. The reward model was trained on the same base (`rm.init_from=sft`)."""
+    base = lora.frozen_base(sft_params)
+    actor = lora.trainable(lora.with_adapters(policy, sft_params, jax.random.fold_in(key, 2)))
+    critic_params = lora.trainable(lora.with_adapters(
+        critic, critic_params, jax.random.fold_in(key, 3))) if critic_params else {}
+    return base, actor, lora.trainable(rm_params), critic_params
 
 
 def with_shared_trunk(static: core.PPOStatic, num_layers: int, actor_params, rm_params,
@@ -196,6 +211,7 @@ def evaluate(static: core.PPOStatic, mods: core.Models, actor_params, frozen: co
     (scoring is the costly part: one sample per prompt keeps it at E sequences).
     """
     m = int(samples_per_prompt)
+    actor_params = core.with_base(static, actor_params, frozen)
     sample = sampling.generate(
         mods.policy, actor_params, prompt_ids, prompt_mask, key=key,
         max_new_tokens=static.response_length, temperature=static.temperature,
@@ -265,15 +281,22 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
                                           jax.random.fold_in(key, 1), reward_stats)
     static = with_shared_trunk(static, policy.config.num_layers, sft_params, rm_params,
                                [critic_params])
+    ref_params, metadata = sft_params, dict(stage="ppo", config=config.to_dict())
+    if static.lora:
+        ref_params, sft_params, rm_params, critic_params = lora_roles(
+            policy, critic, sft_params, rm_params, critic_params, key)
     state_sh = state_shardings(mods, mesh, sft_params, critic_params)
-    frozen_sh = programs.frozen_shardings(mods, mesh, state_sh, rm_params)
+    frozen_sh = programs.frozen_shardings(mods, mesh, state_sh, rm_params,
+                                          ref_params if static.lora else None)
     rep, batch_sh = sharding.replicated(mesh), sharding.batch_sharding(mesh)
     hparams = jax.device_put(hparams_from_config(p), rep)
 
     frozen = jax.device_put(core.Frozen(
-        ref_params=sft_params, rm_params=rm_params,
+        ref_params=ref_params, rm_params=rm_params,
         reward_mean=jnp.float32(reward_stats["mean"]),
         reward_std=jnp.float32(reward_stats["std"])), frozen_sh)
+    if static.lora:
+        metadata["base"] = checkpoint.lora_identity(frozen.ref_params)
     # The actor and critic are updated in place (donated), so they must not share buffers with
     # the frozen reference and reward model they start from.
     state = jax.device_put(initial_state(config, mods, sft_params, critic_params, config.seed),
@@ -319,7 +342,7 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
             writer.write(dict(stage="eval", step=0, **run_eval(state)))
         tokens = p.batch_size * p.response_length + static.prompts_per_step * task.prompt_length
         state, _ = loop.run(stage, state=state, total_steps=p.steps, step_fn=run_step,
-                            writer=writer, metadata=dict(stage="ppo", config=config.to_dict()),
+                            writer=writer, metadata=metadata,
                             checkpoint_every=config.checkpoint_every, log_every=config.log_every,
                             shardings=state_sh, truncate_stages=("ppo", "eval"),
                             progress_keys=("objective/scores", "objective/kl"),
@@ -353,7 +376,7 @@ class _host_phased_step:
                 fallback_n=p.ngram, isolate_last=p.isolate_last)
 
     def __call__(self, state, frozen, hparams, prompts, rows):
-        sample = self.generate(state, prompts["ids"], prompts["mask"])
+        sample = self.generate(state, prompts["ids"], prompts["mask"], frozen)
         ids, mask = sample.tokens, sample.mask.astype(jnp.int32)
         prompt_ids, prompt_mask, documents = core.repeat_groups(
             self.static, prompts["ids"], prompts["mask"], prompts.get("documents"))

@@ -23,7 +23,7 @@ import optax
 
 from marl_jax import estimators, losses, sampling
 from marl_jax.macro import advantage, termination
-from marl_jax.models import last_token_score
+from marl_jax.models import last_token_score, lora
 from marl_jax.models.heads import (backbone_hidden, continuation_scores, scalar_outputs,
                                    trunk_states)
 from marl_jax.train.optim import accumulate_gradients, applied_updates, apply_if_finite
@@ -89,6 +89,12 @@ class PPOStatic:
     # > 0: rollouts decode over this many slots (continuous batching, same samples; the KV cache
     # holds that many rows instead of the batch's); 0: one static batch.
     decode_slots: int = 0
+    # LoRA: actor, critic and reward-model params are adapters (and heads) on the one frozen
+    # base, `Frozen.ref_params`, which is also the reference (the base with the adapters off).
+    lora: bool = False
+    # Prompts are sampled and scored in this many sequential chunks (`in_row_chunks`): the KV
+    # cache and the scoring pass's activations hold one chunk's rows.
+    rollout_chunks: int = 1
 
     @property
     def uses_critic(self) -> bool:
@@ -142,7 +148,8 @@ class PPOState:
 
 @flax.struct.dataclass
 class Frozen:
-    """What a PPO run reads but never updates."""
+    """What a PPO run reads but never updates. With LoRA `ref_params` is the base every role's
+    adapters attach to (`with_base`) and `rm_params` the reward model's adapters and head."""
 
     ref_params: Any
     rm_params: Any
@@ -181,6 +188,24 @@ class Models:
     # Learning rate of optimizer update i (for the `lr` metrics); counts updates, not steps.
     actor_schedule: Any = None
     critic_schedule: Any = None
+
+
+def with_base(static: PPOStatic, params, frozen: Frozen):
+    """A role's params as its model applies them: with LoRA its adapters (and head) attached
+    to the frozen base (a tree of the same arrays, no copy), else `params` themselves."""
+    return lora.attach(frozen.ref_params, params) if static.lora else params
+
+
+def in_row_chunks(n: int, fn, *rows):
+    """`fn(*rows)` computed over `n` sequential chunks of the rows (arrays `[B, ...]` or None),
+    row r in chunk r % n so each chunk spreads over the batch-sharded devices, the outputs
+    (each with a leading row axis) joined back in row order. For functions whose rows are
+    independent of each other, so only memory changes: one chunk's activations at a time."""
+    if n == 1:
+        return fn(*rows)
+    split = lambda x: x.reshape((x.shape[0] // n, n) + x.shape[1:]).swapaxes(0, 1)
+    out = jax.lax.map(lambda xs: fn(*xs), jax.tree.map(split, rows))
+    return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape((-1,) + x.shape[2:]), out)
 
 
 # ---- rollout -------------------------------------------------------------------------------------
@@ -247,16 +272,31 @@ def shared_trunk(static: PPOStatic, models: Models, params, prompt_ids, prompt_m
 
 
 def generate_responses(static: PPOStatic, models: Models, state: PPOState, prompt_ids,
-                       prompt_mask, key):
+                       prompt_mask, key, frozen: Frozen = None):
     """Samples `group_size` responses to each of `prompt_ids [B / group_size, P]` from the
     current actor (each prompt prefilled once): `SampleOutput` with tokens, logprobs, mask and
     entropy `[B, R]`, the samples of a prompt in adjacent rows."""
     groups = {} if static.group_size == 1 else {"num_samples": static.group_size}
-    return sampling.generate(
-        models.policy, state.actor_params, prompt_ids, prompt_mask, key=key,
-        max_new_tokens=static.response_length, temperature=static.temperature,
-        top_k=static.top_k, top_p=static.top_p, eos_id=static.eos_id, pad_id=static.pad_id,
-        decode_slots=static.decode_slots, **groups)
+    actor = with_base(static, state.actor_params, frozen)
+    k, n = static.group_size, static.rollout_chunks
+
+    def sample(ids, mask, chunk_key):
+        out = sampling.generate(
+            models.policy, actor, ids, mask, key=chunk_key,
+            max_new_tokens=static.response_length, temperature=static.temperature,
+            top_k=static.top_k, top_p=static.top_p, eos_id=static.eos_id, pad_id=static.pad_id,
+            decode_slots=static.decode_slots, **groups)
+        # [prompts, k, ...]: a prompt's samples stay adjacent when the chunks are joined.
+        return jax.tree.map(lambda x: x.reshape((ids.shape[0], k) + x.shape[1:]), out)
+
+    if n == 1:
+        out = sample(prompt_ids, prompt_mask, key)
+    else:
+        # Row r's key is its chunk's, r % n: each chunk draws with one key.
+        keys = jnp.tile(jax.random.split(key, n), prompt_ids.shape[0] // n)
+        out = in_row_chunks(n, lambda ids, mask, row_keys: sample(ids, mask, row_keys[0]),
+                            prompt_ids, prompt_mask, keys)
+    return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), out)
 
 
 def sampler_logprobs_are_exact(static: PPOStatic) -> bool:
@@ -292,8 +332,8 @@ def sequence_score(static: PPOStatic, models: Models, frozen: Frozen, prompt_ids
     if static.reward_source == "gold":
         scores = models.gold_fn(documents, response_ids, response_mask)
         return scores, scores
-    raw = sequence_scores(models.reward, frozen.rm_params, prompt_ids, prompt_mask, response_ids,
-                          response_mask, trunk)
+    raw = sequence_scores(models.reward, with_base(static, frozen.rm_params, frozen), prompt_ids,
+                          prompt_mask, response_ids, response_mask, trunk)
     if static.normalize_reward:
         return (raw - frozen.reward_mean) / frozen.reward_std, raw
     return raw, raw
@@ -323,10 +363,13 @@ def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, pr
     """
     args = (prompt_ids, prompt_mask, response_ids, response_mask)
     trunk = shared_trunk(static, models, frozen.ref_params, *args)
+    # A shared trunk's states cover the whole batch; the config keeps it and chunks apart.
+    n = static.rollout_chunks if trunk is None else 1
     entropies = None if sampled_entropy is None else sampled_entropy * response_mask
     sampler = None if sampled_logprobs is None else sampled_logprobs * response_mask
-    trainer_pass = lambda: token_logprobs(models.policy, state.actor_params, *args,
-                                          static.temperature, trunk)
+    trainer_pass = lambda: in_row_chunks(n, lambda *a: token_logprobs(
+        models.policy, with_base(static, state.actor_params, frozen), *a, static.temperature,
+        trunk), *args)
     if sampler is not None and static.reuses_sampler_logprobs:
         old_logprobs = sampler
         trainer = None
@@ -337,16 +380,17 @@ def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, pr
         old_logprobs, actor_entropy = trainer_pass()
         trainer = old_logprobs
         entropies = actor_entropy if entropies is None else entropies
-    ref = continuation_scores(models.policy, frozen.ref_params, *args, static.temperature,
-                              trunk)
+    ref = in_row_chunks(n, lambda *a: continuation_scores(
+        models.policy, frozen.ref_params, *a, static.temperature, trunk), *args)
     if entropies is None:
         entropies = jnp.zeros_like(old_logprobs)
     if static.uses_critic:
-        values, final_values = critic_outputs(models.critic, state.critic_params, *args, trunk)
+        values, final_values = in_row_chunks(n, lambda *a: critic_outputs(
+            models.critic, with_base(static, state.critic_params, frozen), *a, trunk), *args)
     else:
         values = final_values = None
-    scores, raw_scores = sequence_score(static, models, frozen, *args, documents, host_scores,
-                                        trunk)
+    scores, raw_scores = in_row_chunks(n, lambda *a: sequence_score(
+        static, models, frozen, *a, trunk), *args, documents, host_scores)
     ended_with_eos = _ended_with_eos(response_ids, response_mask, static.eos_id)
     rewards, reward_metrics = losses.assemble_rewards(
         old_logprobs, ref.logprobs, scores, response_mask, kl_coef=state.kl_coef,
@@ -384,7 +428,7 @@ def rollout(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, 
             prompt_mask, key, documents=None):
     """`generate_responses` then `score`: (Experience, metrics). The prompts `[B / group_size,
     P]` (and documents) are repeated to one row per sample."""
-    sample = generate_responses(static, models, state, prompt_ids, prompt_mask, key)
+    sample = generate_responses(static, models, state, prompt_ids, prompt_mask, key, frozen)
     prompt_ids, prompt_mask, documents = repeat_groups(static, prompt_ids, prompt_mask, documents)
     return score(static, models, state, frozen, prompt_ids, prompt_mask, sample.tokens,
                  sample.mask.astype(jnp.int32), documents, sampled_logprobs=sample.logprobs,
@@ -479,8 +523,9 @@ def critic_free_advantages(static: PPOStatic, models: Models, state: PPOState, f
     k_points, k_rollouts = jax.random.split(key)
     seg = variant_segments(static, segments, hparams.variant)
     starts, valid = estimators.choose_branch_points(k_points, seg, mask, static.mc_branch_points)
-    returns, budget = monte_carlo_returns(static, models, state.actor_params, frozen, exp, starts,
-                                          valid, k_rollouts, state.kl_coef)
+    returns, budget = monte_carlo_returns(static, models,
+                                          with_base(static, state.actor_params, frozen), frozen,
+                                          exp, starts, valid, k_rollouts, state.kl_coef)
     values = returns.mean(axis=-1)
     per_token_kl = kl_rewards(static, exp, state.kl_coef)
     terminal = ((exp.rewards - per_token_kl) * mask).sum(axis=1)
@@ -550,12 +595,13 @@ def segment_stats(segments, variant, static, mask):
 
 # ---- update ---------------------------------------------------------------------------------
 def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, adv, ret, key,
-           is_weights=None):
+           is_weights=None, frozen: Frozen = None):
     """`ppo_epochs` x `num_minibatches` actor and critic updates from advantages and returns
     `[B, R]` (every token carrying its macro's A and G); the actor alone for the critic-free
     estimators (`ret` unused). `is_weights [B, R]`: rollout-correction weights of each token's
     policy-gradient term (None: 1). The group estimators add beta x the k3 KL to the reference,
-    per token, aggregated as the policy loss."""
+    per token, aggregated as the policy loss. With LoRA the gradients are those of the adapters
+    and heads alone, attached to `frozen`'s base."""
     b = static.batch_size
     mb = b // static.num_minibatches
     data = dict(prompt_ids=exp.prompt_ids, prompt_mask=exp.prompt_mask,
@@ -579,7 +625,7 @@ def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, 
 
     def actor_loss(params, batch):
         logprobs, entropy = token_logprobs(
-            models.policy, params, batch["prompt_ids"], batch["prompt_mask"],
+            models.policy, with_base(static, params, frozen), batch["prompt_ids"], batch["prompt_mask"],
             batch["response_ids"], batch["response_mask"], static.temperature, trunk_of(batch))
         loss, m = losses.ppo_policy_loss(logprobs, batch["old_logprobs"], batch["advantages"],
                                          batch["response_mask"], cliprange=static.cliprange,
@@ -594,9 +640,9 @@ def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, 
         return loss, m
 
     def critic_loss(params, batch):
-        values = response_values(models.critic, params, batch["prompt_ids"],
-                                 batch["prompt_mask"], batch["response_ids"],
-                                 batch["response_mask"], trunk_of(batch))
+        values = response_values(models.critic, with_base(static, params, frozen),
+                                 batch["prompt_ids"], batch["prompt_mask"],
+                                 batch["response_ids"], batch["response_mask"], trunk_of(batch))
         loss, m = losses.ppo_value_loss(values, batch["old_values"], batch["returns"],
                                         batch["response_mask"],
                                         cliprange_value=static.cliprange_value)
@@ -723,11 +769,11 @@ def rollout_phase(static: PPOStatic, models: Models, state: PPOState, frozen: Fr
 
 
 def generate_phase(static: PPOStatic, models: Models, state: PPOState, prompt_ids,
-                   prompt_mask):
+                   prompt_mask, frozen: Frozen = None):
     """The sampling part of `rollout_phase` alone, for steps with host work in between (parsing
     termination, host-computed rewards): a `SampleOutput`."""
     return generate_responses(static, models, state, prompt_ids, prompt_mask,
-                              step_keys(state)[0])
+                              step_keys(state)[0], frozen)
 
 
 def update_phase(static: PPOStatic, models: Models, state: PPOState, exp: Experience,
@@ -755,7 +801,8 @@ def update_phase(static: PPOStatic, models: Models, state: PPOState, exp: Experi
             jax.random.fold_in(k_segment, 1))
         budget = {k: v + branch_budget.get(k, 0.0) for k, v in budget.items()}
     weights, weight_metrics = correction_weights(static, exp, segments, hparams.variant)
-    new_state, upd_metrics = update(static, models, state, exp, adv, ret, k_update, weights)
+    new_state, upd_metrics = update(static, models, state, exp, adv, ret, k_update, weights,
+                                    frozen)
     new_state = new_state.replace(
         step=state.step + 1,
         kl_coef=adapt_kl_coef(static, state.kl_coef, roll_metrics["objective/kl"]),

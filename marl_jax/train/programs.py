@@ -44,16 +44,25 @@ def jit_program(fun: Callable, in_shardings: tuple, out_shardings: Any,
 
 
 # ---- the programs, for concrete or abstract arguments -------------------------------------------
-def supervised_program(train_step: Callable, state_shardings, mesh) -> Program:
-    """The SFT / reward-model train step (`supervised.make_train_step`), the state donated."""
-    return jit_program(train_step, (state_shardings, sharding.batch_sharding(mesh)),
-                       (state_shardings, sharding.replicated(mesh)), donate_argnums=(0,))
+def supervised_program(train_step: Callable, state_shardings, mesh, base_shardings=None) -> Program:
+    """The SFT / reward-model train step (`supervised.make_train_step`), the state donated;
+    with `base_shardings` a LoRA step (`supervised.make_lora_train_step`) whose third argument
+    is the frozen base."""
+    in_shardings = (state_shardings, sharding.batch_sharding(mesh))
+    if base_shardings is not None:
+        in_shardings += (base_shardings,)
+    return jit_program(train_step, in_shardings, (state_shardings, sharding.replicated(mesh)),
+                       donate_argnums=(0,))
 
 
-def frozen_shardings(mods: core.Models, mesh, state_sh: core.PPOState, rm_params) -> core.Frozen:
-    """The reference policy shares the actor's shardings; the reward model gets its own."""
+def frozen_shardings(mods: core.Models, mesh, state_sh: core.PPOState, rm_params,
+                     ref_params=None) -> core.Frozen:
+    """The reference policy shares the actor's shardings (with LoRA, `ref_params`, the base,
+    gets the whole policy's); the reward model gets its own."""
     rep = sharding.replicated(mesh)
-    return core.Frozen(ref_params=state_sh.actor_params,
+    ref_sh = state_sh.actor_params if ref_params is None else build.param_shardings(
+        mods.policy, mesh, build.abstract(ref_params))
+    return core.Frozen(ref_params=ref_sh,
                        rm_params=build.param_shardings(mods.reward, mesh,
                                                        build.abstract(rm_params)),
                        reward_mean=rep, reward_std=rep)

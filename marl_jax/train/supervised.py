@@ -7,7 +7,9 @@ import jax
 import jax.numpy as jnp
 
 from marl_jax.data import batches
+from marl_jax.models import lora
 from marl_jax.train import build, loop, programs, sharding
+from marl_jax.train.checkpoint import check_same_base, lora_identity
 from marl_jax.train.optim import (
     accumulate_gradients,
     applied_updates,
@@ -47,6 +49,17 @@ def make_train_step(loss_fn: Callable, optimizer, *, schedule=None, grad_accum_s
     return train_step
 
 
+def make_lora_train_step(loss_fn: Callable, optimizer, **kwargs):
+    """`(state, batch, base) -> (state, metrics)`: `make_train_step` of a LoRA stage, whose state
+    holds the adapters and heads and whose loss sees them attached to the frozen `base` (an
+    argument of the step, so one copy of it sits on the devices and none in the state)."""
+    def train_step(state: build.TrainState, batch, base):
+        attached = lambda params, b: loss_fn(lora.attach(base, params), b)
+        return make_train_step(attached, optimizer, **kwargs)(state, batch)
+
+    return train_step
+
+
 def train(*, name: str, cfg, seed: int, module, init_params, loss_fn: Callable, data: dict,
           mesh, writer, workdir: str, checkpoint_every: int, log_every: int, max_to_keep: int,
           metadata: dict, progress_keys=(), weight_fn: Callable | None = None,
@@ -60,19 +73,36 @@ def train(*, name: str, cfg, seed: int, module, init_params, loss_fn: Callable, 
       weight_fn: a micro-batch's weight in gradient accumulation (see `make_train_step`).
       tokens_per_example: tokens a row of `data` stands for, for the tokens/s metric (default:
         the widths of its `*ids` arrays).
+
+    With LoRA (`module.config.lora_rank`) the stage trains the adapters of `init_params` (fresh
+    ones when it has none) and its head, on the rest of it, the frozen base: an argument of the
+    step, absent from the state and the checkpoints, which record its identity
+    (`checkpoint.lora_identity`). Returns the base with the trained adapters attached.
     """
     if cfg.steps == 0:
         return init_params
+    base = None
+    if module.config.lora_rank:
+        init_params = lora.with_adapters(module, init_params, jax.random.key(seed))
+        base, init_params = lora.frozen_base(init_params), lora.trainable(init_params)
     sharding.validate_batch(cfg.batch_size, mesh, f"config.{name}.batch_size")
     optimizer = make_optimizer(cfg, cfg.steps)
     shardings = build.train_state_shardings(module, optimizer, mesh, init_params)
     batch_sh = sharding.batch_sharding(mesh)
-    step_fn = programs.supervised_program(
-        make_train_step(loss_fn, optimizer, schedule=stage_schedule(cfg, cfg.steps),
-                        grad_accum_steps=int(cfg.get("grad_accum_steps", 1)),
-                        weight_fn=weight_fn,
-                        num_layers_unfrozen=int(cfg.get("num_layers_unfrozen", -1))),
-        shardings, mesh).fn
+    step_kwargs = dict(schedule=stage_schedule(cfg, cfg.steps),
+                       grad_accum_steps=int(cfg.get("grad_accum_steps", 1)), weight_fn=weight_fn,
+                       num_layers_unfrozen=int(cfg.get("num_layers_unfrozen", -1)))
+    if base is None:
+        step_fn = programs.supervised_program(make_train_step(loss_fn, optimizer, **step_kwargs),
+                                              shardings, mesh).fn
+    else:
+        base_sh = build.param_shardings(module, mesh, build.abstract(base))
+        base = jax.device_put(base, base_sh)
+        metadata = dict(metadata, base=lora_identity(base))
+        lora_fn = programs.supervised_program(
+            make_lora_train_step(loss_fn, optimizer, **step_kwargs), shardings, mesh,
+            base_shardings=base_sh).fn
+        step_fn = lambda state, batch: lora_fn(state, batch, base)
     num_examples = len(next(iter(data.values())))
     if tokens_per_example is None:
         tokens_per_example = sum(v.shape[1] for k, v in data.items() if k.endswith("ids"))
@@ -91,13 +121,18 @@ def train(*, name: str, cfg, seed: int, module, init_params, loss_fn: Callable, 
             abstract = jax.eval_shape(lambda: build.TrainState(
                 step=jnp.zeros((), jnp.int32), params=init_params,
                 opt_state=optimizer.init(init_params), skipped_updates=jnp.zeros(())))
-            state, _ = stage.restore(abstract, shardings, step=latest)
+            state, saved = stage.restore(abstract, shardings, step=latest)
             stage.close()
-            return state.params
+            check_same_base(saved, metadata, stage.name)
+            return _with_base(base, state.params)
         state = build.new_train_state(init_params, optimizer, shardings)
         state, _ = loop.run(stage, state=state, total_steps=cfg.steps, step_fn=run_step,
                             writer=writer, metadata=metadata, checkpoint_every=checkpoint_every,
                             log_every=log_every, progress_keys=progress_keys,
                             tokens_per_step=cfg.batch_size * tokens_per_example)
     stage.close()
-    return state.params
+    return _with_base(base, state.params)
+
+
+def _with_base(base, trained):
+    return trained if base is None else lora.attach(base, trained)
