@@ -348,13 +348,13 @@ def test_lora_pipeline_exports_peft_adapters_of_one_base(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from marl_jax import pipeline as pipeline_lib
+    from marl_jax import stages
     from train_util import tiny_config
 
     workdir = tmp_path / "run"
     config = tiny_config(**{"model.lora.rank": 4, "sft.steps": 10, "sft.learning_rate": 3e-2,
                             "ppo.eval_every": 0, "ppo.learning_rate": 3e-2})
-    pipeline_lib.run(config, str(workdir))
+    stages.run(config, str(workdir))
     models_dir = workdir / "models"
     ids = torch.as_tensor(np.random.default_rng(0).integers(3, 20, (2, 9)), dtype=torch.long)
 
