@@ -11,7 +11,7 @@ from wandb.proto import wandb_internal_pb2
 
 from marl_jax import stages
 from marl_jax.config import validate_config
-from marl_jax.train.metrics import read_metrics
+from marl_jax.train.metrics import MetricsWriter, read_metrics
 from train_util import tiny_config
 
 _BLOCK = 32768  # the .wandb file is a LevelDB-style log of 32 KiB blocks of records
@@ -94,3 +94,18 @@ def test_wandb_without_the_package_or_credentials_fails_before_compiling(tmp_pat
     config.logging.wandb_mode = "sometimes"
     with pytest.raises(ValueError, match=r"^config\.logging\.wandb_mode='sometimes': must be"):
         validate_config(config)
+
+
+def test_only_process_0_opens_a_wandb_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    config = tiny_config(**{"logging.wandb": True, "logging.wandb_mode": "offline"})
+    with MetricsWriter(tmp_path / "run", process_index=1, logging=config.logging,
+                       run_config=config.to_dict()) as writer:
+        writer.write({"stage": "sft", "step": 1, "loss": 0.5})
+    assert not (tmp_path / "wandb").exists() and not (tmp_path / "run").exists()
+    with MetricsWriter(tmp_path / "run", process_index=0, logging=config.logging,
+                       run_config=config.to_dict()) as writer:
+        writer.write({"stage": "sft", "step": 1, "loss": 0.5})
+    _, history = offline_run(tmp_path)
+    assert [{k: v for k, v in entry.items() if not k.startswith("_")} for entry in history] == [
+        {"stage": "sft", "step": 1, "loss": 0.5}]

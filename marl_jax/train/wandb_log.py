@@ -46,7 +46,12 @@ class WandbRun:
         self._run.log(scalars(row))
 
     def finish(self) -> None:
+        import wandb
+
         self._run.finish()
+        # W&B's service process writes the run's files after `finish` returns; `teardown` waits
+        # for it, so a closed metrics writer leaves a complete run on disk.
+        wandb.teardown()
 
 
 def scalars(row: Mapping[str, Any]) -> dict[str, Any]:
