@@ -11,6 +11,7 @@ A configuration or input error (a bad config field, a missing data file or check
 run with one line `error: <message>` on stderr and exit status 2; `--traceback` shows its
 traceback instead. Any other error is a bug and always shows its traceback.
 """
+import logging as std_logging
 import os
 import pathlib
 import sys
@@ -21,6 +22,9 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+# transformers announces at import that PyTorch is absent; marl_jax needs only its tokenizers.
+std_logging.getLogger("transformers").addFilter(
+    lambda record: not record.getMessage().startswith("PyTorch was not found"))
 sys.path.insert(0, str(ROOT))
 
 DEFAULT_CONFIG = str(ROOT / "configs" / "synthetic.py")

@@ -11,7 +11,11 @@ temperature 0.8, top-k 50, top-p 1, fixed 5-gram macros with `equal` weighting a
 from __future__ import annotations
 
 import difflib
+import importlib.util
+import netrc
+import os
 import re
+from urllib.parse import urlparse
 
 import ml_collections
 
@@ -26,6 +30,8 @@ SCHEDULES = ("constant", "linear", "cosine")
 CRITIC_INITS = ("rm", "sft", "random")
 DTYPES = ("float32", "bfloat16", "float16")
 OLD_LOGPROBS = ("auto", "trainer", "sampler")
+WANDB_MODES = ("online", "offline", "disabled")
+WANDB_INSTALL = "pip install -e \".[wandb]\" (or pip install wandb==0.31.0)"
 # The config file that serves each task name: real datasets need the task fields of
 # `base_config()`, which configs/synthetic.py replaces with the synthetic world's.
 TASK_CONFIGS = {
@@ -214,6 +220,16 @@ def base_config() -> ml_collections.ConfigDict:
     # per-prompt difference by about sqrt(m); KL and RM score are those of its first sample.
     p.eval_samples_per_prompt = 1
 
+    # Where the metrics rows go besides <workdir>/metrics.jsonl and TensorBoard: Weights & Biases
+    # (the run's config once, then every row), from process 0.
+    c.logging = ml_collections.ConfigDict(dict(
+        wandb=False,
+        wandb_project="marl_jax",
+        wandb_entity="",   # empty = the account's default entity
+        wandb_name="",     # empty = W&B's generated run name
+        wandb_mode="online",  # online | offline (files under $WANDB_DIR, sync later) | disabled
+    ))
+
     # `--config.stage=eval`: the SFT and final PPO policies of a workdir on held-out prompts.
     c.eval = ml_collections.ConfigDict(dict(
         max_prompts=0,       # held-out prompts used (0 = all of the task's eval prompts)
@@ -335,6 +351,8 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
     check(p.estimator != "macro_mc" or p.reward_source in ("rm", "gold"), "ppo.reward_source",
           "macro_mc scores its branches on device: use rm or gold")
     check(c.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
+    if "logging" in c:
+        _check_logging(c.logging)
     for axis in ("data", "fsdp", "tensor"):
         v = c.mesh[axis]
         check(isinstance(v, int) and (v >= 1 or v == -1), f"mesh.{axis}",
@@ -367,6 +385,39 @@ def _check_lora(c, check):
               "LoRA trains the critic's adapters on the shared base: use rm or sft")
         check(c.stage != "experiment", "stage",
               "experiments (arms vmapped over seeds) run full fine-tuning: set model.lora.rank=0")
+
+
+def _check_logging(logging_cfg) -> None:
+    """W&B fields, the package and its credentials: a run that would fail at its first metrics
+    row fails here instead, before anything compiles."""
+    if not isinstance(logging_cfg.wandb, bool):
+        raise ValueError(f"config.logging.wandb={logging_cfg.wandb!r}: must be True or False")
+    mode = logging_cfg.wandb_mode
+    if mode not in WANDB_MODES:
+        raise ValueError(f"config.logging.wandb_mode={mode!r}: must be one of {WANDB_MODES}")
+    if not logging_cfg.wandb:
+        return
+    if not logging_cfg.wandb_project:
+        raise ValueError("config.logging.wandb_project='': name the W&B project")
+    if importlib.util.find_spec("wandb") is None:
+        raise ValueError(f"config.logging.wandb=True needs the wandb package: {WANDB_INSTALL}")
+    if mode == "online" and not _wandb_credentials():
+        raise ValueError("config.logging.wandb_mode='online' needs W&B credentials: run "
+                         "`wandb login` (or set WANDB_API_KEY), or choose "
+                         "--config.logging.wandb_mode=offline")
+
+
+def _wandb_credentials() -> bool:
+    """Whether W&B finds credentials without asking: WANDB_API_KEY, an identity token file, or
+    a netrc entry for its host (where `wandb login` writes the key)."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
+    try:
+        return netrc.netrc(path).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 def _check_task_fields(c, config_file):

@@ -38,7 +38,8 @@ class Pipeline:
         for stage in ("sft", "rm", "ppo"):
             sharding.validate_batch(config[stage].batch_size, self.mesh,
                                     f"config.{stage}.batch_size")
-        self.writer = metrics_lib.MetricsWriter(workdir)
+        self.writer = metrics_lib.MetricsWriter(workdir, logging=config.get("logging"),
+                                                run_config=config.to_dict())
         self.task = build_task(config, workdir)
         if self.task.rl_unit_tests is not None:
             attach_unit_test_reward(config, self.task)

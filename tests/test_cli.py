@@ -67,6 +67,23 @@ def test_flag_syntax_errors_stay_as_absl_prints_them(tmp_path):
         "base 10: 'abc'")
 
 
+def test_transformers_pytorch_notice_is_silenced_and_its_other_warnings_are_not():
+    script = textwrap.dedent("""
+        import importlib.util, sys
+        spec = importlib.util.spec_from_file_location("run_cli", sys.argv[1])
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+        from transformers.utils import logging
+        logger = logging.get_logger("transformers")
+        logger.warning("PyTorch was not found. Models won't be available and only tokenizers, "
+                       "configuration and file/data utilities can be used.")
+        logger.warning("another transformers warning")
+    """)
+    result = subprocess.run([sys.executable, "-c", script, RUN_PY], capture_output=True,
+                            text=True, timeout=TIMEOUT_S)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == ["[transformers] another transformers warning"]
+
+
 # Runs in its own interpreter: loading run.py defines its absl flags, which must not leak into
 # the test process. Code compiled under a file name inside the marl_jax package stands for the
 # project's own code; each case prints whether its exception counts as an input error.

@@ -1,4 +1,5 @@
-"""Training metrics: `<workdir>/metrics.jsonl`, TensorBoard scalars, progress bar, summary table.
+"""Training metrics: `<workdir>/metrics.jsonl`, TensorBoard scalars, Weights & Biases (when
+`config.logging.wandb`, `marl_jax.train.wandb_log`), progress bar, summary table.
 
 Each logged step is one JSON object on one line, with `stage` and `step` plus TRL-style names
 (`objective/kl`, `loss/policy_avg`, ...); values are scalars, strings, None, or lists and dicts
@@ -125,17 +126,21 @@ def _tb_run_name(stage: str, values: Mapping[str, Any], run_keys: Sequence[str])
 
 
 class MetricsWriter:
-    """Appends metric rows to `<workdir>/metrics.jsonl` and TensorBoard, on process 0 only.
+    """Appends metric rows to `<workdir>/metrics.jsonl`, TensorBoard and W&B, on process 0 only.
 
     Args:
       workdir: run directory (created if missing).
       process_index: this process's index; default `jax.process_index()`.
       tensorboard: also write TensorBoard event files.
       run_keys: row keys that select a TensorBoard run inside the stage directory.
+      logging: the `config.logging` section; with `wandb` True every row also goes to a W&B
+        run whose config is `run_config` (the run's whole config, as a dict).
     """
 
     def __init__(self, workdir: str | os.PathLike, *, process_index: int | None = None,
-                 tensorboard: bool = True, run_keys: Sequence[str] = ("arm", "seed")):
+                 tensorboard: bool = True, run_keys: Sequence[str] = ("arm", "seed"),
+                 logging: Mapping[str, Any] | None = None,
+                 run_config: Mapping[str, Any] | None = None):
         self.workdir = os.fspath(workdir)
         self.process_index = jax.process_index() if process_index is None else process_index
         self.active = self.process_index == 0
@@ -145,8 +150,13 @@ class MetricsWriter:
         self._file: TextIO | None = None
         self._tb_writers: dict[str, Any] = {}
         self._purge_steps: dict[str, int] = {}
+        self._wandb = None
         if self.active:
             os.makedirs(self.workdir, exist_ok=True)
+            if logging is not None and logging["wandb"]:
+                from marl_jax.train.wandb_log import WandbRun
+
+                self._wandb = WandbRun(logging, run_config or {}, self.workdir)
 
     def _open(self) -> TextIO:
         if self._file is None:
@@ -170,6 +180,8 @@ class MetricsWriter:
         os.fsync(f.fileno())
         if self._tensorboard:
             self._write_tensorboard(encoded)
+        if self._wandb is not None:
+            self._wandb.log(encoded)
 
     def _write_tensorboard(self, row: dict[str, Any]) -> None:
         run = _tb_run_name(row["stage"], row, self._run_keys)
@@ -244,6 +256,9 @@ class MetricsWriter:
         for writer in self._tb_writers.values():
             writer.close()
         self._tb_writers.clear()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
     def __enter__(self) -> MetricsWriter:
         return self
