@@ -1,13 +1,15 @@
 """Group sampling: `generate(num_samples=k)` (one prefill per prompt, its cache shared by the k
 samples) vs `generate` of the prompts repeated k times, on the same random Llama.
 
-`python experiments/bench.py group [--batch 2] [--k 8] [--prompt 512] [--new 8] [--repeats 5]`
+`python experiments/bench.py group [--batch 2] [--k 8] [--prompt 512] [--new 8] [--repeats 20]`
 
 Both calls draw the same tokens (same key, batch-level draws; checked here); with long prompts
 and few new tokens the prefill dominates, so the grouped call should be about k times cheaper in
-the prefill. The model is a random 4-layer width-256 Llama (float32). Times are the best of
-`--repeats` runs, alternating the two sides, after a compile run. The last line of the output is
-the whole result as JSON.
+the prefill. The model is a random 4-layer width-256 Llama (float32). After a compile run of
+each, the two calls are timed in `--repeats` pairs, called alternately
+(`bench_timing.paired_times`); the result is the median of the paired ratios repeated /
+grouped with its 95% distribution-free interval. The last line of the output is the whole
+result as JSON.
 """
 import argparse
 import json
@@ -17,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench_timing import median_ratio, paired_times, ratio_line
 from marl_jax import models, sampling
 
 TEMPERATURE = 1.0
@@ -46,7 +49,7 @@ def main(argv):
     parser.add_argument("--k", type=int, default=8, help="samples per prompt")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=20, help="pairs of timed calls")
     args = parser.parse_args(argv)
 
     model, params = _model(args.prompt, args.new)
@@ -64,22 +67,18 @@ def main(argv):
         outputs[name] = jax.block_until_ready(run())
         print(f"{name}: compile + first run {time.perf_counter() - start:.1f}s")
     same_tokens = bool(np.array_equal(np.asarray(outputs["grouped"].tokens), np.asarray(outputs["repeated"].tokens)))
-    # Alternate the sides so that load changes on a shared machine hit both alike.
-    best = {name: float("inf") for name in runners}
-    for _ in range(args.repeats):
-        for name, run in runners.items():
-            start = time.perf_counter()
-            jax.block_until_ready(run())
-            best[name] = min(best[name], time.perf_counter() - start)
-    ratio = best["repeated"] / best["grouped"]
+    repeated, grouped = paired_times(runners["repeated"], runners["grouped"], args.repeats,
+                                     warmup=False)
+    summary = median_ratio(repeated, grouped)
+    medians = {"grouped": float(np.median(grouped)), "repeated": float(np.median(repeated))}
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     print(f"model: random llama, 4 layers, width 256, {num_params / 1e6:.1f}M params, device "
           f"{jax.devices()[0].device_kind}; {args.batch} prompts x {args.k} samples, prompt {args.prompt}, "
           f"{args.new} new tokens")
-    for name, seconds in best.items():
-        print(f"{name:9s}: {seconds * 1e3:8.1f} ms (best of {args.repeats})")
-    print(f"ratio repeated / grouped: {ratio:.2f}x; same tokens: {same_tokens}")
+    for name, seconds in medians.items():
+        print(f"{name:9s}: {seconds * 1e3:8.1f} ms (median of {args.repeats})")
+    print(ratio_line(summary, "repeated / grouped") + f"; same tokens: {same_tokens}")
     print(json.dumps(dict(benchmark="group", device_kind=jax.devices()[0].device_kind, params=num_params,
-                          batch=args.batch, k=args.k, prompt=args.prompt, new=args.new, repeats=args.repeats,
-                          grouped_s=best["grouped"], repeated_s=best["repeated"], ratio=ratio,
-                          same_tokens=same_tokens)))
+                          batch=args.batch, k=args.k, prompt=args.prompt, new=args.new, pairs=args.repeats,
+                          grouped_s=medians["grouped"], repeated_s=medians["repeated"],
+                          ratio=summary["median"], ratio_ci=summary["ci"], same_tokens=same_tokens)))

@@ -1,25 +1,32 @@
 """MA-PPO vs PPO step time at identical shapes, and tokens/s of each phase.
 
-`python experiments/bench.py step [--batch 16] [--repeats 5] [--config configs/synthetic.py]`
+`python experiments/bench.py step [--batch 16] [--repeats 200] [--config configs/synthetic.py]`
 
 Both arms start from the same parameters and the same key, so their rollouts are identical
 token for token; they differ only in termination + macro GAE (MA-PPO: fixed 5-grams, `equal`
 weighting, `weighted` rewards; PPO: n = 1). The paper claims macro actions add no compute; the
 target is at most 3% overhead on a whole step.
+
+Each phase (rollout, update, whole step) of the two arms is timed in `--repeats` pairs, the
+arms called alternately (`bench_timing.paired_times`); the result is the median of the paired
+ratios MA-PPO / PPO with its 95% distribution-free interval, and whether that interval lies
+within 3%, above it, or is too wide to tell.
 """
 import functools
 import tempfile
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from bench_timing import best_time, load_config, step_timing_args
+from bench_timing import load_config, median_ratio, paired_times, ratio_line, step_timing_args
 
+CLAIM = 0.03  # "an MA-PPO step within 3% of a PPO step"
 
 
 def main(argv):
     args = step_timing_args(argv, prog="bench.py step", doc=__doc__, config="synthetic.py",
-                            batch=16, repeats=5)
+                            batch=16, repeats=200)
 
     from marl_jax.pipeline import Pipeline
     from marl_jax.train import ppo as ppo_lib
@@ -37,7 +44,7 @@ def main(argv):
         frozen = core.Frozen(policy_params, rm_params, jnp.float32(0), jnp.float32(1))
         arms = {"ppo": (1, ("fixed", "equal", "weighted")),
                 "ma_ppo": (config.ppo.ngram, ("fixed", "equal", "weighted"))}
-        times = {}
+        calls = {}
         for name, (n, variant) in arms.items():
             static = ppo_lib.static_from_config(config, pipe.task.tokenizer, variants=(variant,))
             mods = ppo_lib.make_models(config, pipe.policy, pipe.critic, pipe.reward_model)
@@ -51,22 +58,30 @@ def main(argv):
             update = jax.jit(functools.partial(core.update_phase, static, mods))
             step = jax.jit(functools.partial(core.ppo_step, static, mods))
             exp, roll_metrics = rollout(state, frozen, ids, mask)
-            times[name] = dict(
-                rollout=best_time(lambda: rollout(state, frozen, ids, mask), args.repeats),
-                update=best_time(lambda: update(state, exp, roll_metrics, hp), args.repeats),
-                step=best_time(lambda: step(state, frozen, hp, ids, mask), args.repeats),
-                tokens=int(exp.response_mask.sum()) + int(mask.sum()))
+            calls[name] = dict(
+                rollout=functools.partial(rollout, state, frozen, ids, mask),
+                update=functools.partial(update, state, exp, roll_metrics, hp),
+                step=functools.partial(step, state, frozen, hp, ids, mask))
+            tokens = int(exp.response_mask.sum()) + int(mask.sum())
+        times = {"ppo": {}, "ma_ppo": {}}
+        for phase in ("rollout", "update", "step"):
+            times["ma_ppo"][phase], times["ppo"][phase] = paired_times(
+                calls["ma_ppo"][phase], calls["ppo"][phase], args.repeats)
         pipe.close()
 
     print(f"PPO vs MA-PPO (n={config.ppo.ngram}) step, batch {args.batch} prompts, "
-          f"backend={jax.default_backend()}, best of {args.repeats}")
+          f"backend={jax.default_backend()}, {args.repeats} pairs of calls, alternated; "
+          "median times")
     for name, t in times.items():
-        print(f"  {name:7s} rollout {t['rollout'] * 1e3:8.1f} ms "
-              f"({t['tokens'] / t['rollout']:9.0f} tok/s)   update {t['update'] * 1e3:8.1f} ms "
-              f"({t['tokens'] / t['update']:9.0f} tok/s)   whole step {t['step'] * 1e3:8.1f} ms")
-    overhead = times["ma_ppo"]["step"] / times["ppo"]["step"] - 1
-    print(f"  MA-PPO step overhead vs PPO: {overhead * 100:+.1f}% (target <= 3%)")
-
+        rollout, update, step = (float(np.median(t[k])) for k in ("rollout", "update", "step"))
+        print(f"  {name:7s} rollout {rollout * 1e3:8.1f} ms ({tokens / rollout:9.0f} tok/s)   "
+              f"update {update * 1e3:8.1f} ms ({tokens / update:9.0f} tok/s)   "
+              f"whole step {step * 1e3:8.1f} ms")
+    for phase in ("rollout", "update"):
+        print("  " + ratio_line(median_ratio(times["ma_ppo"][phase], times["ppo"][phase]),
+                                f"MA-PPO / PPO {phase}"))
+    print("  " + ratio_line(median_ratio(times["ma_ppo"]["step"], times["ppo"]["step"]),
+                            "MA-PPO / PPO whole step", claim=CLAIM))
 
 if __name__ == "__main__":
     import sys

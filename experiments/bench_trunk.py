@@ -1,14 +1,16 @@
 """A PPO step's phases with and without the shared frozen trunk, side by side.
 
 `python experiments/bench.py trunk [--config configs/real_text_smollm2.py] [--batch 8]
-[--repeats 2]`
+[--repeats 8]`
 
 With `num_layers_unfrozen` = n the actor, reference, critic and reward model share their
 embeddings and first L - n layers (`ppo.with_shared_trunk`); the step then runs those layers
 once for the scoring pass and once for the update instead of once per model and pass. Times
-sampling, scoring and the update separately (best of `--repeats` after a compiling call), on
-the config's model with its real weights (the reward model and critic take the policy's
-backbone, as when they start from the SFT policy).
+sampling, scoring and the update separately on the config's model with its real weights (the
+reward model and critic take the policy's backbone, as when they start from the SFT policy):
+after a compiling call of each, the two programs of a phase are timed in `--repeats` pairs,
+called alternately (`bench_timing.paired_times`), and each phase's shared / whole is the
+median of the paired ratios with its 95% distribution-free interval (at least 6 pairs).
 """
 import functools
 import sys
@@ -17,13 +19,15 @@ import tempfile
 import jax
 import jax.numpy as jnp
 
-from bench_timing import best_time, load_config, step_timing_args
+import numpy as np
+
+from bench_timing import load_config, median_ratio, paired_times, ratio_line, step_timing_args
 
 
 
 def main(argv):
     args = step_timing_args(argv, prog="bench.py trunk", doc=__doc__, config="real_text_smollm2.py",
-                            batch=8, repeats=2)
+                            batch=8, repeats=8)
 
     from marl_jax import models
     from marl_jax.pipeline import Pipeline
@@ -52,36 +56,40 @@ def main(argv):
         shared = ppo_lib.with_shared_trunk(whole, pipe.policy.config.num_layers, policy_params,
                                            rm_params, [critic_params])
         layers = pipe.policy.config.num_layers
-        times = {}
+        calls = {}
         for name, static in (("whole", whole), ("shared", shared)):
             state = ppo_lib.initial_state(config, mods, policy_params, critic_params, seed=0)
             generate = jax.jit(functools.partial(core.generate_phase, static, mods))
             score = jax.jit(functools.partial(core.score, static, mods))
             update = jax.jit(functools.partial(core.update_phase, static, mods))
             sample = generate(state, ids, mask)
-            scored = lambda: score(state, frozen, ids, mask, sample.tokens,
-                                   sample.mask.astype(jnp.int32), None, None, sample.logprobs,
-                                   sample.entropy)
+            scored = functools.partial(score, state, frozen, ids, mask, sample.tokens,
+                                       sample.mask.astype(jnp.int32), None, None,
+                                       sample.logprobs, sample.entropy)
             exp, roll_metrics = scored()
-            times[name] = dict(
-                generate=best_time(lambda: generate(state, ids, mask), args.repeats),
-                score=best_time(scored, args.repeats),
-                update=best_time(lambda: update(state, exp, roll_metrics, hp), args.repeats))
+            calls[name] = dict(generate=functools.partial(generate, state, ids, mask),
+                               score=scored,
+                               update=functools.partial(update, state, exp, roll_metrics, hp))
+        times = {"whole": {}, "shared": {}}
+        for phase in ("generate", "score", "update"):
+            times["shared"][phase], times["whole"][phase] = paired_times(
+                calls["shared"][phase], calls["whole"][phase], args.repeats)
         pipe.close()
 
     print(f"PPO step phases, {layers} layers, {shared.shared_trunk_layers} shared "
           f"(num_layers_unfrozen={config.ppo.num_layers_unfrozen}), batch {args.batch}, "
           f"response {config.ppo.response_length} tokens, prompt {ids.shape[1]}, "
-          f"backend={jax.default_backend()}, best of {args.repeats}")
+          f"backend={jax.default_backend()}, {args.repeats} pairs of calls, alternated; "
+          "median times")
     for name, t in times.items():
-        total = sum(t.values())
-        print(f"  {name:6s} generate {t['generate']:6.2f} s   score {t['score']:6.2f} s   "
-              f"update {t['update']:6.2f} s   sum {total:6.2f} s")
-    w, s = (sum(times[k].values()) for k in ("whole", "shared"))
-    print(f"  shared / whole: score {times['shared']['score'] / times['whole']['score']:.2f}, "
-          f"update {times['shared']['update'] / times['whole']['update']:.2f}, "
-          f"sum {s / w:.2f}")
-
+        med = {k: float(np.median(v)) for k, v in t.items()}
+        print(f"  {name:6s} generate {med['generate']:6.2f} s   score {med['score']:6.2f} s   "
+              f"update {med['update']:6.2f} s   sum {sum(med.values()):6.2f} s")
+    for phase in ("score", "update"):
+        print("  " + ratio_line(median_ratio(times["shared"][phase], times["whole"][phase]),
+                                f"shared / whole {phase}"))
+    total = {name: sum(t.values()) for name, t in times.items()}  # per pair: the three phases
+    print("  " + ratio_line(median_ratio(total["shared"], total["whole"]), "shared / whole sum"))
 
 if __name__ == "__main__":
     main(sys.argv[1:])
