@@ -1,4 +1,4 @@
-"""Benchmarks: `python experiments/bench.py {macro,sampler,group,step,device,memory,scoring,trunk} [flags]`.
+"""Benchmarks: `python experiments/bench.py {macro,sampler,group,step,device,memory,scoring,trunk,rollout} [flags]`.
 
 Each benchmark lives in `experiments/bench_<name>.py` (`group`: `bench_groups.py`) with a
 `main(argv)` function and prints the numbers it measures side by side in one run (ratios, not
@@ -8,7 +8,7 @@ import importlib
 import pathlib
 import sys
 
-BENCHMARKS = ("macro", "sampler", "group", "step", "device", "memory", "scoring", "trunk")
+BENCHMARKS = ("macro", "sampler", "group", "step", "device", "memory", "scoring", "trunk", "rollout")
 # Modes whose module name differs from the mode.
 MODULES = {"group": "groups"}
 
