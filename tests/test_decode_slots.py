@@ -21,7 +21,7 @@ from marl_jax.train import ppo_core as core
 from marl_jax.train import sharding
 import models_util
 import test_sampling
-from models_util import padded_batch
+from models_util import padded_batch, random_hf_model, write_checkpoint
 from test_sampling_groups import EOS, _assert_same_samples
 from train_util import tiny_config
 
@@ -76,6 +76,17 @@ def test_groups_and_scanned_layers_give_the_static_samples(tiny, prompts):
     _assert_same_samples(_sample(model, params, ids[:5], mask[:5], decode_slots=4, **settings), static)
     _assert_same_samples(_sample(scanned, stacked, ids[:5], mask[:5], decode_slots=4, **settings), static)
     assert len(set(np.asarray(static.mask).sum(1).tolist())) > 4
+
+
+def test_sliding_window_layers_over_slots_give_the_static_samples(prompts, tmp_path):
+    """Gemma-2 with a 4-token window: each slot's window mask follows its own cache column."""
+    model, params = M.load_pretrained(write_checkpoint(random_hf_model("gemma2_softcap_window", seed=4), tmp_path))
+    ids, mask = prompts
+    settings = dict(key=jax.random.key(9), temperature=1.0, eos_id=(3, 7, 11, 19, 23), max_new_tokens=10)
+    static = _sample(model, params, ids, mask, **settings)
+    _assert_same_samples(_sample(model, params, ids, mask, decode_slots=3, **settings), static)
+    lengths = np.asarray(static.mask).sum(1)
+    assert lengths.min() < 5 and lengths.max() == 10, lengths
 
 
 def test_continuations_over_slots_give_the_static_continuations(tiny, prompts):
