@@ -110,18 +110,19 @@ def attach(base, trained) -> dict:
     return out
 
 
-def fresh_adapters(module: nn.Module, key: jax.Array) -> dict:
-    """Newly initialised adapters of `module` (A random, B zero). Jitted, so the base weights
-    that `init` would also create are never materialised."""
+def fresh_trainable(module: nn.Module, key: jax.Array) -> dict:
+    """Newly initialised adapters (A random, B zero) and head of `module`. Jitted, so the base
+    weights that `init` would also create are never materialised."""
     def init(k):
         ids = jnp.zeros((1, 1), jnp.int32)
-        return adapters(nn.meta.unbox(module.init(k, ids, jnp.ones_like(ids))["params"]))
+        return trainable(nn.meta.unbox(module.init(k, ids, jnp.ones_like(ids))["params"]))
     return jax.jit(init)(key)
 
 
 def with_adapters(module: nn.Module, params, key: jax.Array) -> dict:
     """`params` as they are when they hold adapters, else with fresh ones attached."""
-    return params if has_adapters(params) else attach(params, fresh_adapters(module, key))
+    return params if has_adapters(params) else attach(
+        params, adapters(fresh_trainable(module, key)))
 
 
 def select(tree, like) -> dict:
