@@ -18,7 +18,7 @@ with kl_coef 0.1, the paper's value for its 27B runs. What changes to fit 8 chip
   256 x 1024 tokens alone would be 12 GiB per chip).
 The learning rates are the released full fine-tuning ones; LoRA runs usually take larger ones,
 which this config does not tune. `python experiments/bench.py memory` compiles every stage for
-a v5e-8 with the TPU compiler and checks the fit (README has the numbers).
+a v5e-8 with the TPU compiler and reports each program's peak per chip and the headroom.
 """
 from configs.tldr_gemma2b_tpu import gemma_tldr_config
 

@@ -129,8 +129,10 @@ class Pipeline:
             if needed_by:
                 self._require("rm", needed_by)
             sft_params = self.sft(needed_by="rm")
-            fresh = build.models.init_params(self.reward_model,
-                                             jax.random.key(self.config.seed + 1))
+            # With LoRA only the head and adapters are new (the base is SFT's).
+            init_fn = lora.fresh_trainable if self.policy.config.lora_rank \
+                else build.models.init_params
+            fresh = init_fn(self.reward_model, jax.random.key(self.config.seed + 1))
             init = dict(fresh, backbone=sft_params["backbone"]) \
                 if self.config.rm.init_from == "sft" else fresh
             # Pairs sampled from the SFT policy join the data whenever the data is read: to

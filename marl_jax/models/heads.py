@@ -216,12 +216,13 @@ class _ScalarHead(nn.Module):
 
     @nn.compact
     def __call__(self, hidden):
+        # With LoRA the head trains beside the adapters, in float32 like them.
+        dtype = jnp.float32 if self.config.lora_rank else self.config.weight_dtype
         kernel = partitioned_param(self, "kernel", nn.initializers.normal(self.init_std),
-                                   (self.config.hidden_size, 1), ("embed", None), self.config.weight_dtype)
+                                   (self.config.hidden_size, 1), ("embed", None), dtype)
         scores = jnp.einsum("btd,do->bto", hidden, kernel.astype(hidden.dtype), preferred_element_type=jnp.float32)
         if self.use_bias:
-            bias = partitioned_param(self, "bias", nn.initializers.zeros, (1,), (None,),
-                                     self.config.weight_dtype)
+            bias = partitioned_param(self, "bias", nn.initializers.zeros, (1,), (None,), dtype)
             scores = scores + bias.astype(jnp.float32)
         return scores[..., 0]
 

@@ -5,7 +5,8 @@ A targeted projection `y = x . W` becomes `y = x . W + (alpha / r) (x . A) . B` 
 `.../q/lora_b`), whatever the base's `param_dtype`. B starts at zero, so an adapted model equals
 its base at initialisation, and the low-rank path runs as two thin matmuls: no `[in, out]`
 update is ever formed inside a step. A carries the kernel's logical axes on its input side and
-B on its output side (the rank axis is replicated), so the adapters shard with the base.
+B on its output side, their rank axis on fsdp where those axes are not, so the adapters shard
+with the base.
 
 The adapter leaves are optional at apply time: params without them run the projection as the
 plain base, which is how the reference policy (the base with the adapters off) runs on the very
@@ -57,11 +58,15 @@ def low_rank_update(module: nn.Module, x: jax.Array, y: jax.Array, lora: LoraSet
     fan_in = math.prod(in_shape)
     bound = 1.0 / math.sqrt(fan_in)  # PEFT's kaiming_uniform(a=sqrt(5)) bound for A
     out_shape = y.shape[x.ndim - contract_dims:]
+    # The rank axis takes fsdp where the kernel's axes on that side do not (a mesh axis shards
+    # one dimension).
+    in_axes, out_axes = tuple(kernel_axes[:contract_dims]), tuple(kernel_axes[contract_dims:])
+    rank_axis = lambda axes: None if "embed" in axes else "lora_rank"
     a = module.param("lora_a", nn.with_logical_partitioning(
         lambda key, shape, dt: jax.random.uniform(key, shape, dt, -bound, bound),
-        (*kernel_axes[:contract_dims], None)), (*in_shape, lora.rank), jnp.float32)
+        (*in_axes, rank_axis(in_axes))), (*in_shape, lora.rank), jnp.float32)
     b = module.param("lora_b", nn.with_logical_partitioning(
-        nn.initializers.zeros, (None, *kernel_axes[contract_dims:])), (lora.rank, *out_shape),
+        nn.initializers.zeros, (rank_axis(out_axes), *out_axes)), (lora.rank, *out_shape),
         jnp.float32)
     down = jnp.tensordot(x.astype(dtype), a.astype(dtype), axes=contract_dims)
     delta = jnp.tensordot(down, b.astype(dtype), axes=1)
@@ -110,18 +115,19 @@ def attach(base, trained) -> dict:
     return out
 
 
-def fresh_adapters(module: nn.Module, key: jax.Array) -> dict:
-    """Newly initialised adapters of `module` (A random, B zero). Jitted, so the base weights
-    that `init` would also create are never materialised."""
+def fresh_trainable(module: nn.Module, key: jax.Array) -> dict:
+    """Newly initialised adapters (A random, B zero) and head of `module`. Jitted, so the base
+    weights that `init` would also create are never materialised."""
     def init(k):
         ids = jnp.zeros((1, 1), jnp.int32)
-        return adapters(nn.meta.unbox(module.init(k, ids, jnp.ones_like(ids))["params"]))
+        return trainable(nn.meta.unbox(module.init(k, ids, jnp.ones_like(ids))["params"]))
     return jax.jit(init)(key)
 
 
 def with_adapters(module: nn.Module, params, key: jax.Array) -> dict:
     """`params` as they are when they hold adapters, else with fresh ones attached."""
-    return params if has_adapters(params) else attach(params, fresh_adapters(module, key))
+    return params if has_adapters(params) else attach(
+        params, adapters(fresh_trainable(module, key)))
 
 
 def select(tree, like) -> dict:

@@ -155,7 +155,7 @@ def accumulate_gradients(loss_fn, params, batch, num_micro: int, weight_fn,
     def body(total, xs):
         mb, fraction = xs
         out = grad_fn(params, mb)
-        return jax.tree.map(lambda t, x: t + fraction * x.astype(t.dtype), total, out), None
+        return jax.tree.map(lambda t, x: t + (fraction * x).astype(t.dtype), total, out), None
 
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
                          jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro)))

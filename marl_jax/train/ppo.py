@@ -157,7 +157,9 @@ def initial_critic_params(config, critic, sft_params, rm_params, key, reward_sta
     if not uses_critic(config.ppo):
         return {}
     how = config.ppo.critic_init
-    fresh = models_lib.init_params(critic, key)
+    # With LoRA only the head and adapters are new (the base is shared).
+    fresh = (lora.fresh_trainable if critic.config.lora_rank else models_lib.init_params)(
+        critic, key)
     if how == "rm":
         kernel = rm_params["head"]["kernel"]
         bias = jnp.zeros_like(fresh["head"]["bias"])

@@ -41,6 +41,8 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("mlp", "tensor"),
     ("head_dim", None),
     ("norm", None),
+    # LoRA's B [r, out...] where the kernel's output axes are not fsdp-sharded.
+    ("lora_rank", "fsdp"),
     # The stacked-layer axis of scanned params: each scan step reads one whole layer.
     ("layers", None),
     # Activations.
