@@ -16,7 +16,7 @@ import pytest
 
 from marl_jax import config as config_lib
 from marl_jax import losses, models
-from marl_jax import pipeline as pipeline_lib
+from marl_jax import stages
 from marl_jax.macro import termination
 from marl_jax.models.config import ModelConfig
 from marl_jax.train import ppo_core as core
@@ -184,7 +184,7 @@ def test_bad_values_get_one_line_naming_the_field(field, value, allowed):
 
 
 def test_a_bfloat16_pipeline_logs_mismatch_and_weights_every_ppo_row(tmp_path):
-    pipeline_lib.run(tiny_config(**{"ppo.eval_every": 0, "model.dtype": "bfloat16",
+    stages.run(tiny_config(**{"ppo.eval_every": 0, "model.dtype": "bfloat16",
                                     "ppo.rollout_correction": "macro"}), str(tmp_path))
     rows = [r for r in read_metrics(str(tmp_path)) if r.get("stage") == "ppo"]
     assert len(rows) == 2
