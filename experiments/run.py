@@ -27,9 +27,61 @@ std_logging.getLogger("transformers").addFilter(
     lambda record: not record.getMessage().startswith("PyTorch was not found"))
 sys.path.insert(0, str(ROOT))
 
+def _load_config_file(path: str):
+    """The config of the file as written, before command-line overrides."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_marl_config_file", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def _config_arguments(argv):
+    """The config file and the overridden fields ("ppo.ngram") that `argv` names."""
+    config_file, fields = DEFAULT_CONFIG, []
+    for i, arg in enumerate(argv[1:], start=1):
+        if arg.startswith("--config="):
+            config_file = arg.split("=", 1)[1]
+        elif arg == "--config" and i + 1 < len(argv):
+            config_file = argv[i + 1]
+        elif arg.startswith("--config."):
+            fields.append(arg[len("--config."):].split("=", 1)[0])
+    return config_file, fields
+
+
+def exit_if_unknown_field(argv) -> None:
+    """Ends the process with one line and status 2 when `argv` overrides a field the config
+    file does not have (ml_collections raises AttributeError or KeyError for it, while the flag
+    is defined when no --config is given, or while flags are parsed)."""
+    if "--traceback" in argv:
+        return
+    from marl_jax import config as config_lib
+
+    config_file, fields = _config_arguments(argv)
+    try:
+        config_lib.check_fields_exist(_load_config_file(config_file), fields)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+def parse_flags(argv):
+    """absl's flag parsing, except that an override of an unknown field ends with one line."""
+    try:
+        return app.parse_flags_with_usage(argv)
+    except (AttributeError, KeyError):
+        exit_if_unknown_field(argv)
+        raise
+
+
 DEFAULT_CONFIG = str(ROOT / "configs" / "synthetic.py")
-config_flags.DEFINE_config_file("config", DEFAULT_CONFIG,
-                                "Experiment config file.", lock_config=True)
+try:
+    config_flags.DEFINE_config_file("config", DEFAULT_CONFIG,
+                                    "Experiment config file.", lock_config=True)
+except (AttributeError, KeyError):
+    exit_if_unknown_field(sys.argv)
+    raise
 flags.DEFINE_string("workdir", None, "Output directory (default: runs/<config name>).")
 flags.DEFINE_bool("traceback", False,
                   "Show the traceback of configuration and input errors, not just their message.")
@@ -89,52 +141,10 @@ def _shown(path: str) -> str:
     return str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else path
 
 
-def _load_config_file(path: str):
-    """The config of the file as written, before command-line overrides."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("_marl_config_file", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
-
-
 def _file_config(path: str):
     """The config of the file as written, or None when the file has no `size` presets."""
     config = _load_config_file(path)
     return config if "size" in config else None
-
-
-def _config_arguments(argv):
-    """The config file and the overridden fields ("ppo.ngram") that `argv` names."""
-    config_file, fields = DEFAULT_CONFIG, []
-    for i, arg in enumerate(argv[1:], start=1):
-        if arg.startswith("--config="):
-            config_file = arg.split("=", 1)[1]
-        elif arg == "--config" and i + 1 < len(argv):
-            config_file = argv[i + 1]
-        elif arg.startswith("--config."):
-            fields.append(arg[len("--config."):].split("=", 1)[0])
-    return config_file, fields
-
-
-def parse_flags(argv):
-    """absl's flag parsing, except that an override of a field the config file does not have
-    (ml_collections raises AttributeError or KeyError for it) ends with one line and status 2."""
-    try:
-        return app.parse_flags_with_usage(argv)
-    except (AttributeError, KeyError):
-        if "--traceback" in argv:
-            raise
-        from marl_jax import config as config_lib
-
-        config_file, fields = _config_arguments(argv)
-        try:
-            config_lib.check_fields_exist(_load_config_file(config_file), fields)
-        except ValueError as error:
-            print(f"error: {error}", file=sys.stderr)
-            sys.exit(2)
-        raise
 
 
 def main(argv):

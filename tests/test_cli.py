@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from train_util import ROOT
 
 RUN_PY = str(ROOT / "experiments" / "run.py")
@@ -40,10 +42,11 @@ def test_a_task_name_without_its_fields_names_the_config_to_use(tmp_path):
         "configs/synthetic.py does not have; use --config=configs/tldr_smollm2.py")
 
 
-def test_an_unknown_field_is_one_line_naming_the_nearest_field(tmp_path):
+@pytest.mark.parametrize("config_args", [("--config", "configs/synthetic.py"), ()],
+                         ids=["named_config", "default_config"])
+def test_an_unknown_field_is_one_line_naming_the_nearest_field(tmp_path, config_args):
     workdir = tmp_path / "run"
-    result = run_cli("--config", "configs/synthetic.py", "--config.ppo.ngrm=5",
-                     f"--workdir={workdir}", cwd=ROOT)
+    result = run_cli(*config_args, "--config.ppo.ngrm=5", f"--workdir={workdir}", cwd=ROOT)
     assert result.returncode == 2, result.stderr
     assert result.stderr.splitlines() == [
         "error: config.ppo.ngrm: no such field; did you mean config.ppo.ngram?"]
