@@ -84,18 +84,6 @@ def _shown(path: str) -> str:
     return str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else path
 
 
-def _file_config(path: str):
-    """The config of the file as written (before command-line overrides), or None when the
-    file has no `size` presets."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("_marl_config_file", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config()
-    return config if "size" in config else None
-
-
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -107,7 +95,7 @@ def main(argv):
     try:
         from marl_jax import config as config_lib, pipeline
 
-        config_lib.resolve_size(config, file_config=_file_config(config_file))
+        config_lib.resolve_size(config, file_config=config_lib.file_config(config_file))
         config_lib.validate_config(config, config_file=_shown(config_file))
         pipeline.run(config, workdir)
     except INPUT_ERRORS as error:

@@ -346,6 +346,18 @@ def resolve_size(config, file_config=None):
     return config
 
 
+def file_config(path: str):
+    """The config of the file at `path` as written (before command-line overrides), or None
+    when it has no `size` presets: the `file_config` of `resolve_size`."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_marl_config_file", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+    return config if "size" in config else None
+
+
 def _flatten(tree, prefix=""):
     for key, value in tree.items():
         dotted = f"{prefix}{key}"

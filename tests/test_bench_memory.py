@@ -288,3 +288,26 @@ def test_tpu_v4_8_compiles_on_this_machine(tmp_path):
     assert row["peak"] == row["xla_peak"] + row["code"]
     assert row["weights"] >= 12 * _transformers_num_params(SYNTHETIC_POLICY) / 4
     assert peak_gib * GIB >= row["weights"]
+
+
+def _failing_run(*args):
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench.py"), "memory",
+                           *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    return proc.returncode, errors, proc.stderr
+
+
+REAL_TEXT = (f"--config={ROOT / 'configs' / 'real_text_smollm2.py'}", "--config.size=accelerator",
+             "--topology=v5e-8")
+
+
+def test_config_errors_of_the_memory_bench_are_one_line_and_exit_2():
+    # ppo.batch_size = 60 rows do not split over the preset's 8 data-parallel shards.
+    rc, errors, stderr = _failing_run(*REAL_TEXT, "--config.ppo.batch_size=60")
+    assert rc == 2 and "Traceback" not in stderr
+    assert errors == ["error: config.ppo.batch_size=60 is not divisible by the 8 data-parallel "
+                      "shards (data*fsdp)"]
+    rc, errors, stderr = _failing_run(*REAL_TEXT, "--config.ppo.ngrm=5")
+    assert rc == 2 and "Traceback" not in stderr
+    assert len(errors) == 1 and "ngrm" in errors[0] and "ngram" in errors[0]
