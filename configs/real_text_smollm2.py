@@ -150,8 +150,10 @@ def get_config():
                      critic_learning_rate=1e-5, num_layers_unfrozen=-1,
                      critic_init="rm", whiten_advantages=False,  # the paper's critic
                      lam=0.95),
+            # Two runs per vmapped program: the step of five needs 30.2 GiB of temporaries a
+            # v5e chip (16 GiB), two fit (experiments/bench.py memory --topology=v5e-8).
             experiment=dict(arms=("ppo", "ma_ppo", "ma_ppo_ctrl", "ma_ppo_smdp"),
-                            runs_per_program=5),
+                            runs_per_program=2),
         ),
     ))
     return c
