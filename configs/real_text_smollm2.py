@@ -137,6 +137,9 @@ def get_config():
         accelerator=dict(
             seeds=(0, 1, 2, 3, 4), checkpoint_every=50, max_to_keep=2,
             model=dict(dtype="bfloat16", scan_layers=True),
+            # Weights and Adam states split over the 8 chips of a v5e-8 (replicated, 5 runs'
+            # states alone were 16 GiB a chip); `bench.py memory` checks the fit.
+            mesh=dict(data=1, fsdp=-1),
             task=dict(num_eval_prompts=256, num_rm_eval=128, num_sft=512, num_pairs=512,
                       num_rl_prompts=4096, sample_batch_size=64),
             sft=dict(steps=128, batch_size=16, num_layers_unfrozen=-1),
@@ -147,8 +150,10 @@ def get_config():
                      critic_learning_rate=1e-5, num_layers_unfrozen=-1,
                      critic_init="rm", whiten_advantages=False,  # the paper's critic
                      lam=0.95),
+            # Two runs per vmapped program: the step of five needs 30.2 GiB of temporaries a
+            # v5e chip (16 GiB), two fit (experiments/bench.py memory --topology=v5e-8).
             experiment=dict(arms=("ppo", "ma_ppo", "ma_ppo_ctrl", "ma_ppo_smdp"),
-                            runs_per_program=5),
+                            runs_per_program=2),
         ),
     ))
     return c

@@ -1,8 +1,13 @@
 """Per-device memory of every stage's programs, compiled for a target but never run.
 
     python experiments/bench.py memory --config=configs/tldr_gemma2b_tpu.py [--topology=v4-16]
-        [--programs=sft,rm,rollout,update,ppo_step] [--json=FILE] [--capacity_gib=G]
-        [--config.<section>.<field>=<value> ...]
+        [--programs=sft,rm,rollout,update,ppo_step,experiment,experiment_eval] [--json=FILE]
+        [--capacity_gib=G] [--config.size=<preset>] [--config.<section>.<field>=<value> ...]
+
+The config is resolved as `experiments/run.py` resolves it: `--config.size` applies its preset
+(`marl_jax.config.resolve_size`; a field also set on the command line keeps that value), then
+`validate_config`. A config error (a bad field, a batch that does not split over the mesh's
+data-parallel shards) ends with one line `error: <message>` and exit status 2.
 
 Targets (`--topology`, default `config.tpu_topology`):
   Cloud TPU slices: v2-N, v3-N, v4-N, v5p-N (N TensorCores, two per chip), v5e-N (also
@@ -18,7 +23,13 @@ Programs, each jitted as the trainers jit it (`marl_jax.train.programs`: same in
 shardings and donation) and lowered with abstract arguments (nothing is allocated, a 7B model
 included): sft and rm (the train steps), and for ppo the step `run_ppo` runs (`ppo_step`) and
 its two halves, `rollout` (generation and scoring) and `update` (termination, macro GAE, the
-actor and critic updates), to show which half sets the peak. Stages with 0 steps are skipped.
+actor and critic updates), to show which half sets the peak. The experiment stage
+(`config.stage=experiment`) runs its PPO step vmapped over the runs of a program
+(`experiment.runs_per_program`, else every run of a group): `experiment` is that step for the
+largest program of each group of runs, `experiment_eval` its vmapped held-out evaluation
+(`task.num_eval_prompts` x `ppo.eval_samples_per_prompt` responses a run). Default programs:
+sft, rm, experiment and experiment_eval for the experiment stage; sft, rm, rollout, update and
+ppo_step otherwise. Stages with 0 steps are skipped.
 
 The model: `config.model.path` is a local HF directory (its config.json), a .gguf file (read
 in full to learn its config), or a hub name: its config.json from the hub cache, else from
@@ -65,8 +76,10 @@ sys.path.insert(0, str(ROOT))
 from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-PROGRAMS = ("sft", "rm", "rollout", "update", "ppo_step")
-STAGE_OF = {"sft": "sft", "rm": "rm", "rollout": "ppo", "update": "ppo", "ppo_step": "ppo"}
+PROGRAMS = ("sft", "rm", "rollout", "update", "ppo_step", "experiment", "experiment_eval")
+EXPERIMENT_PROGRAMS = ("sft", "rm", "experiment", "experiment_eval")
+STAGE_OF = {"sft": "sft", "rm": "rm", "rollout": "ppo", "update": "ppo", "ppo_step": "ppo",
+            "experiment": "experiment", "experiment_eval": "experiment"}
 GIB = 2 ** 30
 HEADROOM_NEEDED = 0.10
 
@@ -74,8 +87,8 @@ FLAGS = flags.FlagValues()
 config_flags.DEFINE_config_file("config", None, "Config file.", flag_values=FLAGS)
 flags.DEFINE_string("topology", None, "v4-16, v5e-16, v5p-32, v6e-8, ... or cpu:N "
                     "(default: config.tpu_topology)", flag_values=FLAGS)
-flags.DEFINE_list("programs", list(PROGRAMS), f"Programs to compile, of {PROGRAMS}.",
-                  flag_values=FLAGS)
+flags.DEFINE_list("programs", None, f"Programs to compile, of {PROGRAMS} (default: the "
+                  "stage's programs).", flag_values=FLAGS)
 flags.DEFINE_string("json", None, "Write the numbers to this JSON file.", flag_values=FLAGS)
 flags.DEFINE_float("capacity_gib", None, "cpu:N: memory per device (default host RAM / N).",
                    flag_values=FLAGS)
@@ -342,6 +355,8 @@ def stage_programs(config, cfg, token_ids, mesh, wanted) -> list:
         entries.append(("sft", *state_args(*aot.sft_program(config, policy, mesh, inputs))))
     if "rm" in wanted and config.rm.steps > 0:
         entries.append(("rm", *state_args(*aot.rm_program(config, reward_model, mesh, inputs))))
+    entries += experiment_entries(config, token_ids, policy, critic, reward_model, mesh,
+                                  inputs, wanted)
     ppo_wanted = [n for n in ("rollout", "update", "ppo_step") if n in wanted]
     if ppo_wanted and config.ppo.steps > 0:
         ppo = aot.ppo_programs(config, token_ids, policy, critic, reward_model, mesh, inputs)
@@ -370,6 +385,43 @@ def lora_weights_line(entries) -> str | None:
                     "per device (actor, reference, critic and reward model); adapters and heads "
                     f"{trained / GIB:.3f} GiB, their optimizer states {moments / GIB:.3f} GiB")
     return None
+
+
+def experiment_entries(config, token_ids, policy, critic, reward_model, mesh, inputs,
+                       wanted) -> list:
+    """The entries of `experiment` / `experiment_eval`: for every group of runs of different
+    static fields (`marl_jax.experiment.run_groups`), its largest program of vmapped runs."""
+    from marl_jax import experiment
+    from marl_jax.train import aot
+
+    names = [n for n in ("experiment", "experiment_eval") if n in wanted]
+    if not names or config.ppo.steps <= 0:
+        return []
+    groups = experiment.run_groups(experiment.plan_runs(config),
+                                   config.experiment.get("runs_per_program", 0))
+    largest = {}
+    for group in groups:
+        if len(group) > len(largest.get(group[0].group, ())):
+            largest[group[0].group] = group
+    entries = []
+    for runs in largest.values():
+        suffix = "" if len(largest) == 1 else "[" + ",".join(
+            f"{k}={v}" for k, v in zip(experiment.STATIC_FIELDS, runs[0].group)) + "]"
+        group_config = experiment.group_config(config, runs[0])
+        programs = aot.experiment_programs(
+            group_config, token_ids, policy, critic, reward_model, mesh, len(runs),
+            tuple(sorted({r.variant for r in runs})), inputs,
+            eval_samples_per_prompt=int(config.ppo.eval_samples_per_prompt),
+            num_eval_prompts=int(config.task.num_eval_prompts) if "experiment_eval" in names
+            else 0)
+        state = programs["experiment"][1][0]
+        for name in names:
+            # The evaluation takes the actors only; the critics and optimizer states wait
+            # on the devices beside it.
+            outside = (per_device_bytes(state) - per_device_bytes(state.actor_params)
+                       if name == "experiment_eval" else 0)
+            entries.append((f"{name}{suffix}", *programs[name], (0, 1), outside))
+    return entries
 
 
 # ---- output --------------------------------------------------------------------------------
@@ -404,31 +456,71 @@ def table(rows) -> str:
     return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
 
 
+def config_error(message) -> typing.NoReturn:
+    """A configuration error: one line on stderr, exit status 2 (as experiments/run.py)."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def check_batches(config, mesh, wanted) -> None:
+    """Every batch the wanted programs take splits over the mesh's data-parallel shards (the
+    trainers' own check, before anything compiles)."""
+    from marl_jax.train import sharding
+
+    checks = {"sft": [("sft.batch_size", config.sft.batch_size)],
+              "rm": [("rm.batch_size", config.rm.batch_size)]}
+    ppo = [("ppo.batch_size", config.ppo.batch_size)]
+    checks.update(rollout=ppo, update=ppo, ppo_step=ppo, experiment=ppo,
+                  experiment_eval=[("task.num_eval_prompts", config.task.num_eval_prompts)])
+    for name in wanted:
+        stage = STAGE_OF[name]
+        if config[stage if stage != "experiment" else "ppo"].steps <= 0:
+            continue
+        for field, value in checks[name]:
+            sharding.validate_batch(value, mesh, f"config.{field}")
+
+
 def main(argv):
-    rest = FLAGS(["bench.py memory", *argv])
+    try:
+        rest = FLAGS(["bench.py memory", *argv])
+    except flags.Error as error:
+        config_error(error)
+    except (AttributeError, KeyError) as error:  # ml_collections: an override of no field
+        text = str(error).strip("'").replace("\\n", " ").replace("\\'", "'")
+        config_error(f"a --config field does not exist: {text}")
     if len(rest) > 1:
         raise SystemExit(f"unexpected arguments: {rest[1:]}")
     config = FLAGS.config
     if config is None:
         raise SystemExit("--config=FILE is required")
+    config_file = FLAGS["config"].config_filename
     topology = FLAGS.topology or config.get("tpu_topology", "")
     if not topology:
-        raise SystemExit(f"{FLAGS['config'].config_filename} has no tpu_topology: pass "
+        raise SystemExit(f"{config_file} has no tpu_topology: pass "
                          "--topology (e.g. v4-16, v5e-16, v5p-32, v6e-8 or cpu:8)")
-    unknown = [p for p in FLAGS.programs if p not in PROGRAMS]
+    wanted = FLAGS.programs or list(
+        EXPERIMENT_PROGRAMS if config.get("stage", "") == "experiment" else PROGRAMS[:5])
+    unknown = [p for p in wanted if p not in PROGRAMS]
     if unknown:
         raise SystemExit(f"--programs: unknown {unknown}; choose from {PROGRAMS}")
     cpus = _cpu_count(topology)
     if cpus is not None:
         _rerun_with_cpu_devices(cpus)
 
-    from marl_jax.config import validate_config
+    from marl_jax import config as config_lib
     from marl_jax.train import build, sharding
 
-    validate_config(config, config_file=FLAGS["config"].config_filename)
     target = cpu_target(cpus, FLAGS.capacity_gib) if cpus is not None else tpu_target(topology)
-    mesh = sharding.make_mesh(config.mesh, devices=target.devices)
+    try:
+        config_lib.resolve_size(config, file_config=config_lib.file_config(config_file))
+        config_lib.validate_config(config, config_file=config_file)
+        mesh = sharding.make_mesh(config.mesh, devices=target.devices)
+        check_batches(config, mesh, wanted)
+    except ValueError as error:
+        config_error(error)
     cfg, source, token_ids = resolve_model(config, target.platform)
+    size = f" (size {config.size})" if "size" in config else ""
+    print(f"config {config_file}{size}; stage {config.stage}")
     print(f"target {target.name}: {len(target.devices)} x {target.devices[0].device_kind}, "
           f"{target.capacity_source}; mesh {dict(mesh.shape)}")
     print(f"model {source}: {cfg.family}, {cfg.num_layers} layers, width {cfg.hidden_size}, "
@@ -440,7 +532,7 @@ def main(argv):
               "separate programs; ppo_step here is the on-device step")
 
     rows = []
-    entries = stage_programs(config, cfg, token_ids, mesh, set(FLAGS.programs))
+    entries = stage_programs(config, cfg, token_ids, mesh, set(wanted))
     with sharding.mesh_context(mesh, sharding.logical_rules(mesh, build.model_dims(cfg))):
         for name, *entry in entries:
             rows.append(measure(name, *entry, platform=target.platform,
@@ -464,6 +556,7 @@ def main(argv):
             target=target.name, devices=len(target.devices),
             device_kind=target.devices[0].device_kind, capacity_bytes=target.capacity_bytes,
             capacity_source=target.capacity_source, mesh=dict(mesh.shape), model_source=source,
+            size=config.get("size", None),
             model=dict(family=cfg.family, num_layers=cfg.num_layers, dtype=cfg.dtype,
                        param_dtype=cfg.param_dtype, remat=cfg.remat,
                        scan_layers=cfg.scan_layers),

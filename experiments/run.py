@@ -27,16 +27,6 @@ std_logging.getLogger("transformers").addFilter(
     lambda record: not record.getMessage().startswith("PyTorch was not found"))
 sys.path.insert(0, str(ROOT))
 
-def _load_config_file(path: str):
-    """The config of the file as written, before command-line overrides."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("_marl_config_file", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
-
-
 def _config_arguments(argv):
     """The config file and the overridden fields ("ppo.ngram") that `argv` names."""
     config_file, fields = DEFAULT_CONFIG, []
@@ -60,7 +50,7 @@ def exit_if_unknown_field(argv) -> None:
 
     config_file, fields = _config_arguments(argv)
     try:
-        config_lib.check_fields_exist(_load_config_file(config_file), fields)
+        config_lib.check_fields_exist(config_lib.load_config_file(config_file), fields)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
@@ -141,12 +131,6 @@ def _shown(path: str) -> str:
     return str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else path
 
 
-def _file_config(path: str):
-    """The config of the file as written, or None when the file has no `size` presets."""
-    config = _load_config_file(path)
-    return config if "size" in config else None
-
-
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -158,7 +142,7 @@ def main(argv):
     try:
         from marl_jax import config as config_lib, stages
 
-        config_lib.resolve_size(config, file_config=_file_config(config_file))
+        config_lib.resolve_size(config, file_config=config_lib.file_config(config_file))
         config_lib.validate_config(config, config_file=_shown(config_file))
         stages.run(config, workdir)
     except INPUT_ERRORS as error:

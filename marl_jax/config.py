@@ -467,6 +467,21 @@ def resolve_size(config, file_config=None):
     return config
 
 
+def load_config_file(path: str) -> ml_collections.ConfigDict:
+    """The config of the file at `path` as written, before command-line overrides."""
+    spec = importlib.util.spec_from_file_location("_marl_config_file", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def file_config(path: str):
+    """The config of the file at `path` as written (before command-line overrides), or None
+    when it has no `size` presets: the `file_config` of `resolve_size`."""
+    config = load_config_file(path)
+    return config if "size" in config else None
+
+
 def _flatten(tree, prefix=""):
     for key, value in tree.items():
         dotted = f"{prefix}{key}"

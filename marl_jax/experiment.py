@@ -21,7 +21,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from marl_jax import config as config_lib
 from marl_jax import distributed
@@ -367,19 +366,15 @@ def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats, *, stage_na
         s = ppo_lib.initial_state(config, mods, sft_params, jax.device_put(critic, critic_sh),
                                   r.seed)
         states.append(s.replace(kl_coef=jnp.float32(r.ppo["kl_coef"])))
-    state_sh = jax.tree.map(_with_run_axis, run_sh)
+    frozen_sh = programs.frozen_shardings(mods, mesh, run_sh, rm_params)
+    step_fn = programs.experiment_step_program(static, mods, run_sh, frozen_sh, mesh).fn
+    state_sh = jax.tree.map(programs.with_run_axis, run_sh)
     state = jax.device_put(_stack(states), state_sh)
     hparams = jax.device_put(_run_hparams(runs, variants), rep)
-    frozen_sh = programs.frozen_shardings(mods, mesh, run_sh, rm_params)
     frozen = jax.device_put(core.Frozen(ref_params=sft_params, rm_params=rm_params,
                                         reward_mean=jnp.float32(stats["mean"]),
                                         reward_std=jnp.float32(stats["std"])), frozen_sh)
 
-    prompts_sh = sharding.batch_sharding(mesh, axis=1)
-    step_fn = jax.jit(jax.vmap(functools.partial(core.ppo_step, static, mods),
-                               in_axes=(0, None, 0, 0, 0, 0)),
-                      in_shardings=(state_sh, frozen_sh, rep, prompts_sh, prompts_sh, prompts_sh),
-                      out_shardings=(state_sh, rep), donate_argnums=0)
     m = int(p.eval_samples_per_prompt)  # responses per held-out prompt at each evaluation
     eval_fn = jax.jit(jax.vmap(functools.partial(ppo_lib.evaluate_from_key_data, static, mods,
                                                  gold_fn=task.gold_fn, samples_per_prompt=m),
@@ -580,11 +575,6 @@ def _with_measured_lengths(config, runs, lengths):
             out.append(dataclasses.replace(r, ppo=dict(r.ppo, mean_macro_length=measured[
                 (r.arm, r.seed)])))
     return out
-
-
-def _with_run_axis(named_sharding):
-    """The sharding of a run-stacked `[runs, ...]` leaf: runs replicated, the rest as before."""
-    return NamedSharding(named_sharding.mesh, PartitionSpec(None, *named_sharding.spec))
 
 
 def _read(workdir):

@@ -319,3 +319,49 @@ def test_cpu8_lora_holds_one_base_for_the_four_roles(tmp_path):
     assert base <= rows["ppo_step"]["weights"] <= 1.1 * (base + (3 * 4 + 2 * 8) * adapters)
     assert rows["ppo_step"]["peak"] >= rows["ppo_step"]["weights"]
     assert "weights: one frozen base" in stdout
+
+
+def _failing_run(*args):
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench.py"), "memory",
+                           *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    return proc.returncode, errors, proc.stderr
+
+
+REAL_TEXT = (f"--config={ROOT / 'configs' / 'real_text_smollm2.py'}", "--config.size=accelerator",
+             "--topology=v5e-8")
+SMOLLM2_PARAMS = 134_515_008  # transformers' num_parameters of SmolLM2-135M (tied embeddings)
+
+
+def test_real_text_accelerator_size_compiles_as_run_py_runs_it_and_fits_a_v5e_8(tmp_path):
+    """The size preset applied as run.py applies it (bfloat16, scanned layers, its mesh), and
+    the experiment's step vmapped over `runs_per_program` = 2 runs: each device holds at least
+    its share of 2 actors and 2 critics with their two Adam moments (fp32) and the frozen
+    reference and reward model."""
+    report = tmp_path / "memory.json"
+    stdout, (devices, peak_gib, capacity_gib, fits) = _run(
+        *REAL_TEXT, "--programs=experiment", f"--json={report}")
+    assert "(size accelerator); stage experiment" in stdout
+    assert (devices, capacity_gib, fits) == (8, 16.0, True)
+    result = json.loads(report.read_text())
+    assert result["size"] == "accelerator" and result["device_kind"] == "TPU v5 lite"
+    assert result["model"]["dtype"] == "bfloat16" and result["model"]["scan_layers"]
+    assert result["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
+    row = result["programs"][0]
+    assert row["program"] == "experiment" and "error" not in row
+    n = SMOLLM2_PARAMS  # the critic and reward model: the backbone, the embeddings included
+    bound = (2 * 2 * 12 * n + 2 * 4 * n) / 8  # 2 runs x (actor, critic) x 12 bytes; 2 frozen
+    assert bound <= row["weights"] <= 1.1 * bound
+    assert row["peak"] >= row["weights"] and peak_gib * GIB == pytest.approx(row["peak"], rel=1e-3)
+
+
+def test_config_errors_of_the_memory_bench_are_one_line_and_exit_2():
+    # ppo.batch_size = 60 rows do not split over the preset's 8 data-parallel shards.
+    rc, errors, stderr = _failing_run(*REAL_TEXT, "--config.ppo.batch_size=60")
+    assert rc == 2 and "Traceback" not in stderr
+    assert errors == ["error: config.ppo.batch_size=60 is not divisible by the 8 data-parallel "
+                      "shards (data*fsdp)"]
+    rc, errors, stderr = _failing_run(*REAL_TEXT, "--config.ppo.ngrm=5")
+    assert rc == 2 and "Traceback" not in stderr
+    assert len(errors) == 1 and "ngrm" in errors[0] and "ngram" in errors[0]

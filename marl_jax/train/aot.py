@@ -106,11 +106,29 @@ def sft_program(config, policy, mesh, inputs: TaskInputs | None = None):
 
 
 def rm_program(config, reward_model, mesh, inputs: TaskInputs | None = None):
-    """(Program, abstract (state, batch), plus the frozen base with LoRA) of the reward-model step: `[B, P]` prompts, `[B, R]`
-    chosen and rejected responses (ids and masks, int32), B = `config.rm.batch_size`."""
+    """(Program, abstract (state, batch), plus the frozen base with LoRA) of the reward-model
+    step: `[B, P]` prompts, `[B, R]` chosen and rejected responses (ids and masks, int32),
+    B = `config.rm.batch_size`.
+
+    With `config.rm.group_by_prompt`, B prompt groups (`reward.PromptGroups`) at their largest:
+    K = `task.samples_per_prompt` responses `[B, K, R]` and every pair among them, M = K (K - 1)
+    / 2 (at most `task.pairs_per_prompt` when that is set) slots `[B, M]`."""
     inputs = inputs or task_inputs(config)
     b, r = config.rm.batch_size, config.ppo.response_length
     p = inputs.prompt_length
+    if config.rm.get("group_by_prompt", False):
+        k = int(config.task.get("samples_per_prompt", 2))
+        m = k * (k - 1) // 2
+        if config.task.get("pairs_per_prompt", 0):
+            m = min(m, int(config.task.pairs_per_prompt))
+        batch = dict(prompt_ids=_ids(b, p), prompt_mask=_ids(b, p),
+                     response_ids=jax.ShapeDtypeStruct((b, k, r), jnp.int32),
+                     response_mask=jax.ShapeDtypeStruct((b, k, r), jnp.int32),
+                     win=_ids(b, m), lose=_ids(b, m),
+                     pair_mask=jax.ShapeDtypeStruct((b, m), jnp.float32))
+        return _supervised(config.rm, "rm", reward_model,
+                           lambda p, x: reward.grouped_rm_loss(reward_model, p, x), batch, mesh,
+                           weight_fn=lambda x: x["pair_mask"].sum())
     batch = dict(prompt_ids=_ids(b, p), prompt_mask=_ids(b, p), chosen_ids=_ids(b, r),
                  chosen_mask=_ids(b, r), rejected_ids=_ids(b, r), rejected_mask=_ids(b, r))
     return _supervised(config.rm, "rm", reward_model,
@@ -170,3 +188,64 @@ def ppo_programs(config, tokenizer, policy, critic, reward_model, mesh,
         "ppo_step": (programs.ppo_step_program(static, mods, state_sh, frozen_sh, mesh),
                      (state, frozen, hparams, *prompts, documents)),
     }
+
+
+def experiment_programs(config, tokenizer, policy, critic, reward_model, mesh, num_runs: int,
+                        variants: tuple, inputs: TaskInputs | None = None,
+                        eval_samples_per_prompt: int = 1, num_eval_prompts: int = 0) -> dict:
+    """{"experiment", "experiment_eval"} -> (Program, abstract arguments): the experiment
+    stage's PPO step vmapped over `num_runs` runs of one group (`marl_jax.experiment`: the
+    group's static fields in `config.ppo`, its runs' `variants`), and its held-out evaluation
+    of `num_eval_prompts` prompts x `eval_samples_per_prompt` responses per run (vmapped, the
+    arguments' shardings as the experiment puts them).
+
+    The state, hparams and prompts carry a leading run axis `[num_runs, ...]`, runs replicated,
+    everything else sharded as one run's (`programs.with_run_axis`).
+    """
+    inputs = inputs or task_inputs(config)
+    p = config.ppo
+    sharding.validate_batch(p.batch_size, mesh, "config.ppo.batch_size")
+    static = ppo.static_from_config(config, tokenizer, variants=tuple(variants))
+    mods = ppo.make_models(config, policy, critic, reward_model, inputs.gold_fn)
+    actor, critic_params, rm_params = (abstract_params(m) for m in (policy, critic, reward_model))
+    if not ppo.uses_critic(p):
+        critic_params = {}
+    run_sh = ppo.state_shardings(mods, mesh, actor, critic_params)
+    frozen_sh = programs.frozen_shardings(mods, mesh, run_sh, rm_params)
+    step = programs.experiment_step_program(static, mods, run_sh, frozen_sh, mesh)
+    rep, batch_sh = sharding.replicated(mesh), sharding.batch_sharding(mesh)
+
+    def runs_of(tree):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct((num_runs, *x.shape), x.dtype),
+                            tree)
+
+    one_run = jax.eval_shape(
+        lambda a, c: ppo.initial_state(config, mods, a, c, config.seed), actor, critic_params)
+    state = with_shardings(runs_of(one_run), step.in_shardings[0])
+    scalar = jax.ShapeDtypeStruct((), jnp.float32)
+    frozen = with_shardings(core.Frozen(ref_params=actor, rm_params=rm_params,
+                                        reward_mean=scalar, reward_std=scalar), frozen_sh)
+    hparams = with_shardings(runs_of(core.RunHparams(
+        lam=scalar, gamma=scalar, ngram=jax.ShapeDtypeStruct((), jnp.int32),
+        variant=jax.ShapeDtypeStruct((), jnp.int32))), rep)
+    prompts_sh = sharding.batch_sharding(mesh, axis=1)
+    prompts = with_shardings(runs_of((_ids(static.prompts_per_step, inputs.prompt_length),) * 2),
+                             prompts_sh)
+    documents = None if inputs.documents_width is None else with_shardings(
+        runs_of(_ids(static.prompts_per_step, inputs.documents_width)), prompts_sh)
+    out = {"experiment": (step, (state, frozen, hparams, *prompts, documents))}
+    if num_eval_prompts:
+        sharding.validate_batch(num_eval_prompts, mesh, "config.task.num_eval_prompts")
+        evaluate = jax.jit(jax.vmap(functools.partial(
+            ppo.evaluate_from_key_data, static, mods, gold_fn=inputs.gold_fn,
+            samples_per_prompt=int(eval_samples_per_prompt)), in_axes=(0, None, None, None, None,
+                                                                       0)))
+        eval_ids = with_shardings(_ids(num_eval_prompts, inputs.prompt_length), batch_sh)
+        eval_docs = None if inputs.documents_width is None else with_shardings(
+            _ids(num_eval_prompts, inputs.documents_width), batch_sh)
+        key_data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+        out["experiment_eval"] = (
+            programs.Program(evaluate, (), None),
+            (state.actor_params, frozen, eval_ids, eval_ids, eval_docs,
+             with_shardings(runs_of(key_data), rep)))
+    return out

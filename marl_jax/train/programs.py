@@ -6,6 +6,8 @@
     rollout_program      (state, frozen, ids, mask, documents) -> (experience, metrics)
     update_program       (state, experience, rollout metrics, hparams, segments, frozen)
                          -> (state, metrics)
+    experiment_step_program  the ppo step vmapped over runs (`marl_jax.experiment`): every
+                         argument but `frozen` with a leading run axis `[runs, ...]`
 
 Each returns a `Program`: the `jax.jit` of the stage function with the shardings and donation
 it is jitted with, whatever the arguments are (arrays or `jax.ShapeDtypeStruct`s).
@@ -20,6 +22,7 @@ import functools
 from typing import Any, Callable
 
 import jax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from marl_jax.train import build, sharding
 from marl_jax.train import ppo_core as core
@@ -94,3 +97,22 @@ def update_program(static: core.PPOStatic, mods: core.Models, state_sh: core.PPO
     return jit_program(functools.partial(core.update_phase, static, mods),
                        (state_sh, batch_sh, rep, rep, batch_sh, frozen_sh), (state_sh, rep),
                        donate_argnums=(0,))
+
+
+def with_run_axis(named_sharding: NamedSharding) -> NamedSharding:
+    """The sharding of a run-stacked `[runs, ...]` leaf: runs replicated, the rest as before."""
+    return NamedSharding(named_sharding.mesh, PartitionSpec(None, *named_sharding.spec))
+
+
+def experiment_step_program(static: core.PPOStatic, mods: core.Models, run_state_sh: core.PPOState,
+                            frozen_sh: core.Frozen, mesh) -> Program:
+    """`ppo_core.ppo_step` vmapped over runs: state `[runs, ...]` (one run's shardings
+    `run_state_sh` under a replicated run axis), the frozen models shared, hparams `[runs]`
+    replicated, prompts `[runs, B, P]` split over the batch axes along B; the state donated."""
+    rep = sharding.replicated(mesh)
+    state_sh = jax.tree.map(with_run_axis, run_state_sh)
+    prompts_sh = sharding.batch_sharding(mesh, axis=1)
+    return jit_program(jax.vmap(functools.partial(core.ppo_step, static, mods),
+                                in_axes=(0, None, 0, 0, 0, 0)),
+                       (state_sh, frozen_sh, rep, prompts_sh, prompts_sh, prompts_sh),
+                       (state_sh, rep), donate_argnums=(0,))
