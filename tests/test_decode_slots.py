@@ -19,7 +19,6 @@ from marl_jax.sampling import continue_responses, generate
 from marl_jax.train import ppo as ppo_lib
 from marl_jax.train import ppo_core as core
 from marl_jax.train import sharding
-import models_util
 import test_sampling
 from models_util import padded_batch, random_hf_model, write_checkpoint
 from test_sampling_groups import EOS, _assert_same_samples
@@ -185,28 +184,3 @@ def test_ppo_decode_slots_config_is_checked():
         ppo_lib.validate_decode_slots(config, mesh)
     config.ppo.decode_slots = 16  # not below the batch: the static batch, nothing to split
     ppo_lib.validate_decode_slots(config, mesh)
-
-
-# SmolLM2: chat answers of very different lengths ------------------------------------------------------
-
-def test_smollm2_chat_answers_over_slots_match_the_static_batch(smollm2_gguf):
-    model, params, _, tokenizer = models_util.smollm2(smollm2_gguf)
-    questions = ["What is 7 times 8? Give only the number.", "Write a story about a lighthouse keeper.",
-                 "Is water wet? Answer yes or no.", "Explain how rain forms, in detail.",
-                 "Name the largest planet. One word.", "Which animal says moo? One word.",
-                 "Describe a walk through a forest in autumn.", "What colour is the sky? One word."]
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                           add_generation_prompt=True) for q in questions]
-    batch = tokenizer(texts, padding=True, return_tensors="np")
-    ids, mask = jnp.asarray(batch["input_ids"], jnp.int32), jnp.asarray(batch["attention_mask"], jnp.int32)
-    settings = dict(key=jax.random.key(0), max_new_tokens=40, temperature=0.8, top_k=50,
-                    eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
-    static = generate(model, params, ids, mask, **settings)
-    slots = generate(model, params, ids, mask, decode_slots=2, **settings)
-    lengths = np.asarray(static.mask).sum(1)
-    assert lengths.min() <= 10 and lengths.max() == 40, lengths
-    valid = (np.asarray(static.mask) + np.asarray(slots.mask)) > 0
-    same = (np.asarray(static.tokens) == np.asarray(slots.tokens)) & (np.asarray(static.mask) == np.asarray(slots.mask))
-    assert (same & valid).sum() >= 0.98 * valid.sum()
-    np.testing.assert_allclose(np.asarray(slots.logprobs)[same & valid], np.asarray(static.logprobs)[same & valid],
-                               atol=1e-3, rtol=0)
