@@ -512,7 +512,8 @@ def main(argv):
 
     target = cpu_target(cpus, FLAGS.capacity_gib) if cpus is not None else tpu_target(topology)
     try:
-        config_lib.resolve_size(config, file_config=config_lib.file_config(config_file))
+        config_lib.resolve_size(config, overridden=config_lib.command_line_fields(
+            ["bench.py memory", *argv])[1])
         config_lib.validate_config(config, config_file=config_file)
         mesh = sharding.make_mesh(config.mesh, devices=target.devices)
         check_batches(config, mesh, wanted)

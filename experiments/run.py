@@ -27,19 +27,6 @@ std_logging.getLogger("transformers").addFilter(
     lambda record: not record.getMessage().startswith("PyTorch was not found"))
 sys.path.insert(0, str(ROOT))
 
-def _config_arguments(argv):
-    """The config file and the overridden fields ("ppo.ngram") that `argv` names."""
-    config_file, fields = DEFAULT_CONFIG, []
-    for i, arg in enumerate(argv[1:], start=1):
-        if arg.startswith("--config="):
-            config_file = arg.split("=", 1)[1]
-        elif arg == "--config" and i + 1 < len(argv):
-            config_file = argv[i + 1]
-        elif arg.startswith("--config."):
-            fields.append(arg[len("--config."):].split("=", 1)[0])
-    return config_file, fields
-
-
 def exit_if_unknown_field(argv) -> None:
     """Ends the process with one line and status 2 when `argv` overrides a field the config
     file does not have (ml_collections raises AttributeError or KeyError for it, while the flag
@@ -48,9 +35,10 @@ def exit_if_unknown_field(argv) -> None:
         return
     from marl_jax import config as config_lib
 
-    config_file, fields = _config_arguments(argv)
+    config_file, fields = config_lib.command_line_fields(argv)
     try:
-        config_lib.check_fields_exist(config_lib.load_config_file(config_file), fields)
+        config_lib.check_fields_exist(config_lib.load_config_file(config_file or DEFAULT_CONFIG),
+                                      fields)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
@@ -142,7 +130,7 @@ def main(argv):
     try:
         from marl_jax import config as config_lib, stages
 
-        config_lib.resolve_size(config, file_config=config_lib.file_config(config_file))
+        config_lib.resolve_size(config, overridden=config_lib.command_line_fields(sys.argv)[1])
         config_lib.validate_config(config, config_file=_shown(config_file))
         stages.run(config, workdir)
     except INPUT_ERRORS as error:

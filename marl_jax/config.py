@@ -436,15 +436,16 @@ def _check_task_fields(c, config_file):
             f"{config_file or 'this config'} does not have; use --config={TASK_CONFIGS[name]}")
 
 
-def resolve_size(config, file_config=None):
+def resolve_size(config, file_config=None, overridden=None):
     """Applies the preset of `config.size` from `config.sizes` (configs/real_text_smollm2.py:
     `--config.size=cpu` or `accelerator`), in place; returns `config`.
 
-    `config.sizes.<size>` mirrors the config's sections (e.g. `ppo.batch_size`). A field whose
-    value differs from `file_config`'s (the config file as written, before command-line
-    overrides) was set on the command line and keeps its value, so
-    `--config.size=accelerator --config.ppo.steps=10` runs 10 steps. Configs without `size` are
-    returned unchanged; a config is resolved once (`config.size_applied`).
+    `config.sizes.<size>` mirrors the config's sections (e.g. `ppo.batch_size`). A field set on
+    the command line keeps its value, so `--config.size=accelerator --config.ppo.steps=10` runs
+    10 steps: the fields of `overridden` (dotted, as `command_line_fields` lists them), or, when
+    that is None, the fields whose value differs from `file_config`'s (the config file as
+    written). Configs without `size` are returned unchanged; a config is resolved once
+    (`config.size_applied`).
     """
     if "size" not in config:
         return config
@@ -460,11 +461,27 @@ def resolve_size(config, file_config=None):
         except (KeyError, AttributeError):
             raise ValueError(f"config.sizes.{config.size}.{dotted}: config.{dotted} does not "
                              "exist") from None
-        if file_config is not None and current != _get(file_config, dotted):
+        if overridden is not None:
+            if dotted in overridden:
+                continue
+        elif file_config is not None and current != _get(file_config, dotted):
             continue  # set on the command line
         set_field(config, dotted, value)
     config.size_applied = config.size
     return config
+
+
+def command_line_fields(argv):
+    """(the config file `argv` names or None, the dotted fields it overrides: "ppo.ngram")."""
+    config_file, fields = None, []
+    for i, arg in enumerate(argv[1:], start=1):
+        if arg.startswith("--config="):
+            config_file = arg.split("=", 1)[1]
+        elif arg == "--config" and i + 1 < len(argv):
+            config_file = argv[i + 1]
+        elif arg.startswith("--config."):
+            fields.append(arg[len("--config."):].split("=", 1)[0])
+    return config_file, fields
 
 
 def load_config_file(path: str) -> ml_collections.ConfigDict:
@@ -473,13 +490,6 @@ def load_config_file(path: str) -> ml_collections.ConfigDict:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config()
-
-
-def file_config(path: str):
-    """The config of the file at `path` as written (before command-line overrides), or None
-    when it has no `size` presets: the `file_config` of `resolve_size`."""
-    config = load_config_file(path)
-    return config if "size" in config else None
 
 
 def _flatten(tree, prefix=""):

@@ -109,6 +109,12 @@ def test_sizes_apply_their_presets_and_the_command_line_wins():
     assert config.ppo.batch_size == 32
     cpu = config_lib.resolve_size(_sized_config())
     assert (cpu.ppo.steps, cpu.ppo.batch_size) == (4, 8)
+    # A field named on the command line keeps its value even where it equals the file's.
+    named = _sized_config()
+    named.size = "accelerator"
+    named_value = named.ppo.batch_size
+    config_lib.resolve_size(named, overridden=["size", "ppo.batch_size"])
+    assert (named.ppo.batch_size, named.ppo.steps) == (named_value, 100)
     bad = _sized_config()
     bad.size = "tpu"
     with pytest.raises(ValueError, match=r"config.size='tpu': must be one of \('accelerator', "
