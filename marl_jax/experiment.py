@@ -323,6 +323,200 @@ def group_config(config, run: Run):
     return out
 
 
+@dataclasses.dataclass
+class _GroupProgram:
+    """One group's vmapped training step and its device inputs: the runs' stacked states
+    (leading run axis), the frozen models, the traced hyper-parameters and the prompts."""
+    static: core.PPOStatic
+    mods: core.Models
+    step_fn: object
+    state: object
+    state_sh: object
+    frozen: core.Frozen
+    hparams: core.RunHparams
+    variants: tuple
+    step_prompts: object  # step -> the runs' prompts of that step, sharded `[runs, B/G, P]`
+
+    def step(self, state, step):
+        prompts = self.step_prompts(step)
+        return self.step_fn(state, self.frozen, self.hparams, prompts["ids"], prompts["mask"],
+                            prompts.get("documents"))
+
+
+def _group_program(config, pipe, runs, sft_params, rm_params, stats) -> _GroupProgram:
+    """Validates the group's batch shapes on the mesh, builds every run's critic and state, and
+    compiles the vmapped step.
+
+    Every input of the vmapped step is a global array on the mesh (on several processes a
+    jitted computation cannot take host arrays): params and optimizer states with their logical
+    shardings under a leading (replicated) run axis, prompts split over ("data", "fsdp") along
+    their batch axis, hyper-parameters replicated.
+    """
+    p, task, mesh = config.ppo, pipe.task, pipe.mesh
+    variants = tuple(sorted({r.variant for r in runs}))
+    static = ppo_lib.static_from_config(config, task.tokenizer, variants=variants)
+    mods = ppo_lib.make_models(config, pipe.policy, pipe.critic, pipe.reward_model, task.gold_fn)
+    sharding.validate_batch(p.batch_size, mesh, "config.ppo.batch_size")
+    ppo_lib.validate_decode_slots(config, mesh)
+    if static.group_size > 1:
+        sharding.validate_batch(static.prompts_per_step, mesh,
+                                "config.ppo.batch_size / config.ppo.group_size (prompts per step)")
+    critics = []
+    for r in runs:
+        critic_cfg = config.copy_and_resolve_references()
+        critic_cfg.ppo.critic_init = r.ppo["critic_init"]
+        critics.append(ppo_lib.initial_critic_params(
+            critic_cfg, pipe.critic, sft_params, rm_params,
+            jax.random.fold_in(jax.random.key(r.seed), 1), stats))
+    static = ppo_lib.with_shared_trunk(static, pipe.policy.config.num_layers, sft_params,
+                                       rm_params, critics)
+    if static.shared_trunk_layers:
+        status_line(f"[experiment] the actor, reference, critic and reward model share their "
+                    f"bottom {static.shared_trunk_layers} layer(s), run once a step")
+    run_sh = ppo_lib.state_shardings(mods, mesh, sft_params, critics[0])
+    states = []
+    for r, critic in zip(runs, critics):
+        s = ppo_lib.initial_state(config, mods, sft_params,
+                                  jax.device_put(critic, run_sh.critic_params), r.seed)
+        states.append(s.replace(kl_coef=jnp.float32(r.ppo["kl_coef"])))
+    frozen_sh = programs.frozen_shardings(mods, mesh, run_sh, rm_params)
+    state_sh = jax.tree.map(programs.with_run_axis, run_sh)
+    frozen = jax.device_put(core.Frozen(ref_params=sft_params, rm_params=rm_params,
+                                        reward_mean=jnp.float32(stats["mean"]),
+                                        reward_std=jnp.float32(stats["std"])), frozen_sh)
+    return _GroupProgram(
+        static=static, mods=mods,
+        step_fn=programs.experiment_step_program(static, mods, run_sh, frozen_sh, mesh).fn,
+        state=jax.device_put(_stack(states), state_sh), state_sh=state_sh, frozen=frozen,
+        hparams=jax.device_put(_run_hparams(runs, variants), sharding.replicated(mesh)),
+        variants=variants, step_prompts=_step_prompts(static, task, mesh, runs))
+
+
+def _step_prompts(static, task, mesh, runs):
+    """step -> every run's RL prompts of that step (run r draws with seed r.seed + 2; this
+    process's rows of each), sharded along the batch axis."""
+    seeds = [int(r.seed) for r in runs]
+    num_prompts = len(task.rl["ids"])
+    local_rows = distributed.local_batch_rows(static.prompts_per_step,
+                                              sharding.batch_sharding(mesh))
+
+    def step_prompts(step):
+        rows = np.stack([batches.batch_indices(num_prompts, static.prompts_per_step, s + 2, step)
+                         for s in seeds])[:, local_rows]
+        return sharding.shard_batch({k: v[rows] for k, v in task.rl.items()}, mesh, axis=1)
+
+    return step_prompts
+
+
+def _with_measured_macro_lengths(config, program: _GroupProgram, runs, mesh):
+    """Runs whose `mean_macro_length` is unset get the one measured on their first batch (the
+    SFT policy's responses); returns the runs and the program with their hparams and KL
+    coefficients (which the length scales) updated."""
+    if all(r.ppo["mean_macro_length"] is not None for r in runs):
+        return runs, program
+    measure = jax.jit(jax.vmap(functools.partial(_mean_macro_length_at_start, program.static,
+                                                 program.mods),
+                               in_axes=(0, None, 0, 0, 0, 0)))
+    prompts = program.step_prompts(0)
+    lengths = distributed.global_to_host(measure(
+        program.state, program.frozen, program.hparams, prompts["ids"], prompts["mask"],
+        prompts.get("documents")))
+    runs = _with_measured_lengths(config, runs, [float(x) for x in lengths])
+    state = program.state.replace(kl_coef=jax.device_put(
+        jnp.asarray([r.ppo["kl_coef"] for r in runs], jnp.float32), program.state_sh.kl_coef))
+    return runs, dataclasses.replace(
+        program, state=state,
+        hparams=jax.device_put(_run_hparams(runs, program.variants), sharding.replicated(mesh)))
+
+
+class _GroupEvaluator:
+    """The held-out evaluation of every run of a group (one vmapped call: each run's actor on
+    the same prompts, with its seed's keys) and its `eval` rows."""
+
+    def __init__(self, config, pipe, runs, program: _GroupProgram):
+        task, mesh = pipe.task, pipe.mesh
+        self.runs, self.task = runs, task
+        self.m = int(config.ppo.eval_samples_per_prompt)  # responses per held-out prompt
+        self.fn = jax.jit(jax.vmap(functools.partial(
+            ppo_lib.evaluate_from_key_data, program.static, program.mods, gold_fn=task.gold_fn,
+            samples_per_prompt=self.m), in_axes=(0, None, None, None, None, 0)))
+        self.frozen = program.frozen
+        self.inputs = sharding.put_global(task.eval, mesh)
+        self.keys = sharding.put_global(np.stack([
+            jax.random.key_data(jax.random.fold_in(jax.random.key(int(r.seed)), 7))
+            for r in runs]), mesh, axis=None)
+        # A gold computed on the host from decoded text (the review task) instead of on device.
+        self.text_gold = task.eval_gold
+        self.fetched = ppo_lib.EVAL_ROW_KEYS + (
+            ("response_ids", "response_mask") if self.text_gold else ())
+        self.train_s = 0.0  # the group's training time so far, shared by its runs
+        self.latest_step, self.latest = None, None  # the last evaluation (final rows reuse it)
+
+    def evaluate(self, state) -> dict:
+        """Per-prompt results `[runs, E]` of the runs' current actors (`EVAL_ROW_KEYS`)."""
+        # One call with no steps to report: a line before and after it (minutes on a CPU).
+        start = time.monotonic()
+        n = len(self.task.eval["ids"])
+        status_line(f"[eval] {n * self.m * len(self.runs)} held-out responses "
+                    f"({len(self.runs)} run(s) x {n} prompts x {self.m}): sampling and scoring")
+        result = self.fn(state.actor_params, self.frozen, self.inputs["ids"],
+                         self.inputs["mask"], self.inputs.get("documents"), self.keys)
+        result = distributed.global_to_host({k: v for k, v in result.items()
+                                             if k in self.fetched})
+        if self.text_gold is not None:
+            result["gold"] = host_gold_per_prompt(
+                self.text_gold, functools.partial(decode_responses, self.task.tokenizer),
+                result.pop("response_ids"), result.pop("response_mask"), self.m)
+        status_line(f"[eval] done in {time.monotonic() - start:.0f} s")
+        return result
+
+    def rows(self, state, step, result=None) -> list[dict]:
+        """The `eval` rows of every run at `step` (evaluating now unless `result` is given)."""
+        result = self.evaluate(state) if result is None else result
+        self.latest_step, self.latest = step, result
+        budget = distributed.global_to_host(
+            {"generated_tokens": state.generated_tokens, "prefill_tokens": state.prefill_tokens})
+        return [dict(stage="eval", arm=r.arm, seed=r.seed, step=step,
+                     **ppo_lib.eval_row({k: v[i] for k, v in result.items()}),
+                     generated_tokens=float(budget["generated_tokens"][i]),
+                     prefill_tokens=float(budget["prefill_tokens"][i]),
+                     train_s=self.train_s / len(self.runs))
+                for i, r in enumerate(self.runs)]
+
+
+def _write_step0(pipe, writer, evaluator: _GroupEvaluator, state, runs, step0):
+    """A fresh group's step-0 `eval` rows (the SFT policy, reused from `step0` when every seed
+    of the group has one), and the `final` row of arm `sft` of each seed evaluated here."""
+    for name in ("eval", "final"):
+        writer.truncate_after(name, -1)
+    cached = [step0.get(r.seed) for r in runs]
+    if all(c is not None for c in cached):
+        result = {k: np.stack([c[k] for c in cached]) for k in cached[0]}
+    else:
+        result = evaluator.evaluate(state)
+    for row in evaluator.rows(state, 0, result):
+        pipe.writer.write(row)
+    for i, r in enumerate(runs):
+        if r.seed not in step0:
+            step0[r.seed] = {k: v[i] for k, v in result.items()}
+            pipe.writer.truncate_after("final", -1, arm=SFT_ARM, seed=r.seed)
+            pipe.writer.write(final_row(SFT_ARM, r.seed, 0, result, i))
+
+
+def _write_finals(pipe, evaluator: _GroupEvaluator, state, runs, steps: int):
+    """The `final` row of every run that has none yet (the last evaluation's when it was at
+    `steps`). Process 0 alone reads metrics.jsonl; its answer decides for all, since the
+    evaluation is a collective."""
+    finished = {(r.get("arm"), r.get("seed")) for r in _read(pipe.workdir)
+                if r.get("stage") == "final"}
+    if distributed.main_process_value(all((r.arm, r.seed) in finished for r in runs)):
+        return
+    result = evaluator.latest if evaluator.latest_step == steps else evaluator.evaluate(state)
+    for i, r in enumerate(runs):
+        if (r.arm, r.seed) not in finished:
+            pipe.writer.write(final_row(r.arm, r.seed, steps, result, i))
+
+
 def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats, *, stage_name="experiment",
                    step0=None):
     """One group of runs (same static fields) as one vmapped step, resumable; returns the runs
@@ -334,169 +528,39 @@ def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats, *, stage_na
     written as its `final` row of arm `sft`.
     """
     step0 = {} if step0 is None else step0
-    p, task = config.ppo, pipe.task
-    variants = tuple(sorted({r.variant for r in runs}))
-    static = ppo_lib.static_from_config(config, task.tokenizer, variants=variants)
-    mods = ppo_lib.make_models(config, pipe.policy, pipe.critic, pipe.reward_model, task.gold_fn)
-    mesh = pipe.mesh
-    sharding.validate_batch(p.batch_size, mesh, "config.ppo.batch_size")
-    ppo_lib.validate_decode_slots(config, mesh)
-    if static.group_size > 1:
-        sharding.validate_batch(static.prompts_per_step, mesh,
-                                "config.ppo.batch_size / config.ppo.group_size (prompts per step)")
-
-    # Every input of the vmapped step is a global array on the mesh (on several processes a
-    # jitted computation cannot take host arrays): params and optimizer states with their
-    # logical shardings under a leading (replicated) run axis, prompts split over ("data",
-    # "fsdp") along their batch axis, hyper-parameters replicated.
-    rep = sharding.replicated(mesh)
-    critics = []
-    for r in runs:
-        critic_cfg = config.copy_and_resolve_references()
-        critic_cfg.ppo.critic_init = r.ppo["critic_init"]
-        critics.append(ppo_lib.initial_critic_params(
-            critic_cfg, pipe.critic, sft_params, rm_params,
-            jax.random.fold_in(jax.random.key(r.seed), 1), stats))
-    static = ppo_lib.with_shared_trunk(static, pipe.policy.config.num_layers, sft_params,
-                                       rm_params, critics)
-    run_sh = ppo_lib.state_shardings(mods, mesh, sft_params, critics[0])
-    critic_sh = run_sh.critic_params
-    states = []
-    for r, critic in zip(runs, critics):
-        s = ppo_lib.initial_state(config, mods, sft_params, jax.device_put(critic, critic_sh),
-                                  r.seed)
-        states.append(s.replace(kl_coef=jnp.float32(r.ppo["kl_coef"])))
-    frozen_sh = programs.frozen_shardings(mods, mesh, run_sh, rm_params)
-    step_fn = programs.experiment_step_program(static, mods, run_sh, frozen_sh, mesh).fn
-    state_sh = jax.tree.map(programs.with_run_axis, run_sh)
-    state = jax.device_put(_stack(states), state_sh)
-    hparams = jax.device_put(_run_hparams(runs, variants), rep)
-    frozen = jax.device_put(core.Frozen(ref_params=sft_params, rm_params=rm_params,
-                                        reward_mean=jnp.float32(stats["mean"]),
-                                        reward_std=jnp.float32(stats["std"])), frozen_sh)
-
-    m = int(p.eval_samples_per_prompt)  # responses per held-out prompt at each evaluation
-    eval_fn = jax.jit(jax.vmap(functools.partial(ppo_lib.evaluate_from_key_data, static, mods,
-                                                 gold_fn=task.gold_fn, samples_per_prompt=m),
-                               in_axes=(0, None, None, None, None, 0)))
-    seeds = np.array([r.seed for r in runs])
-    num_prompts = len(task.rl["ids"])
-    eval_inputs = sharding.put_global(task.eval, mesh)
-    eval_keys = sharding.put_global(np.stack([
-        jax.random.key_data(jax.random.fold_in(jax.random.key(int(s)), 7)) for s in seeds]),
-        mesh, axis=None)
-
-    local_rows = distributed.local_batch_rows(static.prompts_per_step,
-                                              sharding.batch_sharding(mesh))
-
-    def step_prompts(step):
-        rows = np.stack([batches.batch_indices(num_prompts, static.prompts_per_step, int(s) + 2,
-                                               step) for s in seeds])[:, local_rows]
-        return sharding.shard_batch({k: v[rows] for k, v in task.rl.items()}, mesh, axis=1)
-
-    if any(r.ppo["mean_macro_length"] is None for r in runs):
-        measure = jax.jit(jax.vmap(functools.partial(_mean_macro_length_at_start, static, mods),
-                                   in_axes=(0, None, 0, 0, 0, 0)))
-        prompts = step_prompts(0)
-        lengths = distributed.global_to_host(measure(state, frozen, hparams, prompts["ids"],
-                                                     prompts["mask"], prompts.get("documents")))
-        runs = _with_measured_lengths(config, runs, [float(x) for x in lengths])
-        hparams = jax.device_put(_run_hparams(runs, variants), rep)
-        state = state.replace(kl_coef=jax.device_put(
-            jnp.asarray([r.ppo["kl_coef"] for r in runs], jnp.float32), state_sh.kl_coef))
-
-    def run_step(state, step):
-        prompts = step_prompts(step)
-        return step_fn(state, frozen, hparams, prompts["ids"], prompts["mask"],
-                       prompts.get("documents"))
-
-    # A gold computed on the host from decoded text (the review task) instead of on device.
-    text_gold = task.eval_gold
-    fetched = ppo_lib.EVAL_ROW_KEYS + (("response_ids", "response_mask") if text_gold else ())
-
-    num_eval_responses = len(task.eval["ids"]) * m * len(runs)
-
-    def evaluate(state):
-        # One call with no steps to report: a line before and after it (minutes on a CPU).
-        start = time.monotonic()
-        status_line(f"[eval] {num_eval_responses} held-out responses ({len(runs)} run(s) x "
-                f"{len(task.eval['ids'])} prompts x {m}): sampling and scoring")
-        result = eval_fn(state.actor_params, frozen, eval_inputs["ids"], eval_inputs["mask"],
-                         eval_inputs.get("documents"), eval_keys)
-        result = distributed.global_to_host({k: v for k, v in result.items() if k in fetched})
-        if text_gold is not None:
-            result["gold"] = host_gold_per_prompt(
-                text_gold, functools.partial(decode_responses, task.tokenizer),
-                result.pop("response_ids"), result.pop("response_mask"), m)
-        status_line(f"[eval] done in {time.monotonic() - start:.0f} s")
-        return result
-
-    clock = {"train_s": 0.0, "last": None}
-    latest = {"step": None, "result": None}  # the last evaluation (the final rows reuse it)
-
-    def eval_rows(state, step, result=None):
-        result = evaluate(state) if result is None else result
-        latest["step"], latest["result"] = step, result
-        budget = distributed.global_to_host(
-            {"generated_tokens": state.generated_tokens, "prefill_tokens": state.prefill_tokens})
-        rows = []
-        for i, r in enumerate(runs):
-            one = {k: v[i] for k, v in result.items()}
-            rows.append(dict(stage="eval", arm=r.arm, seed=r.seed, step=step,
-                             **ppo_lib.eval_row(one),
-                             generated_tokens=float(budget["generated_tokens"][i]),
-                             prefill_tokens=float(budget["prefill_tokens"][i]),
-                             # The group's training time so far, shared by its runs.
-                             train_s=clock["train_s"] / len(runs)))
-        return rows
-
+    p = config.ppo
+    program = _group_program(config, pipe, runs, sft_params, rm_params, stats)
+    runs, program = _with_measured_macro_lengths(config, program, runs, pipe.mesh)
+    evaluator = _GroupEvaluator(config, pipe, runs, program)
     writer = _PerRunWriter(pipe.writer, runs)
     stage = loop.Stage(stage_name, pipe.workdir, max_to_keep=config.max_to_keep)
     if not stage.latest_step():
-        for name in ("eval", "final"):
-            writer.truncate_after(name, -1)
-        cached = [step0.get(r.seed) for r in runs]
-        if all(c is not None for c in cached):
-            result = {k: np.stack([c[k] for c in cached]) for k in cached[0]}
-        else:
-            result = evaluate(state)
-        for row in eval_rows(state, 0, result):
-            pipe.writer.write(row)
-        for i, r in enumerate(runs):
-            if r.seed not in step0:
-                step0[r.seed] = {k: v[i] for k, v in result.items()}
-                pipe.writer.truncate_after("final", -1, arm=SFT_ARM, seed=r.seed)
-                pipe.writer.write(final_row(SFT_ARM, r.seed, 0, result, i))
+        _write_step0(pipe, writer, evaluator, program.state, runs, step0)
+
+    last = {"t": None}
 
     def hooks(state, done):
         now = time.perf_counter()
-        if clock["last"] is not None:
-            clock["train_s"] += now - clock["last"]
+        if last["t"] is not None:
+            evaluator.train_s += now - last["t"]
         out = []
         if p.eval_every > 0 and (done % p.eval_every == 0 or done == p.steps):
-            out = eval_rows(state, done)
-        clock["last"] = time.perf_counter()
+            out = evaluator.rows(state, done)
+        last["t"] = time.perf_counter()
         return out
 
     metadata = dict(stage="experiment", config=config.to_dict(),
                     runs=[dict(arm=r.arm, seed=r.seed, **r.ppo) for r in runs])
-    clock["last"] = time.perf_counter()
-    state, _ = loop.run(stage, state=state, total_steps=p.steps, step_fn=run_step,
+    last["t"] = time.perf_counter()
+    state, _ = loop.run(stage, state=program.state, total_steps=p.steps, step_fn=program.step,
                         writer=writer, metadata=metadata,
                         checkpoint_every=config.checkpoint_every, log_every=config.log_every,
-                        progress_keys=("objective/scores", "objective/kl"), hooks=hooks, truncate_stages=("ppo", "eval"),
+                        progress_keys=("objective/scores", "objective/kl"), hooks=hooks,
+                        truncate_stages=("ppo", "eval"),
                         tokens_per_step=len(runs) * (p.batch_size * p.response_length
-                                                     + static.prompts_per_step
-                                                     * task.prompt_length))
-    # Process 0 alone reads metrics.jsonl; its answer decides for all, since the evaluation
-    # below is a collective.
-    finished = {(r.get("arm"), r.get("seed")) for r in _read(pipe.workdir)
-                if r.get("stage") == "final"}
-    if not distributed.main_process_value(all((r.arm, r.seed) in finished for r in runs)):
-        result = latest["result"] if latest["step"] == p.steps else evaluate(state)
-        for i, r in enumerate(runs):
-            if (r.arm, r.seed) not in finished:
-                pipe.writer.write(final_row(r.arm, r.seed, p.steps, result, i))
+                                                     + program.static.prompts_per_step
+                                                     * pipe.task.prompt_length))
+    _write_finals(pipe, evaluator, state, runs, int(p.steps))
     stage.close()
     return runs
 
