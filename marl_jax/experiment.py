@@ -408,7 +408,7 @@ def _step_prompts(static, task, mesh, runs):
     return step_prompts
 
 
-def _with_measured_macro_lengths(config, program: _GroupProgram, runs, mesh):
+def _measure_macro_lengths(config, program: _GroupProgram, runs, mesh):
     """Runs whose `mean_macro_length` is unset get the one measured on their first batch (the
     SFT policy's responses); returns the runs and the program with their hparams and KL
     coefficients (which the length scales) updated."""
@@ -530,7 +530,7 @@ def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats, *, stage_na
     step0 = {} if step0 is None else step0
     p = config.ppo
     program = _group_program(config, pipe, runs, sft_params, rm_params, stats)
-    runs, program = _with_measured_macro_lengths(config, program, runs, pipe.mesh)
+    runs, program = _measure_macro_lengths(config, program, runs, pipe.mesh)
     evaluator = _GroupEvaluator(config, pipe, runs, program)
     writer = _PerRunWriter(pipe.writer, runs)
     stage = loop.Stage(stage_name, pipe.workdir, max_to_keep=config.max_to_keep)
