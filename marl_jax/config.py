@@ -130,7 +130,9 @@ def base_config() -> ml_collections.ConfigDict:
         # LoRA (marl_jax/models/lora.py): rank 0 = full fine-tuning. With rank r > 0 every stage
         # trains float32 adapters (and its heads) on one frozen base, scaled by alpha / r, on the
         # projections in `targets` (() = every one the architecture has: q, k, v, o, gate, up,
-        # down). `merge_sft`: the SFT adapter is merged into the base the later stages start
+        # down). `dropout`: PEFT's lora_dropout, on the adapters' inputs in the training
+        # forwards of every stage (masks drawn from the seed and the step, so resume is exact).
+        # `merge_sft`: the SFT adapter is merged into the base the later stages start
         # from; False keeps it apart (the reference and every role then start from the
         # pretrained base, the actor from the SFT adapter).
         lora=ml_collections.ConfigDict(dict(rank=0, alpha=16.0, dropout=0.0, targets=(),
@@ -372,8 +374,8 @@ def _check_lora(c, check):
     check(isinstance(lo.rank, int) and lo.rank >= 0, "model.lora.rank",
           "must be an integer >= 0 (0 = full fine-tuning)")
     check(lo.alpha > 0, "model.lora.alpha", "must be > 0")
-    check(lo.dropout == 0.0, "model.lora.dropout",
-          "adapter dropout is not supported; use 0.0")
+    check(0.0 <= lo.dropout < 1.0, "model.lora.dropout",
+          "must be in [0, 1): the probability of dropping an input of the adapters")
     if lo.rank:
         lora.check(lo.rank, tuple(lo.targets) or lora.TARGETS, None)
         for stage in ("sft", "rm", "ppo"):

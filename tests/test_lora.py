@@ -79,6 +79,57 @@ def test_merged_forward_equals_base_plus_adapter_by_hand():
     assert set(lora.adapters(params)["backbone"]["layers_0"]["mlp"]) == {"down"}
 
 
+def test_adapter_dropout_drops_inputs_of_the_low_rank_path_only():
+    """W = 2I, A = B = I, alpha / r = 1: each output is 2x (input dropped) or 2x + x / (1 - p)
+    (kept), a quarter dropped; without a dropout rng (sampling, scoring) exactly 3x."""
+    from marl_jax.models.decoder import Dense
+
+    width, rate = 16, 0.25
+    dense = Dense(features=(width,), kernel_axes=("embed", "mlp"), name="up",
+                  lora=lora.LoraSettings(width, float(width), ("up",), rate))
+    eye = jnp.eye(width, dtype=jnp.float32)
+    params = {"kernel": 2.0 * eye, "lora_a": eye, "lora_b": eye}
+    x = jax.random.uniform(jax.random.key(0), (64, 4, width), minval=0.5, maxval=1.5)
+    plain = np.asarray(dense.apply({"params": params}, x))
+    np.testing.assert_allclose(plain, 3.0 * np.asarray(x), rtol=1e-6)
+    out = np.asarray(dense.apply({"params": params}, x, rngs={"dropout": jax.random.key(1)}))
+    xs = np.asarray(x)
+    dropped = np.isclose(out, 2.0 * xs, rtol=1e-6)
+    kept = np.isclose(out, 2.0 * xs + xs / (1.0 - rate), rtol=1e-6)
+    assert np.all(dropped ^ kept)
+    assert abs(dropped.mean() - rate) < 0.03  # 4096 draws: 5 standard deviations
+    again = dense.apply({"params": params}, x, rngs={"dropout": jax.random.key(1)})
+    np.testing.assert_array_equal(np.asarray(again), out)
+
+
+def test_sft_step_draws_dropout_masks_from_its_seed_and_step():
+    """A LoRA SFT step with adapter dropout reports the loss of the forward with the dropout
+    rng fold_in(fold_in(key(seed), 1), step), folded with the micro-batch: computed here with
+    `sft_loss`, and not the loss without dropout."""
+    from marl_jax.train.sft import sft_loss
+
+    cfg = _config(lora_rank=4, lora_dropout=0.5)
+    policy = M.CausalLM(cfg)
+    params = M.init_params(policy, jax.random.key(1))
+    base = lora.frozen_base(params)
+    trained = lora.trainable(lora.attach(base, _randomised_adapters(params)))
+    optimizer = build_optimizer(base_config().sft)
+    state = build.TrainState(step=jnp.asarray(3, jnp.int32), params=trained,
+                             opt_state=optimizer.init(trained),
+                             skipped_updates=jnp.zeros((), jnp.float32))
+    ids, mask = padded_batch([4, 6], 6, seed=2, vocab=64)
+    resp, resp_mask = padded_batch([5, 3], 5, seed=3, vocab=64)
+    batch = dict(prompt_ids=ids, prompt_mask=mask, response_ids=resp, response_mask=resp_mask)
+    step = jax.jit(supervised.make_lora_train_step(
+        lambda p, b, rngs=None: sft_loss(policy, p, b, rngs), optimizer, dropout_seed=7))
+    _, got = step(state, batch, base)
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(jax.random.key(7), 1), 3), 0)
+    full = lora.attach(base, trained)
+    want = sft_loss(policy, full, batch, {"dropout": key})[0]
+    np.testing.assert_allclose(float(got["loss"]), float(want), rtol=1e-6)
+    assert abs(float(want) - float(sft_loss(policy, full, batch)[0])) > 1e-3
+
+
 def test_only_adapters_and_the_head_train():
     cfg = _config(lora_rank=2)
     reward_model = build.reward_module(cfg)
@@ -181,7 +232,7 @@ def test_peft_export_of_gpt2_is_refused_in_one_line():
 @pytest.mark.parametrize("field, value, message", [
     ("rank", 20, r"config.model.lora.rank=20: above the k projection's smaller dimension 16"),
     ("targets", ("q", "proj"), r"config.model.lora.targets: unknown \['proj'\]"),
-    ("dropout", 0.1, r"config.model.lora.dropout=0.1: adapter dropout is not supported"),
+    ("dropout", 1.0, r"config.model.lora.dropout=1.0: must be in \[0, 1\)"),
 ])
 def test_bad_lora_settings_fail_in_one_line_before_compiling(field, value, message):
     config = importlib.import_module("configs.synthetic").get_config()
@@ -201,7 +252,8 @@ def _sft_run(workdir, base, steps):
     from marl_jax.train import sharding
     from marl_jax.train.sft import sft_loss
 
-    policy = M.CausalLM(_config(lora_rank=2))
+    # With adapter dropout: a resumed run must draw the masks the uninterrupted one drew.
+    policy = M.CausalLM(_config(lora_rank=2, lora_dropout=0.1))
     section = base_config().sft
     section.update(steps=steps, batch_size=8, learning_rate=1e-2, warmup_ratio=0.0,
                    schedule="constant")
@@ -214,7 +266,8 @@ def _sft_run(workdir, base, steps):
     with metrics.MetricsWriter(str(workdir)) as writer:
         return supervised.train(
             name="sft", cfg=section, seed=0, module=policy, init_params=base,
-            loss_fn=lambda p, b: sft_loss(policy, p, b), data=data, mesh=mesh, writer=writer,
+            loss_fn=lambda p, b, rngs=None: sft_loss(policy, p, b, rngs), data=data, mesh=mesh,
+            writer=writer,
             workdir=str(workdir), checkpoint_every=2, log_every=1, max_to_keep=5,
             metadata=dict(stage="sft"))
 
@@ -246,11 +299,12 @@ def test_resume_is_exact_and_needs_the_same_base(tmp_path):
     assert (metrics_file.read_bytes(), sorted(p.name for p in ckpt.iterdir())) == before
 
 
-def test_lora_ppo_step_on_eight_devices_with_the_base_sharded_fsdp():
+def test_lora_ppo_step_on_eight_devices_with_the_base_sharded_fsdp(monkeypatch):
     """One MA-PPO step of the synthetic task's model with LoRA over an fsdp=8 mesh: the state
     holds adapters and heads only, the one base (the reference) is sharded over fsdp, the
     reference logprobs are the base's (computed here on one device), the actor starts equal to
-    it (KL 0), and the step moves the adapters."""
+    it (KL 0), and the step moves the adapters. With adapter dropout, the actor's and the
+    critic's training forwards get a dropout rng and the scoring passes none."""
     from marl_jax.models.heads import continuation_scores
     from marl_jax.train import aot, ppo, sharding
     from marl_jax.train import ppo_core as core
@@ -258,6 +312,7 @@ def test_lora_ppo_step_on_eight_devices_with_the_base_sharded_fsdp():
     config = importlib.import_module("configs.synthetic").get_config()
     config.stage = "ppo"
     config.model.lora.rank = 4
+    config.model.lora.dropout = 0.1
     config.mesh.update(dict(data=1, fsdp=8, tensor=1))
     config.ppo.update(dict(batch_size=8, response_length=8, rollout_chunks=2))
     cfg = build.with_lora(M.ModelConfig(**dict(config.model.config), vocab_size=39,
@@ -266,6 +321,17 @@ def test_lora_ppo_step_on_eight_devices_with_the_base_sharded_fsdp():
                                     build.reward_module(cfg))
     mesh = sharding.make_mesh(config.mesh)
     tokens = types.SimpleNamespace(eos_token_id=2, pad_token_id=0)
+    forwards = []  # (which, the rngs it got) of every policy and critic forward traced
+
+    def recording(which, fn, rngs_position):
+        def wrapped(*args, **kwargs):
+            rngs = kwargs.get("rngs", args[rngs_position] if len(args) > rngs_position else None)
+            forwards.append((which, None if rngs is None else tuple(rngs)))
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(core, "token_logprobs", recording("policy", core.token_logprobs, 8))
+    monkeypatch.setattr(core, "critic_outputs", recording("critic", core.critic_outputs, 7))
     with sharding.mesh_context(mesh, sharding.logical_rules(mesh, build.model_dims(cfg))):
         programs = aot.ppo_programs(config, tokens, policy, critic, reward_model, mesh)
     step, (state_abs, frozen_abs, _, prompt_abs, _, docs_abs) = programs["ppo_step"]
@@ -294,6 +360,9 @@ def test_lora_ppo_step_on_eight_devices_with_the_base_sharded_fsdp():
     with sharding.mesh_context(mesh, sharding.logical_rules(mesh, build.model_dims(cfg))):
         exp, roll = rollout.fn(state, frozen, *args)
         new_state, metrics = step.fn(jax.tree.map(jnp.copy, state), frozen, hparams, *args)
+    # The update's forwards have a dropout rng, the rollout's values none.
+    assert ("policy", ("dropout",)) in forwards and ("critic", ("dropout",)) in forwards
+    assert ("critic", None) in forwards
     ref = continuation_scores(policy, base, prompts, np.ones_like(prompts),
                               np.asarray(exp.response_ids), np.asarray(exp.response_mask),
                               config.ppo.temperature)

@@ -159,6 +159,7 @@ class ModelConfig:
     # `lora_targets`, scaled by lora_alpha / lora_rank. Not part of the HF config.
     lora_rank: int = 0
     lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
     lora_targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
 
     def __post_init__(self):

@@ -151,16 +151,18 @@ def trunk_states(config: ModelConfig, params, input_ids, attention_mask, num_lay
                                  num_layers, method=Decoder.trunk)
 
 
-def backbone_hidden(config: ModelConfig, params, input_ids, attention_mask, trunk=None):
+def backbone_hidden(config: ModelConfig, params, input_ids, attention_mask, trunk=None,
+                    rngs=None):
     """The backbone's final hidden states `[B, T, D]` of a causal LM's or scalar-head model's
     `params`. With `trunk` = (hidden states after the first k layers `[B, T, D]`, k), as
     `trunk_states` gives for any model with the same embeddings and first k layers, only layers
-    k.. run."""
+    k.. run. `rngs`: the training forward's (`lora.dropout_rngs`), or None."""
     backbone = {"params": params["backbone"]}
     if trunk is None:
-        return Decoder(config).apply(backbone, input_ids, attention_mask)[0]
+        return Decoder(config).apply(backbone, input_ids, attention_mask, rngs=rngs)[0]
     states, start = trunk
-    return Decoder(config).apply(backbone, states, attention_mask, start, method=Decoder.top)
+    return Decoder(config).apply(backbone, states, attention_mask, start, method=Decoder.top,
+                                 rngs=rngs)
 
 
 def scalar_outputs(config: ModelConfig, params, hidden) -> jax.Array:
@@ -170,20 +172,22 @@ def scalar_outputs(config: ModelConfig, params, hidden) -> jax.Array:
 
 
 def continuation_scores(policy: "CausalLM", params, prompt_ids, prompt_mask, response_ids,
-                        response_mask, temperature=1.0, trunk=None) -> TokenScores:
+                        response_mask, temperature=1.0, trunk=None, rngs=None) -> TokenScores:
     """`TokenScores` `[B, R]` of the response tokens given the prompt, zero on padding.
 
     The decoder runs over prompt + response (from `trunk`, see `backbone_hidden`, when given);
     the LM head only over the positions that predict a response token, in chunks
     (`token_scores`), so no `[B, P + R, V]` logits are ever built. Prompts `[B, P]` are
-    left-padded, responses `[B, R]` left-aligned.
+    left-padded, responses `[B, R]` left-aligned. `rngs`: a training forward's
+    (`lora.dropout_rngs`: the adapters' dropout), or None.
     """
     ids = jnp.concatenate([prompt_ids, response_ids], axis=1)
     mask = jnp.concatenate([prompt_mask, response_mask], axis=1)
     if trunk is None:
-        hidden = policy.apply({"params": params}, ids, mask, method=CausalLM.hidden_states)
+        hidden = policy.apply({"params": params}, ids, mask, method=CausalLM.hidden_states,
+                              rngs=rngs)
     else:
-        hidden = backbone_hidden(policy.config, params, ids, mask, trunk)
+        hidden = backbone_hidden(policy.config, params, ids, mask, trunk, rngs)
     p = prompt_ids.shape[1]
     out = token_scores(policy.config, params, hidden[:, p - 1:-1], response_ids, temperature)
     m = response_mask.astype(jnp.float32)

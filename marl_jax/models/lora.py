@@ -4,7 +4,9 @@ A targeted projection `y = x . W` becomes `y = x . W + (alpha / r) (x . A) . B` 
 `[in..., r]` and B `[r, out...]` stored in float32 next to the kernel (`.../q/lora_a`,
 `.../q/lora_b`), whatever the base's `param_dtype`. B starts at zero, so an adapted model equals
 its base at initialisation, and the low-rank path runs as two thin matmuls: no `[in, out]`
-update is ever formed inside a step. A carries the kernel's logical axes on its input side and
+update is ever formed inside a step. Adapter dropout (PEFT's `lora_dropout`) drops inputs of the
+low-rank path only, `(alpha / r) (dropout(x) . A) . B`, and only in the forwards that are given
+a `"dropout"` rng (the training losses); sampling, scoring and evaluation run without it. A carries the kernel's logical axes on its input side and
 B on its output side, their rank axis on fsdp where those axes are not, so the adapters shard
 with the base.
 
@@ -31,6 +33,7 @@ class LoraSettings(NamedTuple):
     rank: int
     alpha: float
     targets: tuple[str, ...]
+    dropout: float = 0.0
 
     @property
     def scale(self) -> float:
@@ -42,7 +45,7 @@ def settings(config) -> LoraSettings | None:
     if not config.lora_rank:
         return None
     return LoraSettings(int(config.lora_rank), float(config.lora_alpha),
-                        tuple(config.lora_targets))
+                        tuple(config.lora_targets), float(config.lora_dropout))
 
 
 def low_rank_update(module: nn.Module, x: jax.Array, y: jax.Array, lora: LoraSettings | None,
@@ -50,7 +53,9 @@ def low_rank_update(module: nn.Module, x: jax.Array, y: jax.Array, lora: LoraSet
                     dtype) -> jax.Array:
     """`y + scale * (x . A) . B` for a projection `module` (a `Dense` named after its target)
     contracting the last `contract_dims` axes of `x` (`in_shape`) into `y [..., out...]`; `y`
-    unchanged when the projection is not targeted or its params hold no adapter."""
+    unchanged when the projection is not targeted or its params hold no adapter. With
+    `lora.dropout` > 0 and a `"dropout"` rng in the apply call, `x` reaches A through inverted
+    dropout (each projection draws its own mask)."""
     if lora is None or module.name not in lora.targets:
         return y
     if not module.is_initializing() and not module.has_variable("params", "lora_a"):
@@ -68,9 +73,23 @@ def low_rank_update(module: nn.Module, x: jax.Array, y: jax.Array, lora: LoraSet
     b = module.param("lora_b", nn.with_logical_partitioning(
         nn.initializers.zeros, (rank_axis(out_axes), *out_axes)), (lora.rank, *out_shape),
         jnp.float32)
+    if lora.dropout > 0.0 and module.has_rng("dropout"):
+        x = inverted_dropout(module.make_rng("dropout"), x, lora.dropout)
     down = jnp.tensordot(x.astype(dtype), a.astype(dtype), axes=contract_dims)
     delta = jnp.tensordot(down, b.astype(dtype), axes=1)
     return y + (delta * jnp.asarray(lora.scale, dtype)).astype(y.dtype)
+
+
+def inverted_dropout(key: jax.Array, x: jax.Array, rate: float) -> jax.Array:
+    """`x` with each element zeroed with probability `rate` and the rest scaled by
+    `1 / (1 - rate)` (torch's and Flax's dropout), in `x`'s dtype."""
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
+
+
+def dropout_rngs(key: jax.Array | None) -> dict | None:
+    """The `rngs` of a training forward: `{"dropout": key}`, or None (no dropout) for None."""
+    return None if key is None else {"dropout": key}
 
 
 # ---- pytrees ------------------------------------------------------------------------------------

@@ -66,7 +66,7 @@ def adapter_config(config: ModelConfig, base_model_name_or_path: str, scores: bo
         "task_type": "SEQ_CLS" if scores else "CAUSAL_LM",
         "r": config.lora_rank,
         "lora_alpha": config.lora_alpha,
-        "lora_dropout": 0.0,
+        "lora_dropout": config.lora_dropout,
         "target_modules": sorted(MODULES[t].split(".")[-1] for t in config.lora_targets),
         "base_model_name_or_path": str(base_model_name_or_path),
         "bias": "none",

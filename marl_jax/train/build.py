@@ -126,7 +126,7 @@ def with_lora(cfg: models.ModelConfig, config) -> models.ModelConfig:
     targets = tuple(lo.targets) or tuple(t for t in lora.TARGETS if t in lora.projection_dims(cfg))
     lora.check(int(lo.rank), targets, cfg)
     return dataclasses.replace(cfg, lora_rank=int(lo.rank), lora_alpha=float(lo.alpha),
-                               lora_targets=targets)
+                               lora_dropout=float(lo.get("dropout", 0.0)), lora_targets=targets)
 
 
 def release_pretrained() -> None:

@@ -132,7 +132,7 @@ def stage_schedule(cfg, total_updates: int, learning_rate: float | None = None):
 
 
 def accumulate_gradients(loss_fn, params, batch, num_micro: int, weight_fn,
-                         num_layers_unfrozen: int = -1):
+                         num_layers_unfrozen: int = -1, dropout_key=None):
     """`(loss, metrics), grads` of `loss_fn(params, batch)` computed over `num_micro`
     micro-batches, one after another (a scan), so activation memory is a micro-batch's.
 
@@ -140,10 +140,19 @@ def accumulate_gradients(loss_fn, params, batch, num_micro: int, weight_fn,
     valid tokens for a token-mean loss), so the result equals the whole-batch gradient exactly
     for losses that are weighted means. Micro-batch j holds rows j, j + num_micro, ..., so each
     keeps the batch's even spread over the devices of a data-sharded leading axis.
+
+    `dropout_key` (None: no dropout) is the step's dropout rng: micro-batch j calls
+    `loss_fn(params, micro_batch, rngs={"dropout": fold_in(dropout_key, j)})`.
     """
-    grad_fn = jax.value_and_grad(with_frozen_leaves(loss_fn, num_layers_unfrozen), has_aux=True)
+    def loss_of_micro_batch(p, mb, j):
+        if dropout_key is None:
+            return loss_fn(p, mb)
+        return loss_fn(p, mb, rngs={"dropout": jax.random.fold_in(dropout_key, j)})
+
+    grad_fn = jax.value_and_grad(with_frozen_leaves(loss_of_micro_batch, num_layers_unfrozen),
+                                 has_aux=True)
     if num_micro == 1:
-        return grad_fn(params, batch)
+        return grad_fn(params, batch, 0)
     size = jax.tree.leaves(batch)[0].shape[0]
     if size % num_micro:
         raise ValueError(f"a batch of {size} rows does not split into {num_micro} micro-batches")
@@ -153,13 +162,13 @@ def accumulate_gradients(loss_fn, params, batch, num_micro: int, weight_fn,
     fractions = weights / jnp.maximum(weights.sum(), 1e-12)
 
     def body(total, xs):
-        mb, fraction = xs
-        out = grad_fn(params, mb)
+        mb, fraction, j = xs
+        out = grad_fn(params, mb, j)
         return jax.tree.map(lambda t, x: t + (fraction * x).astype(t.dtype), total, out), None
 
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                         jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro)))
-    total, _ = jax.lax.scan(body, zeros, (micro, fractions))
+                         jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro), 0))
+    total, _ = jax.lax.scan(body, zeros, (micro, fractions, jnp.arange(num_micro)))
     return total
 
 

@@ -215,39 +215,40 @@ def _concat(prompt_ids, prompt_mask, response_ids, response_mask):
 
 
 def token_logprobs(policy, params, prompt_ids, prompt_mask, response_ids, response_mask,
-                   temperature, trunk=None):
+                   temperature, trunk=None, rngs=None):
     """(logprobs `[B, R]`, entropy `[B, R]`): the logprob of each response token and the entropy
     of the temperature-scaled next-token distribution it was sampled from, 0 on padding,
     differentiable with respect to `params`. The one scoring path for old, reference and new
-    logprobs. `trunk`: the shared trunk's output (`shared_trunk`), or None."""
+    logprobs. `trunk`: the shared trunk's output (`shared_trunk`), or None; `rngs`: the
+    training forward's (`lora.dropout_rngs`), or None."""
     out = continuation_scores(policy, params, prompt_ids, prompt_mask, response_ids,
-                              response_mask, temperature, trunk)
+                              response_mask, temperature, trunk, rngs)
     return out.logprobs, out.entropy
 
 
-def _scalar_per_token(module, params, ids, mask, trunk):
+def _scalar_per_token(module, params, ids, mask, trunk, rngs=None):
     if trunk is None:
-        return module.apply({"params": params}, ids, mask)
+        return module.apply({"params": params}, ids, mask, rngs=rngs)
     return scalar_outputs(module.config, params,
-                          backbone_hidden(module.config, params, ids, mask, trunk))
+                          backbone_hidden(module.config, params, ids, mask, trunk, rngs))
 
 
 def critic_outputs(critic, params, prompt_ids, prompt_mask, response_ids, response_mask,
-                   trunk=None):
+                   trunk=None, rngs=None):
     """(values `[B, R]`, final `[B]`): the value of the state in which each response token is
     chosen (zero on padding), and the critic's output at the last valid token of prompt +
     response, where the reward model reads its score."""
     ids, mask = _concat(prompt_ids, prompt_mask, response_ids, response_mask)
-    per_token = _scalar_per_token(critic, params, ids, mask, trunk)
+    per_token = _scalar_per_token(critic, params, ids, mask, trunk, rngs)
     p = prompt_ids.shape[1]
     return per_token[:, p - 1:-1] * response_mask, last_token_score(per_token, mask)
 
 
 def response_values(critic, params, prompt_ids, prompt_mask, response_ids, response_mask,
-                    trunk=None):
+                    trunk=None, rngs=None):
     """Critic values `[B, R]`: the value of the state in which each response token is chosen."""
     return critic_outputs(critic, params, prompt_ids, prompt_mask, response_ids,
-                          response_mask, trunk)[0]
+                          response_mask, trunk, rngs)[0]
 
 
 def sequence_scores(reward_model, params, prompt_ids, prompt_mask, response_ids, response_mask,
@@ -623,10 +624,11 @@ def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, 
         data["trunk"] = trunk[0]
     trunk_of = lambda batch: None if trunk is None else (batch["trunk"], trunk[1])
 
-    def actor_loss(params, batch):
+    def actor_loss(params, batch, rngs=None):
         logprobs, entropy = token_logprobs(
             models.policy, with_base(static, params, frozen), batch["prompt_ids"], batch["prompt_mask"],
-            batch["response_ids"], batch["response_mask"], static.temperature, trunk_of(batch))
+            batch["response_ids"], batch["response_mask"], static.temperature, trunk_of(batch),
+            rngs)
         loss, m = losses.ppo_policy_loss(logprobs, batch["old_logprobs"], batch["advantages"],
                                          batch["response_mask"], cliprange=static.cliprange,
                                          aggregation=static.loss_aggregation,
@@ -639,10 +641,11 @@ def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, 
             loss, m = loss + kl_loss, dict(m, kl_loss=kl_loss)
         return loss, m
 
-    def critic_loss(params, batch):
+    def critic_loss(params, batch, rngs=None):
         values = response_values(models.critic, with_base(static, params, frozen),
                                  batch["prompt_ids"], batch["prompt_mask"],
-                                 batch["response_ids"], batch["response_mask"], trunk_of(batch))
+                                 batch["response_ids"], batch["response_mask"], trunk_of(batch),
+                                 rngs)
         loss, m = losses.ppo_value_loss(values, batch["old_values"], batch["returns"],
                                         batch["response_mask"],
                                         cliprange_value=static.cliprange_value)
@@ -657,10 +660,19 @@ def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, 
     actor_weight = token_count if static.loss_aggregation == "token_mean" else sequence_count
     k = static.grad_accum_steps
 
-    def minibatch_step(carry, batch):
+    # The adapters' dropout (LoRA with `model.lora.dropout` > 0): one key per minibatch, drawn
+    # from the step's update key; actor and critic draw their own masks.
+    dropout = models.policy.config.lora_dropout > 0 or (
+        static.uses_critic and models.critic.config.lora_dropout > 0)
+
+    def minibatch_step(carry, xs):
+        batch, dropout_key = xs if dropout else (xs, None)
+        actor_key, critic_key = (None, None) if dropout_key is None else (
+            jax.random.fold_in(dropout_key, 0), jax.random.fold_in(dropout_key, 1))
         actor_params, actor_opt, critic_params, critic_opt, skipped = carry
         (a_loss, a_m), a_grads = accumulate_gradients(actor_loss, actor_params, batch, k,
-                                                      actor_weight, static.num_layers_unfrozen)
+                                                      actor_weight, static.num_layers_unfrozen,
+                                                      actor_key)
         actor_params, actor_opt, a_skip = apply_if_finite(
             a_loss, a_grads, actor_params, actor_opt, models.actor_optimizer)
         metrics = {
@@ -673,7 +685,8 @@ def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, 
             metrics["loss/kl_avg"] = a_m["kl_loss"]
         if static.uses_critic:
             (c_loss, c_m), c_grads = accumulate_gradients(critic_loss, critic_params, batch, k,
-                                                          token_count, static.num_layers_unfrozen)
+                                                          token_count, static.num_layers_unfrozen,
+                                                          critic_key)
             critic_params, critic_opt, c_skip = apply_if_finite(
                 c_loss, c_grads, critic_params, critic_opt, models.critic_optimizer)
             skipped = skipped + c_skip
@@ -686,6 +699,9 @@ def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, 
         perm = jax.random.permutation(epoch_key, b)
         shuffled = jax.tree.map(
             lambda x: x[perm].reshape((static.num_minibatches, mb) + x.shape[1:]), data)
+        if dropout:
+            keys = jax.random.split(jax.random.fold_in(epoch_key, 1), static.num_minibatches)
+            return jax.lax.scan(minibatch_step, carry, (shuffled, keys))
         return jax.lax.scan(minibatch_step, carry, shuffled)
 
     carry = (state.actor_params, state.actor_opt_state, state.critic_params,

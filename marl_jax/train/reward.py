@@ -20,7 +20,7 @@ from marl_jax.models.heads import backbone_hidden, scalar_outputs, trunk_states
 from marl_jax.train import sharding, supervised
 
 
-def pair_scores(reward_model, params, batch):
+def pair_scores(reward_model, params, batch, rngs=None):
     """Scores `[B]` of the chosen and of the rejected responses, in one forward pass."""
     prompt_ids = jnp.concatenate([batch["prompt_ids"]] * 2, axis=0)
     prompt_mask = jnp.concatenate([batch["prompt_mask"]] * 2, axis=0)
@@ -28,21 +28,21 @@ def pair_scores(reward_model, params, batch):
     response_mask = jnp.concatenate([batch["chosen_mask"], batch["rejected_mask"]], axis=0)
     ids = jnp.concatenate([prompt_ids, response_ids], axis=1)
     mask = jnp.concatenate([prompt_mask, response_mask], axis=1)
-    scores = last_token_score(reward_model.apply({"params": params}, ids, mask), mask)
+    scores = last_token_score(reward_model.apply({"params": params}, ids, mask, rngs=rngs), mask)
     b = batch["prompt_ids"].shape[0]
     return scores[:b], scores[b:]
 
 
-def rm_loss(reward_model, params, batch):
-    chosen, rejected = pair_scores(reward_model, params, batch)
+def rm_loss(reward_model, params, batch, rngs=None):
+    chosen, rejected = pair_scores(reward_model, params, batch, rngs)
     return losses.bradley_terry_loss(chosen, rejected)
 
 
-def sequence_scores(reward_model, params, batch):
+def sequence_scores(reward_model, params, batch, rngs=None):
     """Scores `[B]` of the sequences `prompt_ids, prompt_mask, response_ids, response_mask`."""
     ids = jnp.concatenate([batch["prompt_ids"], batch["response_ids"]], axis=1)
     mask = jnp.concatenate([batch["prompt_mask"], batch["response_mask"]], axis=1)
-    return last_token_score(reward_model.apply({"params": params}, ids, mask), mask)
+    return last_token_score(reward_model.apply({"params": params}, ids, mask, rngs=rngs), mask)
 
 
 def frozen_trunk_layers(params, num_layers_unfrozen: int) -> int:
@@ -193,7 +193,7 @@ def prompt_groups(data) -> PromptGroups:
     return PromptGroups(sequences=sequences, win=win, lose=lose, pair_mask=pair_mask)
 
 
-def grouped_scores(reward_model, params, batch, num_layers: int = 0):
+def grouped_scores(reward_model, params, batch, num_layers: int = 0, rngs=None):
     """Scores `[B, K]` of the responses of a batch of `PromptGroups.training_data` rows (from
     their trunk states when the batch has them: `num_layers` is then the trunk's depth)."""
     if "states" in batch:
@@ -206,13 +206,13 @@ def grouped_scores(reward_model, params, batch, num_layers: int = 0):
                 prompt_mask=jnp.repeat(batch["prompt_mask"], k, axis=0),
                 response_ids=batch["response_ids"].reshape(b * k, r),
                 response_mask=batch["response_mask"].reshape(b * k, r))
-    return sequence_scores(reward_model, params, flat).reshape(b, k)
+    return sequence_scores(reward_model, params, flat, rngs).reshape(b, k)
 
 
-def grouped_rm_loss(reward_model, params, batch, num_layers: int = 0):
+def grouped_rm_loss(reward_model, params, batch, num_layers: int = 0, rngs=None):
     """The Bradley-Terry loss averaged over every pair of a batch of prompt groups: the
     `rm_loss` of those pairs as one pair batch, each response run once."""
-    scores = grouped_scores(reward_model, params, batch, num_layers)
+    scores = grouped_scores(reward_model, params, batch, num_layers, rngs)
     pick = lambda slots: jnp.take_along_axis(scores, slots, axis=1).reshape(-1)
     return losses.bradley_terry_loss(pick(batch["win"]), pick(batch["lose"]),
                                      batch["pair_mask"].reshape(-1))
@@ -366,13 +366,13 @@ def run_rm(config, task, reward_model, init_params, *, mesh, writer, workdir, tr
         groups = prompt_groups(task.rm)
         data = groups.training_data(task.rm, trunk)
         layers = 0 if trunk is None else trunk.num_layers
-        loss_fn = lambda p, batch: grouped_rm_loss(reward_model, p, batch, layers)
+        loss_fn = lambda p, batch, rngs=None: grouped_rm_loss(reward_model, p, batch, layers, rngs)
         # Micro-batches of gradient accumulation weigh by their pairs: the mean over the pairs.
         weight_fn = lambda batch: batch["pair_mask"].sum()
         tokens = groups.sequences.shape[1] * (task.rm["prompt_ids"].shape[1]
                                               + task.rm["chosen_ids"].shape[1])
     elif trunk is None:
-        data, loss_fn = task.rm, lambda p, batch: rm_loss(reward_model, p, batch)
+        data, loss_fn = task.rm, lambda p, batch, rngs=None: rm_loss(reward_model, p, batch, rngs)
     else:
         data = trunk.training_data(task.rm)
         loss_fn = lambda p, batch: rm_loss_from_trunk(reward_model, trunk.num_layers, p, batch)

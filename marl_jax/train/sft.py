@@ -6,11 +6,12 @@ from marl_jax.models.heads import continuation_scores
 from marl_jax.train import supervised
 
 
-def sft_loss(policy, params, batch):
+def sft_loss(policy, params, batch, rngs=None):
     """Cross-entropy of the response tokens given the prompt; batch holds `[B, P]` prompt and
-    `[B, R]` response ids and masks. The LM head runs over response positions only, in chunks."""
+    `[B, R]` response ids and masks. The LM head runs over response positions only, in chunks.
+    `rngs`: the adapters' dropout (`lora.dropout_rngs`), or None."""
     out = continuation_scores(policy, params, batch["prompt_ids"], batch["prompt_mask"],
-                              batch["response_ids"], batch["response_mask"])
+                              batch["response_ids"], batch["response_mask"], rngs=rngs)
     return losses.token_cross_entropy(out.base_logprobs, out.correct, batch["response_mask"])
 
 
@@ -18,7 +19,8 @@ def run_sft(config, task, policy, init_params, *, mesh, writer, workdir):
     """Trains the policy on `task.sft`; returns the SFT params (resumes, or reuses a finished run)."""
     return supervised.train(
         name="sft", cfg=config.sft, seed=config.seed, module=policy, init_params=init_params,
-        loss_fn=lambda params, batch: sft_loss(policy, params, batch), data=task.sft, mesh=mesh,
+        loss_fn=lambda params, batch, rngs=None: sft_loss(policy, params, batch, rngs),
+        data=task.sft, mesh=mesh,
         writer=writer, workdir=workdir, checkpoint_every=config.checkpoint_every,
         log_every=config.log_every, max_to_keep=config.max_to_keep,
         metadata=dict(stage="sft", config=config.to_dict()), progress_keys=("loss",),

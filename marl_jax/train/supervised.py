@@ -19,8 +19,13 @@ from marl_jax.train.optim import (
 )
 
 
+# The stream of a supervised stage's dropout keys: fold_in(fold_in(key(seed), this), step).
+DROPOUT_STREAM = 1
+
+
 def make_train_step(loss_fn: Callable, optimizer, *, schedule=None, grad_accum_steps: int = 1,
-                    weight_fn: Callable | None = None, num_layers_unfrozen: int = -1):
+                    weight_fn: Callable | None = None, num_layers_unfrozen: int = -1,
+                    dropout_seed: int | None = None):
     """`(state, batch) -> (state, metrics)`; a non-finite loss skips the update and is counted.
 
     With `grad_accum_steps` > 1 the batch is split into micro-batches whose gradients are
@@ -30,13 +35,20 @@ def make_train_step(loss_fn: Callable, optimizer, *, schedule=None, grad_accum_s
     count).
     `num_layers_unfrozen` >= 0 trains the top layers only (`optim.with_frozen_leaves`; pair it
     with an optimizer of the same setting).
+    `dropout_seed` (None: no dropout): the loss is called with `rngs` (the adapters' dropout,
+    `accumulate_gradients`) drawn from the seed and the state's step, so a resumed run draws the
+    masks the uninterrupted one drew.
     """
     weight_fn = weight_fn or (lambda batch: jnp.float32(1.0))
 
     def train_step(state: build.TrainState, batch):
+        dropout_key = None
+        if dropout_seed is not None:
+            stream = jax.random.fold_in(jax.random.key(dropout_seed), DROPOUT_STREAM)
+            dropout_key = jax.random.fold_in(stream, state.step)
         (loss, metrics), grads = accumulate_gradients(loss_fn, state.params, batch,
                                                       grad_accum_steps, weight_fn,
-                                                      num_layers_unfrozen)
+                                                      num_layers_unfrozen, dropout_key)
         params, opt_state, skipped = apply_if_finite(loss, grads, state.params, state.opt_state,
                                                      optimizer)
         total_skipped = state.skipped_updates + skipped
@@ -54,7 +66,7 @@ def make_lora_train_step(loss_fn: Callable, optimizer, **kwargs):
     holds the adapters and heads and whose loss sees them attached to the frozen `base` (an
     argument of the step, so one copy of it sits on the devices and none in the state)."""
     def train_step(state: build.TrainState, batch, base):
-        attached = lambda params, b: loss_fn(lora.attach(base, params), b)
+        attached = lambda params, b, **kw: loss_fn(lora.attach(base, params), b, **kw)
         return make_train_step(attached, optimizer, **kwargs)(state, batch)
 
     return train_step
@@ -68,7 +80,8 @@ def train(*, name: str, cfg, seed: int, module, init_params, loss_fn: Callable, 
 
     Args:
       cfg: the stage's config section (steps, batch_size, grad_accum_steps, optimizer fields).
-      loss_fn: `(params, batch) -> (loss, metrics)`.
+      loss_fn: `(params, batch, rngs=None) -> (loss, metrics)`; `rngs` carries the adapters'
+        dropout rng (`model.lora.dropout` > 0) and is passed to the model's training forward.
       data: dict of host arrays with a common leading axis; batches are rows of it.
       weight_fn: a micro-batch's weight in gradient accumulation (see `make_train_step`).
       tokens_per_example: tokens a row of `data` stands for, for the tokens/s metric (default:
@@ -91,7 +104,8 @@ def train(*, name: str, cfg, seed: int, module, init_params, loss_fn: Callable, 
     batch_sh = sharding.batch_sharding(mesh)
     step_kwargs = dict(schedule=stage_schedule(cfg, cfg.steps),
                        grad_accum_steps=int(cfg.get("grad_accum_steps", 1)), weight_fn=weight_fn,
-                       num_layers_unfrozen=int(cfg.get("num_layers_unfrozen", -1)))
+                       num_layers_unfrozen=int(cfg.get("num_layers_unfrozen", -1)),
+                       dropout_seed=seed if module.config.lora_dropout else None)
     if base is None:
         step_fn = programs.supervised_program(make_train_step(loss_fn, optimizer, **step_kwargs),
                                               shardings, mesh).fn
