@@ -24,7 +24,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import gc  # noqa: E402
+
 import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops the in-memory compiled programs of a test module when it ends (later modules that
+    need one again read it from the persistent cache), so a process running the whole suite
+    does not grow with every program it ever compiled."""
+    yield
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
 
 
 def _smollm2_gguf_path():
