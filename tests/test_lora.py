@@ -102,6 +102,29 @@ def test_adapter_dropout_drops_inputs_of_the_low_rank_path_only():
     np.testing.assert_array_equal(np.asarray(again), out)
 
 
+def test_remat_of_the_layer_scan_recomputes_the_same_dropout_masks():
+    """Loss and gradients of a scanned model with adapter dropout are the same with and
+    without rematerialisation: the backward pass redraws the masks the forward drew."""
+    results = []
+    for remat in (False, True):
+        model = M.CausalLM(_config(lora_rank=4, lora_dropout=0.5, scan_layers=True, remat=remat))
+        params = M.init_params(model, jax.random.key(0))
+        params = lora.attach(lora.without_adapters(params), _randomised_adapters(params))
+        ids, mask = padded_batch([4, 6], 6, seed=1, vocab=64)
+
+        def loss(p):
+            logits = model.apply({"params": p}, ids, mask, rngs={"dropout": jax.random.key(1)})
+            return jnp.mean(jnp.square(logits))
+
+        results.append(jax.value_and_grad(loss)(params))
+        without = jnp.mean(jnp.square(model.apply({"params": params}, ids, mask)))
+        assert abs(float(results[-1][0]) - float(without)) > 1e-6  # the masks act
+    (loss_a, grad_a), (loss_b, grad_b) = results
+    assert float(loss_a) == float(loss_b)
+    for a, b in zip(jax.tree.leaves(grad_a), jax.tree.leaves(grad_b)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_sft_step_draws_dropout_masks_from_its_seed_and_step():
     """A LoRA SFT step with adapter dropout reports the loss of the forward with the dropout
     rng fold_in(fold_in(key(seed), 1), step), folded with the micro-batch: computed here with
