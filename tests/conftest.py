@@ -1,5 +1,6 @@
 """Shared test setup: eight fake CPU devices for sharding tests, one compilation cache for the
-session, the real SmolLM2 file and the real Gemma-3-270M (loaded once, by us and by transformers)."""
+session, the real SmolLM2 file and the real Gemma-3-270M (loaded by us and by transformers), and
+the lock that keeps the tests of several GiB from running at once under `pytest -n 2`."""
 import atexit
 import importlib.util
 import os
@@ -20,13 +21,33 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+# A size limit turns on the cache's file lock, so the two processes of `pytest -n 2` (and their
+# run.py subprocesses) never read an entry while another writes it.
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(64 * 2 ** 30))
+# The lock that tests marked `one_at_a_time` hold, shared by the processes of `pytest -n 2`.
+if "MARL_JAX_TEST_LOCK" not in os.environ:
+    _lock_dir = tempfile.mkdtemp(prefix="marl_jax_test_lock_")
+    atexit.register(shutil.rmtree, _lock_dir, ignore_errors=True)
+    os.environ["MARL_JAX_TEST_LOCK"] = os.path.join(_lock_dir, "one_at_a_time.lock")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import gc  # noqa: E402
 
+import process_util  # noqa: E402
 import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _one_at_a_time(request):
+    """Tests marked `one_at_a_time` (a real model through a whole run: several GiB each) hold
+    one lock across the test processes (`process_util.one_at_a_time`)."""
+    if request.node.get_closest_marker("one_at_a_time") is None:
+        yield
+        return
+    with process_util.one_at_a_time():
+        yield
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -71,14 +92,18 @@ def gemma3_270m_gguf(tmp_path_factory):
     return assemble(tmp_path_factory.mktemp("gemma3_270m") / MODEL_NAME)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def gemma3_270m(gemma3_270m_gguf):
-    """(our model, our params, transformers' model of the same file, tokenizer)."""
+    """(our model, our params, transformers' model of the same file, tokenizer): several GiB,
+    held by one module at a time under the whole-run lock (`process_util.one_at_a_time`) and
+    released when it ends."""
     from transformers import AutoModelForCausalLM
 
     import marl_jax.models as M
 
     path = gemma3_270m_gguf
-    model, params = M.load_pretrained(path)
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, attn_implementation="eager").eval()
-    return model, params, hf, M.load_tokenizer(path)
+    with process_util.one_at_a_time():
+        model, params = M.load_pretrained(path)
+        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                  attn_implementation="eager").eval()
+        yield model, params, hf, M.load_tokenizer(path)

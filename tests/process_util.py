@@ -1,10 +1,26 @@
-"""Running several local JAX processes that form one job, for the multi-process tests."""
+"""Running several local JAX processes that form one job, for the multi-process tests; the
+lock of the tests that must not run at the same time as each other."""
+import contextlib
+import fcntl
 import os
 import socket
 import subprocess
 import time
 
 TPU_ENVIRONMENT = ("TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES", "MEGASCALE_NUM_SLICES")
+
+
+@contextlib.contextmanager
+def one_at_a_time():
+    """Holds the lock named by `MARL_JAX_TEST_LOCK` (conftest), shared by the processes of
+    `pytest -n 2`: the runs of a real model end to end take several GiB each, and two at once
+    would add their peaks. Not reentrant: a holder must not take it again."""
+    with open(os.environ["MARL_JAX_TEST_LOCK"], "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def free_port() -> int:

@@ -17,6 +17,7 @@ from marl_jax.data import real_tasks
 from marl_jax.eval import apps, unit_test_reward
 from marl_jax.train.metrics import read_metrics
 
+import process_util
 import real_util
 from configs import apps_smollm2, hh_rlhf_smollm2, tldr_smollm2, webgpt_smollm2
 
@@ -27,8 +28,14 @@ EOS = "<|im_end|>"
 @pytest.fixture(scope="module", autouse=True)
 def smollm2_run(request, tmp_path_factory):
     """`experiments/run.py --config=configs/tldr_smollm2.py` on the tldr fixture in its own
-    process (one CPU device), overlapping the other tests."""
-    return real_util.start_smollm2_run(request.session, tmp_path_factory)
+    process (one CPU device), overlapping the other tests of this module; it holds the lock of
+    the whole-run tests (`process_util.one_at_a_time`) until the module ends."""
+    with process_util.one_at_a_time():
+        run = real_util.start_smollm2_run(request.session, tmp_path_factory)
+        yield run
+        if run is not None and run[0].poll() is None:
+            run[0].kill()
+            run[0].wait()
 
 
 @pytest.fixture(scope="module")

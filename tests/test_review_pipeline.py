@@ -100,6 +100,7 @@ SLICE = {
 }
 
 
+@pytest.mark.one_at_a_time
 def test_tiny_slice_of_the_review_pipeline_on_smollm2(tmp_path, smollm2_gguf):
     from marl_jax import models
     from marl_jax.train.metrics import read_metrics

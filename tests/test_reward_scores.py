@@ -53,7 +53,8 @@ def test_pair_scores_score_each_distinct_sequence_once_and_equal_one_by_one_scor
     apply = module.apply
 
     class Recording:
-        def apply(self, variables, ids, mask):
+        def apply(self, variables, ids, mask, rngs=None):
+            assert rngs is None  # scoring runs without the adapters' dropout
             traced.append(ids.shape)
             jax.debug.callback(lambda x: scored.append(np.asarray(x)), ids)
             return apply(variables, ids, mask)
