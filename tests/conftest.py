@@ -33,10 +33,23 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import ctypes  # noqa: E402
+import ctypes.util  # noqa: E402
 import gc  # noqa: E402
 
 import process_util  # noqa: E402
 import pytest  # noqa: E402
+
+
+def _glibc():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_LIBC = _glibc()
 
 
 @pytest.fixture(autouse=True)
@@ -54,12 +67,15 @@ def _one_at_a_time(request):
 def _release_compiled_programs():
     """Drops the in-memory compiled programs of a test module when it ends (later modules that
     need one again read it from the persistent cache), so a process running the whole suite
-    does not grow with every program it ever compiled."""
+    does not grow with every program it ever compiled; the freed heap goes back to the system
+    (glibc's `malloc_trim`), so that the other test process has it."""
     yield
     import jax
 
     jax.clear_caches()
     gc.collect()
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
 
 
 def _smollm2_gguf_path():
