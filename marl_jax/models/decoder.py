@@ -367,7 +367,9 @@ class Decoder(nn.Module):
         window_mask = mask & (distance < cfg.sliding_window) if cfg.sliding_layers else None
         if cfg.scan_layers:
             sliding = np.isin(np.arange(cfg.num_layers), cfg.sliding_layers)
-            scan = nn.scan(_scanned_layer, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
+            # Each layer draws its own rngs: init's, and the adapters' dropout masks.
+            scan = nn.scan(_scanned_layer, variable_axes={"params": 0},
+                           split_rngs={"params": True, "dropout": True},
                            in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
                            length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
             (x, new_cache), _ = scan(self.layers, (x, cache), jnp.arange(cfg.num_layers), jnp.asarray(sliding),

@@ -156,7 +156,7 @@ def backbone_hidden(config: ModelConfig, params, input_ids, attention_mask, trun
     """The backbone's final hidden states `[B, T, D]` of a causal LM's or scalar-head model's
     `params`. With `trunk` = (hidden states after the first k layers `[B, T, D]`, k), as
     `trunk_states` gives for any model with the same embeddings and first k layers, only layers
-    k.. run. `rngs`: the training forward's (`lora.dropout_rngs`), or None."""
+    k.. run. `rngs`: the training forward's (`{"dropout": key}`), or None."""
     backbone = {"params": params["backbone"]}
     if trunk is None:
         return Decoder(config).apply(backbone, input_ids, attention_mask, rngs=rngs)[0]
@@ -179,7 +179,7 @@ def continuation_scores(policy: "CausalLM", params, prompt_ids, prompt_mask, res
     the LM head only over the positions that predict a response token, in chunks
     (`token_scores`), so no `[B, P + R, V]` logits are ever built. Prompts `[B, P]` are
     left-padded, responses `[B, R]` left-aligned. `rngs`: a training forward's
-    (`lora.dropout_rngs`: the adapters' dropout), or None.
+    (`{"dropout": key}`: the adapters' dropout), or None.
     """
     ids = jnp.concatenate([prompt_ids, response_ids], axis=1)
     mask = jnp.concatenate([prompt_mask, response_mask], axis=1)

@@ -4,11 +4,11 @@ A targeted projection `y = x . W` becomes `y = x . W + (alpha / r) (x . A) . B` 
 `[in..., r]` and B `[r, out...]` stored in float32 next to the kernel (`.../q/lora_a`,
 `.../q/lora_b`), whatever the base's `param_dtype`. B starts at zero, so an adapted model equals
 its base at initialisation, and the low-rank path runs as two thin matmuls: no `[in, out]`
-update is ever formed inside a step. Adapter dropout (PEFT's `lora_dropout`) drops inputs of the
-low-rank path only, `(alpha / r) (dropout(x) . A) . B`, and only in the forwards that are given
-a `"dropout"` rng (the training losses); sampling, scoring and evaluation run without it. A carries the kernel's logical axes on its input side and
-B on its output side, their rank axis on fsdp where those axes are not, so the adapters shard
-with the base.
+update is ever formed inside a step. Adapter dropout (PEFT's `lora_dropout`) drops inputs of
+the low-rank path only, `(alpha / r) (dropout(x) . A) . B`, and only in the forwards that are
+given a `"dropout"` rng (the training losses); sampling, scoring and evaluation run without it.
+A carries the kernel's logical axes on its input side and B on its output side, their rank
+axis on fsdp where those axes are not, so the adapters shard with the base.
 
 The adapter leaves are optional at apply time: params without them run the projection as the
 plain base, which is how the reference policy (the base with the adapters off) runs on the very
@@ -85,11 +85,6 @@ def inverted_dropout(key: jax.Array, x: jax.Array, rate: float) -> jax.Array:
     `1 / (1 - rate)` (torch's and Flax's dropout), in `x`'s dtype."""
     keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
     return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
-
-
-def dropout_rngs(key: jax.Array | None) -> dict | None:
-    """The `rngs` of a training forward: `{"dropout": key}`, or None (no dropout) for None."""
-    return None if key is None else {"dropout": key}
 
 
 # ---- pytrees ------------------------------------------------------------------------------------

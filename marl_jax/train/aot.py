@@ -76,8 +76,10 @@ def _supervised(cfg, name: str, module, loss_fn, batch: dict, mesh, weight_fn=No
     sharding.validate_batch(cfg.batch_size, mesh, f"config.{name}.batch_size")
     optimizer = make_optimizer(cfg, cfg.steps)
     params = abstract_params(module)
+    # With adapter dropout the step draws its masks as the run's does (the seed changes no shape).
     kwargs = dict(schedule=stage_schedule(cfg, cfg.steps),
-                  grad_accum_steps=int(cfg.get("grad_accum_steps", 1)), weight_fn=weight_fn)
+                  grad_accum_steps=int(cfg.get("grad_accum_steps", 1)), weight_fn=weight_fn,
+                  dropout_seed=0 if module.config.lora_dropout else None)
     base = None
     if module.config.lora_rank:  # the state trains adapters (and heads); the base is an argument
         base, params = lora.frozen_base(params), lora.trainable(params)
@@ -101,8 +103,9 @@ def sft_program(config, policy, mesh, inputs: TaskInputs | None = None):
     p = inputs.prompt_length
     batch = dict(prompt_ids=_ids(b, p), prompt_mask=_ids(b, p), response_ids=_ids(b, r),
                  response_mask=_ids(b, r))
-    return _supervised(config.sft, "sft", policy, lambda p, x: sft.sft_loss(policy, p, x), batch,
-                       mesh, weight_fn=lambda x: x["response_mask"].sum())
+    return _supervised(config.sft, "sft", policy,
+                       lambda p, x, rngs=None: sft.sft_loss(policy, p, x, rngs), batch, mesh,
+                       weight_fn=lambda x: x["response_mask"].sum())
 
 
 def rm_program(config, reward_model, mesh, inputs: TaskInputs | None = None):
@@ -127,12 +130,15 @@ def rm_program(config, reward_model, mesh, inputs: TaskInputs | None = None):
                      win=_ids(b, m), lose=_ids(b, m),
                      pair_mask=jax.ShapeDtypeStruct((b, m), jnp.float32))
         return _supervised(config.rm, "rm", reward_model,
-                           lambda p, x: reward.grouped_rm_loss(reward_model, p, x), batch, mesh,
+                           lambda p, x, rngs=None: reward.grouped_rm_loss(reward_model, p, x,
+                                                                          0, rngs),
+                           batch, mesh,
                            weight_fn=lambda x: x["pair_mask"].sum())
     batch = dict(prompt_ids=_ids(b, p), prompt_mask=_ids(b, p), chosen_ids=_ids(b, r),
                  chosen_mask=_ids(b, r), rejected_ids=_ids(b, r), rejected_mask=_ids(b, r))
     return _supervised(config.rm, "rm", reward_model,
-                       lambda p, x: reward.rm_loss(reward_model, p, x), batch, mesh)
+                       lambda p, x, rngs=None: reward.rm_loss(reward_model, p, x, rngs), batch,
+                       mesh)
 
 
 def ppo_programs(config, tokenizer, policy, critic, reward_model, mesh,

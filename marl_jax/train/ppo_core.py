@@ -220,7 +220,7 @@ def token_logprobs(policy, params, prompt_ids, prompt_mask, response_ids, respon
     of the temperature-scaled next-token distribution it was sampled from, 0 on padding,
     differentiable with respect to `params`. The one scoring path for old, reference and new
     logprobs. `trunk`: the shared trunk's output (`shared_trunk`), or None; `rngs`: the
-    training forward's (`lora.dropout_rngs`), or None."""
+    training forward's (`{"dropout": key}`), or None."""
     out = continuation_scores(policy, params, prompt_ids, prompt_mask, response_ids,
                               response_mask, temperature, trunk, rngs)
     return out.logprobs, out.entropy

@@ -9,7 +9,7 @@ from marl_jax.train import supervised
 def sft_loss(policy, params, batch, rngs=None):
     """Cross-entropy of the response tokens given the prompt; batch holds `[B, P]` prompt and
     `[B, R]` response ids and masks. The LM head runs over response positions only, in chunks.
-    `rngs`: the adapters' dropout (`lora.dropout_rngs`), or None."""
+    `rngs`: the adapters' dropout (`{"dropout": key}`), or None."""
     out = continuation_scores(policy, params, batch["prompt_ids"], batch["prompt_mask"],
                               batch["response_ids"], batch["response_mask"], rngs=rngs)
     return losses.token_cross_entropy(out.base_logprobs, out.correct, batch["response_mask"])
