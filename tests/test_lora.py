@@ -100,6 +100,14 @@ def test_adapter_dropout_drops_inputs_of_the_low_rank_path_only():
     assert abs(dropped.mean() - rate) < 0.03  # 4096 draws: 5 standard deviations
     again = dense.apply({"params": params}, x, rngs={"dropout": jax.random.key(1)})
     np.testing.assert_array_equal(np.asarray(again), out)
+    # In bfloat16 compute (accelerators): the same two values, to bfloat16's precision.
+    bf16 = dense.clone(dtype=jnp.bfloat16)
+    low = np.asarray(bf16.apply({"params": params}, x.astype(jnp.bfloat16),
+                                rngs={"dropout": jax.random.key(2)}), np.float32)
+    xb = np.asarray(x.astype(jnp.bfloat16), np.float32)
+    dropped = np.isclose(low, 2.0 * xb, rtol=2e-2)
+    kept = np.isclose(low, 2.0 * xb + xb / (1.0 - rate), rtol=2e-2)
+    assert np.all(dropped ^ kept) and abs(dropped.mean() - rate) < 0.03
 
 
 def test_remat_of_the_layer_scan_recomputes_the_same_dropout_masks():
