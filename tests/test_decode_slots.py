@@ -184,3 +184,19 @@ def test_ppo_decode_slots_config_is_checked():
         ppo_lib.validate_decode_slots(config, mesh)
     config.ppo.decode_slots = 16  # not below the batch: the static batch, nothing to split
     ppo_lib.validate_decode_slots(config, mesh)
+
+
+def test_the_rollout_bench_counts_first_in_first_out_decode_steps():
+    import sys
+    from train_util import ROOT
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from bench_rollout import fifo_steps
+
+    # Two slots: rows 0 (5 tokens) and 1 (1) start at once; 2 and 3 take slot 1 after 1 and 2
+    # iterations; slot 0 ends last, at 5.
+    assert fifo_steps([5, 1, 1, 1], 2) == 5
+    # Row 3 waits for the first slot to free (step 2, slot 0) and ends at 2 + 4 = 6.
+    assert fifo_steps([2, 3, 3, 4], 3) == 6
+    # As many slots as rows: the longest row; one slot: the sum.
+    assert fifo_steps([7, 2, 9], 3) == 9
+    assert fifo_steps([7, 2, 9], 1) == 18
