@@ -112,7 +112,9 @@ def test_adapter_dropout_drops_inputs_of_the_low_rank_path_only():
 
 def test_remat_of_the_layer_scan_recomputes_the_same_dropout_masks():
     """Loss and gradients of a scanned model with adapter dropout are the same with and
-    without rematerialisation: the backward pass redraws the masks the forward drew."""
+    without rematerialisation, up to float32 rounding (remat changes how XLA fuses the
+    backward): the backward pass redraws the masks the forward drew. Other masks move the
+    gradients by far more than that tolerance (3e-2 measured)."""
     results = []
     for remat in (False, True):
         model = M.CausalLM(_config(lora_rank=4, lora_dropout=0.5, scan_layers=True, remat=remat))
@@ -120,17 +122,20 @@ def test_remat_of_the_layer_scan_recomputes_the_same_dropout_masks():
         params = lora.attach(lora.without_adapters(params), _randomised_adapters(params))
         ids, mask = padded_batch([4, 6], 6, seed=1, vocab=64)
 
-        def loss(p):
-            logits = model.apply({"params": p}, ids, mask, rngs={"dropout": jax.random.key(1)})
+        def loss(p, seed=1):
+            logits = model.apply({"params": p}, ids, mask, rngs={"dropout": jax.random.key(seed)})
             return jnp.mean(jnp.square(logits))
 
         results.append(jax.value_and_grad(loss)(params))
         without = jnp.mean(jnp.square(model.apply({"params": params}, ids, mask)))
         assert abs(float(results[-1][0]) - float(without)) > 1e-6  # the masks act
     (loss_a, grad_a), (loss_b, grad_b) = results
-    assert float(loss_a) == float(loss_b)
+    np.testing.assert_allclose(float(loss_b), float(loss_a), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(grad_a), jax.tree.leaves(grad_b)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
+    other_masks = jax.grad(loss)(params, seed=2)
+    assert max(float(jnp.abs(a - c).max())
+               for a, c in zip(jax.tree.leaves(grad_a), jax.tree.leaves(other_masks))) > 1e-5
 
 
 def test_sft_step_draws_dropout_masks_from_its_seed_and_step():

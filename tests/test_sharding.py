@@ -239,7 +239,8 @@ def trained():
 
 
 def test_sharded_step_matches_single_device(trained):
-    np.testing.assert_allclose(trained["losses"], trained["ref_losses"], atol=1e-6, rtol=0)
+    # A few float32 ulps of a loss near 7: the sharded program sums in another order.
+    np.testing.assert_allclose(trained["losses"], trained["ref_losses"], rtol=1e-6, atol=0)
     assert trained["losses"][1] < trained["losses"][0]
     for got, want in zip(jax.tree.leaves(trained["params"]), jax.tree.leaves(trained["ref_params"])):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=0)
