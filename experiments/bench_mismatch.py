@@ -19,7 +19,7 @@ the truncated distribution it drew from. `--model`: any local HF directory or .g
 `--synthetic`: the prompts are the first `prompts` RL prompts of the synthetic task of
 `configs/synthetic.py` (then `--model` is a model trained on it, e.g. `<workdir>/models/sft`).
 `--one_jit`: also samples and scores inside one jit, as PPO's rollout program does, and adds its
-largest difference (`one_jit_diff_max`): XLA compiles the two passes differently there.
+largest difference (`one_jit_diff_max`): XLA may round the two passes differently there.
 """
 import pathlib
 import sys

@@ -14,7 +14,8 @@ import uuid
 
 import pytest
 
-from marl_jax.eval import apps, sandbox
+from marl_jax.eval import apps, jail_namespaces, sandbox
+from marl_jax.eval import sandbox_runner as runner
 
 SANDBOXES = sandbox.SANDBOXES
 FAST = sandbox.SandboxLimits(timeout_s=2.0)
@@ -58,8 +59,7 @@ def _covered_by_namespaces_jail(path: str) -> bool:
     """Whether the namespaces jail covers `path` with its own empty tmpfs (a checkout under /tmp
     is hidden there, like anything else in /tmp)."""
     real = os.path.realpath(path)
-    return any(real == point or real.startswith(point + "/")
-               for point in ("/tmp", "/run", "/var/tmp", "/dev/shm"))
+    return any(runner.is_under(real, point) for point in jail_namespaces.COVERED_DIRS)
 
 
 def _uids_of_host_processes():

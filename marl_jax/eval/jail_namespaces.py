@@ -41,6 +41,9 @@ import signal
 import sys
 from typing import Optional, Sequence
 
+# Covered by empty read-only tmpfs mounts inside the jail (/tmp then holds the working directory).
+COVERED_DIRS = ("/run", "/var/tmp", "/dev/shm", "/dev/mqueue", "/tmp")
+
 _CLONE_NEWNS = 0x00020000
 _CLONE_NEWUTS = 0x04000000
 _CLONE_NEWIPC = 0x08000000
@@ -195,8 +198,7 @@ def _set_up_filesystem(libc, workdir_mb: int, owner: Optional[int]) -> dict:
         except OSError:
             not_read_only.append(point)
     interpreter = _interpreter_paths()
-    covers = [p for p in ("/run", "/var/tmp", "/dev/shm", "/dev/mqueue", "/tmp")
-              if os.path.isdir(p) and not os.path.islink(p)]
+    covers = [p for p in COVERED_DIRS if os.path.isdir(p) and not os.path.islink(p)]
     if owner is not None:
         # The unprivileged worker must also read an interpreter that lives under a directory
         # closed to other users (e.g. a pyenv in /root): that directory is covered too.
