@@ -48,7 +48,7 @@ def gemma_tldr_config(model_path: str, *, tpu_topology: str, kl_coef: float = 0.
     c.model.path = model_path
     c.model.dtype = "bfloat16"
     c.model.param_dtype = "float32"
-    c.model.remat = True
+    c.model.remat = "full"
     c.model.scan_layers = True
 
     t = c.task

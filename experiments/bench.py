@@ -19,6 +19,12 @@ def main(argv):
     if len(argv) < 2 or argv[1] not in BENCHMARKS:
         raise SystemExit(f"usage: python experiments/bench.py {{{','.join(BENCHMARKS)}}} [flags]")
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    sys.path.insert(1, str(pathlib.Path(__file__).resolve().parent.parent))
+    from marl_jax import xla_flags
+
+    added = xla_flags.apply()
+    if added:
+        print(f"XLA flags set for this GPU: {' '.join(added)} (a flag named in XLA_FLAGS wins)")
     importlib.import_module(f"bench_{MODULES.get(argv[1], argv[1])}").main(argv[2:])
 
 

@@ -1,122 +1,95 @@
-"""Train-step and sampler throughput of the policy on the accelerator present (TPU, GPU or CPU).
+"""Train-step and rollout throughput of the policy on the accelerator present (TPU, GPU or CPU),
+each number beside its physical bound.
 
 `python experiments/bench.py device [--small] [--batch-per-device 8] [--length 1024] ...`
-
-Measures, with every device of the host in one data-parallel mesh:
+measures one train step and the sampler:
   train step   tokens/s of one jitted SFT step (forward, backward and AdamW update of the
                policy, `marl_jax.train.supervised.make_train_step`) on `[batch, length]` tokens,
                and MFU = 6 * params * tokens/s / peak FLOP/s of all devices;
   sampler      new tokens/s of `marl_jax.sampling.generate` (KV-cache decoding, top-k 50).
-The peak comes from a table of bf16 dense peaks per device kind (TPU v2 to v6e, NVIDIA V100 to
-B200); for other devices (CPUs) it is the best of timed square matmuls in the compute dtype.
+Sizes: on GPUs and TPUs the SmolLM2-135M shape with rematerialisation; on CPUs a 4-layer
+width-256 model; `--small` a 2-layer width-64 model (smoke test).
 
-Sizes: on GPUs and TPUs the SmolLM2-135M shape (30 layers, width 576, vocabulary 49152) with
-rematerialisation; on CPUs a 4-layer width-256 model; `--small` a 2-layer width-64 model that runs
-in seconds (smoke test). The compute dtype is `--dtype` (default "auto": bfloat16 on GPU/TPU,
-float32 on CPU, as `config.model.dtype`); parameters stay float32. The last line of the output
-is the whole result as JSON.
+`python experiments/bench.py device --suite [--small] [--only ROW,...]` runs the rows below on
+random weights (nothing to download), each number beside its bound, the last line JSON:
+  train_smollm2_8x1024_{full,none}   SmolLM2-135M shape, 8 x 1024 tokens per device, remat full /
+                                     none: tokens/s, MFU (6 x params x tokens/s / peak) and MFU
+                                     with attention FLOPs (PaLM's 6N + 12 L H T per token);
+  train_smollm2_8x1024_before        the same at remat full with the reference attention and
+                                     the weights cast at every layer call (the step before the
+                                     fused attention and the one cast per step);
+  train_smollm2_8x1024_xla           remat full with jax.nn.dot_product_attention's XLA path;
+  train_smollm2_max_{full,none}      at the largest per-device batch that fits (the memory a
+                                     compile at 8 rows reports, scaled; powers of two, <= 64);
+  train_gemma2b_4x2048               the Gemma-2B shape (18 layers, width 2048, vocabulary
+                                     256000), remat full;
+  decode_b32, decode_b256            new tokens/s of the sampler (bfloat16 on accelerators, 128
+                                     prompt + 128 new tokens) and the share of the bound that
+                                     reading the weights and the live KV cache once per step
+                                     at HBM bandwidth sets; the sampler's compile time;
+  slots_chat_b32_s8, slots_chat_b256_s64
+                                     the static sampler in B / S calls of S rows (the same
+                                     KV-cache memory) against S decode slots, rows stopping at
+                                     lengths drawn from the recorded SmolLM2 chat profile
+                                     (`bench_rollout.chat_lengths`): speedup, a slot iteration's
+                                     cost over a static S-row step, token agreement as a share;
+  mismatch_f32                       the sampler's logprobs against the trainer's in float32 at
+                                     the default precision (highest): mean and max |diff|.
+`--small` runs every row with the smoke-test model on small shapes (a CPU, under a minute).
+`--unrolled` runs the layers unrolled instead of in one scan (compiles take longer).
+Peaks and bandwidths come from `bench_hardware` (timed for CPUs).
 """
 import argparse
 import json
+import math
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench_hardware import device_bounds, table_entry
+from bench_models import model_settings, random_policy
 from bench_timing import best_time
 
-# bf16 dense peak FLOP/s of one JAX device, by lower-cased `device_kind` substring (first match).
-# TPU v2 / v3 expose each TensorCore as a device (half a chip); v4 and later one device per chip.
-PEAK_FLOPS = (
-    ("tpu v6 lite", 918e12),  # v6e (Trillium)
-    ("tpu v6e", 918e12),
-    ("tpu v5 lite", 197e12),  # v5e
-    ("tpu v5e", 197e12),
-    ("tpu v5p", 459e12),
-    ("tpu v5", 459e12),  # v5p reports "TPU v5"
-    ("tpu v4", 275e12),
-    ("tpu v3", 61.5e12),
-    ("tpu v2", 22.5e12),
-    ("gb200", 2.5e15),
-    ("b200", 2.25e15),
-    ("h200", 989e12),
-    ("gh200", 989e12),
-    ("h100 pcie", 756e12),
-    ("h100", 989e12),  # SXM
-    ("h800", 989e12),
-    ("a100", 312e12),
-    ("a800", 312e12),
-    ("l40s", 362e12),
-    ("l4", 121e12),
-    ("a10", 125e12),
-    ("v100", 125e12),  # fp16 tensor cores (no bf16)
-)
-
+# The legacy single run's presets: (shape, remat, batch per device, length, sampler rows, prompt,
+# new tokens, repeats).
 PRESETS = {
-    "small": dict(model=dict(hidden_size=64, intermediate_size=192, num_layers=2, num_heads=2,
-                             num_kv_heads=2, head_dim=32, vocab_size=512,
-                             max_position_embeddings=128),
-                  remat=False, batch_per_device=2, length=64, sample_batch=4, prompt=16, new=16,
+    "small": dict(shape="small", remat=False, batch_per_device=2, length=64, sample_batch=4, prompt=16, new=16,
                   repeats=2),
-    "cpu": dict(model=dict(hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4,
-                           num_kv_heads=4, head_dim=64, vocab_size=8192,
-                           max_position_embeddings=512),
-                remat=False, batch_per_device=4, length=256, sample_batch=8, prompt=64, new=64,
+    "cpu": dict(shape="cpu", remat=False, batch_per_device=4, length=256, sample_batch=8, prompt=64, new=64,
                 repeats=3),
-    # SmolLM2-135M's shape.
-    "accelerator": dict(model=dict(hidden_size=576, intermediate_size=1536, num_layers=30,
-                                   num_heads=9, num_kv_heads=3, head_dim=64, vocab_size=49152,
-                                   max_position_embeddings=2048),
-                        remat=True, batch_per_device=8, length=1024, sample_batch=32, prompt=128,
+    "accelerator": dict(shape="smollm2", remat=True, batch_per_device=8, length=1024, sample_batch=32, prompt=128,
                         new=128, repeats=5),
 }
 
-
-class _Vocabulary:
-    """What `build.model_config` reads from a tokenizer, for a model without one."""
-
-    def __init__(self, size: int):
-        self.size, self.eos_token_id, self.pad_token_id, self.bos_token_id = size, 1, 0, 2
-
-    def __len__(self):
-        return self.size
+SUITE_ROWS = ("train_smollm2_8x1024_full", "train_smollm2_8x1024_none", "train_smollm2_8x1024_before",
+              "train_smollm2_8x1024_xla",
+              "train_smollm2_max_full", "train_smollm2_max_none", "train_gemma2b_4x2048", "decode_b32",
+              "decode_b256", "slots_chat_b32_s8", "slots_chat_b256_s64", "mismatch_f32")
 
 
 def table_peak(device_kind: str):
-    kind = device_kind.lower()
-    for name, flops in PEAK_FLOPS:
-        if name in kind:
-            return flops
-    return None
+    entry = table_entry(device_kind)
+    return None if entry is None else entry[0]
 
 
-def timed_matmul_peak(dtype, size: int, repeats: int = 10) -> float:
-    """FLOP/s of the best of `repeats` `[size, size] @ [size, size]` matmuls on one device."""
-    a = jax.random.normal(jax.random.key(0), (size, size), dtype)
-    matmul = jax.jit(lambda x: x @ x)
-    return 2 * size ** 3 / best_time(lambda: matmul(a), repeats)
+# ---- train step -----------------------------------------------------------------------------
+def train_program(config, module, params, mesh, batch: int, length: int, *, cast: bool = True):
+    """(jitted SFT step, initial state, batch of `[batch, length]` tokens, half prompt half
+    response). `cast`: the weights cast to the compute dtype once per step (as runs do), else
+    at every layer call."""
+    import functools
 
-
-def build_config(preset: dict, dtype: str):
-    from marl_jax.config import base_config
-
-    config = base_config()
-    config.model.config.update(dict(family="llama", tie_word_embeddings=True, **preset["model"]))
-    config.model.dtype = dtype
-    config.model.remat = preset["remat"]
-    return config
-
-
-def bench_train(config, module, params, mesh, batch: int, length: int, repeats: int) -> float:
-    """Seconds of the best train step on `[batch, length]` tokens (half prompt, half response)."""
+    from marl_jax import models
     from marl_jax.train import build, sft, sharding, supervised
     from marl_jax.train.optim import make_optimizer
 
     optimizer = make_optimizer(config.sft, 1000)
     shardings = build.train_state_shardings(module, optimizer, mesh, params)
     step = jax.jit(supervised.make_train_step(
-        lambda p, b: sft.sft_loss(module, p, b), optimizer),
+        lambda p, b: sft.sft_loss(module, p, b), optimizer,
+        compute_weights=functools.partial(models.compute_weights, config=module.config) if cast else None),
         in_shardings=(shardings, sharding.batch_sharding(mesh)),
         out_shardings=(shardings, sharding.replicated(mesh)), donate_argnums=0)
     rng = np.random.default_rng(0)
@@ -124,20 +97,61 @@ def bench_train(config, module, params, mesh, batch: int, length: int, repeats: 
     ids = rng.integers(3, module.config.vocab_size, size=(batch, length)).astype(np.int32)
     data = dict(prompt_ids=ids[:, :half], prompt_mask=np.ones((batch, half), np.int32),
                 response_ids=ids[:, half:], response_mask=np.ones((batch, length - half), np.int32))
-    data = sharding.put_global(data, mesh)
-    state = [build.new_train_state(params, optimizer, shardings)]
+    return step, build.new_train_state(params, optimizer, shardings), sharding.put_global(data, mesh)
+
+
+def bench_train(config, module, params, mesh, batch: int, length: int, repeats: int, cast: bool = True):
+    """(seconds of the best train step, seconds of the compile and first step)."""
+    from marl_jax.train import build, sharding
+
+    step, state0, data = train_program(config, module, params, mesh, batch, length, cast=cast)
+    state = [state0]
 
     def run():
         state[0], metrics = step(state[0], data)
         return metrics["loss"]
 
-    with sharding.mesh_context(mesh, sharding.logical_rules(mesh, build.model_dims(
-            module.config))):
-        return best_time(run, repeats)
+    with sharding.mesh_context(mesh, sharding.logical_rules(mesh, build.model_dims(module.config))):
+        start = time.perf_counter()
+        jax.block_until_ready(run())
+        first = time.perf_counter() - start
+        return best_time(run, repeats, warmup=False), first
 
 
-def bench_sampler(module, params, mesh, batch: int, prompt: int, new: int, repeats: int):
-    """(seconds, tokens) of the best `generate` of `new` tokens after `[batch, prompt]` prompts."""
+def train_memory(config, module, params, mesh, batch: int, length: int) -> dict:
+    """The compiled SFT step's memory analysis at `[batch, length]`: argument and temporary bytes."""
+    from marl_jax.train import build, sharding
+
+    step, state, data = train_program(config, module, params, mesh, batch, length)
+    with sharding.mesh_context(mesh, sharding.logical_rules(mesh, build.model_dims(module.config))):
+        stats = step.lower(state, data).compile().memory_analysis()
+    return dict(args=stats.argument_size_in_bytes, temp=stats.temp_size_in_bytes)
+
+
+def device_capacity() -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def largest_batch(probe: dict, probe_batch: int, capacity: int, cap: int = 64) -> int:
+    """The largest power-of-two batch (<= cap) whose arguments plus temporaries, scaled linearly
+    in the batch from the probe's, fit 85% of `capacity`."""
+    per_row = probe["temp"] / probe_batch
+    room = 0.85 * capacity - probe["args"]
+    rows = max(1, int(room // per_row)) if per_row > 0 else cap
+    return max(probe_batch, min(cap, 2 ** int(math.log2(rows))))
+
+
+def attention_flops_per_token(cfg, length: int) -> float:
+    """PaLM's attention FLOPs per token of a train step: 12 x layers x heads x head_dim x T."""
+    return 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * length
+
+
+# ---- sampler --------------------------------------------------------------------------------
+def bench_sampler(module, params, mesh, batch: int, prompt: int, new: int, repeats: int, fixed_lengths=False):
+    """(seconds of the best `generate` of `new` tokens after `[batch, prompt]` prompts, new tokens
+    decoded, seconds of the compile and first call). `fixed_lengths`: every row decodes `new`
+    tokens (no early stop)."""
     from marl_jax import distributed, sampling
     from marl_jax.train import build, sharding
 
@@ -146,29 +160,236 @@ def bench_sampler(module, params, mesh, batch: int, prompt: int, new: int, repea
     prompts = sharding.put_global(dict(ids=ids, mask=np.ones_like(ids)), mesh)
     params = jax.device_put(params, build.param_shardings(module, mesh, build.abstract(params)))
     top_k = min(50, module.config.vocab_size)
+    lengths = jnp.full((batch,), new, jnp.int32) if fixed_lengths else None
     generate = jax.jit(lambda p, i, m, k: sampling.generate(
         module, p, i, m, key=jax.random.wrap_key_data(k), max_new_tokens=new, temperature=0.8,
-        top_k=top_k, eos_id=module.config.eos_token_id, pad_id=module.config.pad_token_id))
+        top_k=top_k, eos_id=module.config.eos_token_id, pad_id=module.config.pad_token_id,
+        max_lengths=lengths))
     keys = iter(range(1_000_000))
-    best, tokens = float("inf"), 0
-    with sharding.mesh_context(mesh, sharding.logical_rules(mesh, build.model_dims(
-            module.config))):
+    best, tokens, first = float("inf"), 0, 0.0
+    with sharding.mesh_context(mesh, sharding.logical_rules(mesh, build.model_dims(module.config))):
         for attempt in range(repeats + 1):
-            key = sharding.put_global(jax.random.key_data(jax.random.key(next(keys))), mesh,
-                                      axis=None)
+            key = sharding.put_global(jax.random.key_data(jax.random.key(next(keys))), mesh, axis=None)
             start = time.perf_counter()
             out = jax.block_until_ready(generate(params, prompts["ids"], prompts["mask"], key))
             seconds = time.perf_counter() - start
             # Decoding runs until every row has stopped: count the steps actually taken.
             steps = int(distributed.global_to_host(out.mask).sum(axis=1).max())
-            if attempt and seconds < best:  # attempt 0 compiles
+            if attempt == 0:
+                first = seconds
+            elif seconds < best:
                 best, tokens = seconds, batch * steps
-    return best, tokens
+    return best, tokens, first
+
+
+def decode_bytes(cfg, batch: int, prompt: int, new: int) -> float:
+    """Bytes one `generate` must read at least: every weight once per decode step in the compute
+    dtype (the tied or untied LM head included) and, per step, the keys and values of the
+    positions live so far."""
+    itemsize = jnp.dtype(cfg.dtype).itemsize
+    weights = _param_count(cfg) * itemsize
+    per_position = 2 * cfg.num_layers * batch * cfg.num_kv_heads * cfg.head_dim * itemsize
+    positions = sum(prompt + t for t in range(new))
+    return new * weights + per_position * positions
+
+
+def _param_count(cfg) -> int:
+    from marl_jax import models
+
+    module = models.build_model(cfg)
+    shapes = jax.eval_shape(lambda: models.init_params(module, jax.random.key(0)))
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+
+
+# ---- the suite ------------------------------------------------------------------------------
+class Suite:
+    """The rows of `--suite`: each a method returning its measured numbers and bounds."""
+
+    def __init__(self, small: bool, unrolled: bool, repeats: int):
+        from marl_jax.train import sharding
+
+        self.small, self.scan, self.repeats = small, not unrolled, repeats
+        self.backend = jax.default_backend()
+        self.dtype = "bfloat16" if self.backend in ("gpu", "tpu") else "float32"
+        self.bounds = device_bounds(self.dtype, small)
+        self.mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
+        self.devices = jax.device_count()
+        self.capacity = device_capacity()
+
+    def _policy(self, shape: str, dtype=None, **settings):
+        config = model_settings("small" if self.small else shape, dtype or self.dtype, scan_layers=self.scan,
+                                **settings)
+        return (config,) + random_policy(config)
+
+    def _train(self, shape, batch, length, remat, attention="auto", cast=True):
+        if self.small:
+            batch, length = min(batch, 2), min(length, 64)
+        config, module, params, count = self._policy(shape, remat=remat, attention=attention)
+        global_batch = batch * self.devices
+        step_s, first_s = bench_train(config, module, params, self.mesh, global_batch, length, self.repeats, cast)
+        tokens_per_s = global_batch * length / step_s
+        peak = self.bounds["flops"] * self.devices
+        mfu = 6 * count * tokens_per_s / peak
+        mfu_attention = (6 * count + attention_flops_per_token(module.config, length)) * tokens_per_s / peak
+        from marl_jax.models import attention as attention_lib
+
+        return dict(batch_per_device=batch, length=length, remat=remat, attention=attention_lib.resolve(module.config),
+                    weights_cast_once=cast, params=count, step_s=step_s, compile_and_first_s=first_s,
+                    tokens_per_s=tokens_per_s, mfu=mfu, mfu_with_attention=mfu_attention,
+                    text=f"{tokens_per_s:,.0f} tokens/s, MFU {100 * mfu:.1f}% ({100 * mfu_attention:.1f}% "
+                         f"with attention) of {peak / 1e12:.3g} TFLOP/s")
+
+    def train_smollm2_8x1024_full(self):
+        return self._train("smollm2", 8, 1024, "full")
+
+    def train_smollm2_8x1024_none(self):
+        return self._train("smollm2", 8, 1024, "none")
+
+    def train_smollm2_8x1024_xla(self):
+        return self._train("smollm2", 8, 1024, "full", attention="xla")
+
+    def train_smollm2_8x1024_before(self):
+        return self._train("smollm2", 8, 1024, "full", attention="reference", cast=False)
+
+    def _train_max(self, remat):
+        length = 64 if self.small else 1024
+        probe_batch = 2 if self.small else 8
+        config, module, params, _ = self._policy("smollm2", remat=remat)
+        probe = train_memory(config, module, params, self.mesh, probe_batch * self.devices, length)
+        capacity = self.capacity or (probe["args"] + 8 * probe["temp"])
+        batch = largest_batch(probe, probe_batch, capacity, cap=4 if self.small else 64)
+        row = self._train("smollm2", batch, 1024, remat)
+        row.update(probe_batch=probe_batch, probe_temp_bytes=probe["temp"], capacity_bytes=capacity)
+        return row
+
+    def train_smollm2_max_full(self):
+        return self._train_max("full")
+
+    def train_smollm2_max_none(self):
+        return self._train_max("none")
+
+    def train_gemma2b_4x2048(self):
+        return self._train("gemma2b", 4, 2048, "full")
+
+    def _decode(self, batch):
+        prompt, new = (16, 32) if self.small else (128, 128)
+        batch = min(batch, 8) if self.small else batch
+        _, module, params, _ = self._policy("smollm2")
+        seconds, tokens, first = bench_sampler(module, params, self.mesh, batch * self.devices, prompt, new,
+                                               self.repeats, fixed_lengths=True)
+        steps = tokens // (batch * self.devices)
+        bound_s = decode_bytes(module.config, batch, prompt, steps) / self.bounds["bandwidth"]
+        return dict(batch=batch, prompt=prompt, new=steps, seconds=seconds, tokens_per_s=tokens / seconds,
+                    ms_per_step=1e3 * seconds / steps, bound_s=bound_s, share_of_bound=bound_s / seconds,
+                    compile_and_first_s=first,
+                    text=f"{tokens / seconds:,.0f} new tokens/s, {1e3 * seconds / steps:.2f} ms per step, "
+                         f"{100 * bound_s / seconds:.1f}% of the weight + KV read bound "
+                         f"({1e3 * bound_s / steps:.3f} ms per step at "
+                         f"{self.bounds['bandwidth'] / 1e12:.2f} TB/s); compile + first call {first:.1f} s")
+
+    def decode_b32(self):
+        return self._decode(32)
+
+    def decode_b256(self):
+        return self._decode(256)
+
+    def _slots(self, batch, slots):
+        from bench_rollout import chat_lengths, compare_rollouts
+
+        prompt, new = (16, 32) if self.small else (48, 256)
+        if self.small:
+            batch, slots = 8, 2
+        _, module, params, _ = self._policy("smollm2")
+        rng = np.random.default_rng(0)
+        ids = jnp.asarray(rng.integers(3, module.config.vocab_size, (batch, prompt)), jnp.int32)
+        out = compare_rollouts(module, params, ids, jnp.ones_like(ids), slots=slots, new=new, key=jax.random.key(0),
+                               temperature=0.8, top_k=50, eos=module.config.eos_token_id[0],
+                               pad=module.config.pad_token_id, repeats=self.repeats,
+                               max_lengths=jnp.asarray(chat_lengths(batch, new, 0)))
+        bound = out["chunk_steps"] / out["slot_iterations"]
+        out.update(prompt=prompt, fifo_bound=bound,
+                   text=f"same memory: static {out['static_chunks_s']:.3f} s ({out['chunk_steps']} steps of {slots} "
+                        f"rows) vs slots {out['slots_s']:.3f} s ({out['slot_iterations']} iterations): "
+                        f"{out['same_memory_speedup']:.2f}x (first-in first-out bound {bound:.2f}x); an iteration "
+                        f"costs {out['iteration_vs_step']:.2f}x a static {slots}-row step; whole static batch "
+                        f"{out['static_s']:.3f} s; tokens agree at {100 * out['agreement']:.1f}% of positions; "
+                        f"compile + first call: slots {out['slots_first_s']:.1f} s, static "
+                        f"{out['static_first_s']:.1f} s")
+        out.pop("lengths")
+        return out
+
+    def slots_chat_b32_s8(self):
+        return self._slots(32, 8)
+
+    def slots_chat_b256_s64(self):
+        return self._slots(256, 64)
+
+    def mismatch_f32(self):
+        from marl_jax import sampling
+        from marl_jax.train import ppo_core as core
+
+        batch, prompt, new = (4, 16, 16) if self.small else (16, 64, 64)
+        _, module, params, _ = self._policy("smollm2", dtype="float32")
+        rng = np.random.default_rng(2)
+        ids = jnp.asarray(rng.integers(3, module.config.vocab_size, (batch, prompt)), jnp.int32)
+        mask = jnp.ones_like(ids)
+        out = jax.jit(lambda p: sampling.generate(
+            module, p, ids, mask, key=jax.random.key(3), max_new_tokens=new, temperature=0.8, top_k=0,
+            eos_id=module.config.eos_token_id, pad_id=module.config.pad_token_id))(params)
+        response_mask = out.mask.astype(jnp.int32)
+        trainer = jax.jit(lambda p: core.token_logprobs(module, p, ids, mask, out.tokens, response_mask, 0.8)[0])(
+            params)
+        diff = np.abs(np.asarray((trainer - out.logprobs) * response_mask))
+        valid = np.asarray(response_mask).astype(bool)
+        return dict(precision=module.config.precision, diff_mean=float(diff[valid].mean()),
+                    diff_max=float(diff[valid].max()), tokens=int(valid.sum()),
+                    text=f"float32 at {module.config.precision} precision: |sampler - trainer| logprob mean "
+                         f"{diff[valid].mean():.2e}, max {diff[valid].max():.2e} over {int(valid.sum())} tokens "
+                         "(target: max < 1e-4)")
+
+
+def run_suite(args):
+    from marl_jax import xla_flags
+    from marl_jax.train import compile_cache
+
+    # Rows that build the same program (the small model's shapes repeat) compile it once.
+    compile_cache.use_run_cache()
+
+    suite = Suite(args.small, args.unrolled, args.repeats or (2 if args.small else 4))
+    rows = SUITE_ROWS if not args.only else tuple(args.only.split(","))
+    unknown = [r for r in rows if r not in SUITE_ROWS]
+    if unknown:
+        raise SystemExit(f"--only: unknown rows {unknown}; rows: {', '.join(SUITE_ROWS)}")
+    kind = jax.devices()[0].device_kind
+    print(f"devices: {suite.devices} x {kind} ({suite.backend}); compute {suite.dtype}, params float32; layers "
+          f"{'in one scan' if suite.scan else 'unrolled'}; peak {suite.bounds['flops'] / 1e12:.1f} TFLOP/s, HBM "
+          f"{suite.bounds['bandwidth'] / 1e12:.2f} TB/s per device ({suite.bounds['source']}); XLA flags: "
+          f"{xla_flags.current() or '(none)'}", flush=True)
+    results = {}
+    for name in rows:
+        start = time.perf_counter()
+        try:
+            row = getattr(suite, name)()
+        except Exception as error:  # one row's failure (a kernel, memory) must not hide the others
+            row = dict(error=f"{type(error).__name__}: {str(error).splitlines()[0][:300]}")
+            print(f"{name}: FAILED {row['error']}", flush=True)
+        else:
+            print(f"{name}: {row.pop('text')}", flush=True)
+        row["wall_s"] = time.perf_counter() - start
+        results[name] = row
+        print(f"row {json.dumps({name: row})}", flush=True)
+        jax.clear_caches()
+    print(json.dumps(dict(backend=suite.backend, device_kind=kind, devices=suite.devices, dtype=suite.dtype,
+                          scan_layers=suite.scan, bounds=suite.bounds, xla_flags=xla_flags.current(),
+                          rows=results)))
 
 
 def main(argv):
     parser = argparse.ArgumentParser(prog="bench.py device", description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="a tiny model (smoke test)")
+    parser.add_argument("--suite", action="store_true", help="every row of the suite (see the module docstring)")
+    parser.add_argument("--only", default="", help="with --suite: a comma-separated subset of its rows")
+    parser.add_argument("--unrolled", action="store_true", help="with --suite: unrolled layers instead of a scan")
     parser.add_argument("--dtype", default="auto", help="compute dtype: auto, bfloat16, float32")
     parser.add_argument("--batch-per-device", type=int)
     parser.add_argument("--length", type=int, help="train sequence length")
@@ -177,9 +398,10 @@ def main(argv):
     parser.add_argument("--new", type=int, help="sampler new tokens")
     parser.add_argument("--repeats", type=int)
     args = parser.parse_args(argv)
+    if args.suite:
+        return run_suite(args)
 
-    from marl_jax import models
-    from marl_jax.train import build, sharding
+    from marl_jax.train import sharding
 
     backend = jax.default_backend()
     preset = dict(PRESETS["small" if args.small else "cpu" if backend == "cpu" else "accelerator"])
@@ -191,11 +413,10 @@ def main(argv):
             raise SystemExit(f"--{field.replace('_', '-')}={preset[field]} must be positive "
                              f"(length >= 2)")
 
-    config = build_config(preset, args.dtype)
-    module_config = build.model_config(config, _Vocabulary(preset["model"]["vocab_size"]))
-    module = build.policy_module(module_config)
-    params = models.init_params(module, jax.random.key(0))
-    num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if backend in ("gpu", "tpu") else "float32")
+    config = model_settings(preset["shape"], dtype, remat=preset["remat"], scan_layers=False)
+    module, params, num_params = random_policy(config)
+    module_config = module.config
     mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
     devices = jax.device_count()
     batch, length = preset["batch_per_device"] * devices, preset["length"]
@@ -208,24 +429,24 @@ def main(argv):
     peak_per_device = table_peak(kind)
     peak_source = f"table ({kind})"
     if peak_per_device is None:
+        from bench_hardware import timed_matmul_peak
+
         size = 512 if args.small else 2048
         peak_per_device = timed_matmul_peak(jnp.dtype(module_config.dtype), size)
         peak_source = f"best timed {size}^3 {module_config.dtype} matmul"
 
-    train_seconds = bench_train(config, module, params, mesh, batch, length, preset["repeats"])
+    train_seconds, _ = bench_train(config, module, params, mesh, batch, length, preset["repeats"])
     train_tokens_per_s = batch * length / train_seconds
     mfu = 6 * num_params * train_tokens_per_s / (peak_per_device * devices)
-    sample_seconds, sample_tokens = bench_sampler(module, params, mesh, sample_batch,
-                                                  preset["prompt"], preset["new"],
-                                                  preset["repeats"])
+    sample_seconds, sample_tokens, _ = bench_sampler(module, params, mesh, sample_batch, preset["prompt"],
+                                                     preset["new"], preset["repeats"])
     sample_tokens_per_s = sample_tokens / sample_seconds
 
-    m = preset["model"]
-    print(f"devices: {devices} x {kind} ({backend}), compute {module_config.dtype}, params "
-          f"{module_config.param_dtype}")
-    print(f"model: llama, {m['num_layers']} layers, width {m['hidden_size']}, {m['num_heads']} "
-          f"heads / {m['num_kv_heads']} kv, mlp {m['intermediate_size']}, vocabulary "
-          f"{m['vocab_size']}, {num_params / 1e6:.2f}M params, remat {preset['remat']}")
+    c = module_config
+    print(f"devices: {devices} x {kind} ({backend}), compute {c.dtype}, params {c.param_dtype}")
+    print(f"model: {c.family}, {c.num_layers} layers, width {c.hidden_size}, {c.num_heads} heads / "
+          f"{c.num_kv_heads} kv, mlp {c.intermediate_size}, vocabulary {c.vocab_size}, "
+          f"{num_params / 1e6:.2f}M params, remat {c.remat}")
     print(f"train step: {batch} x {length} tokens in {train_seconds * 1e3:.1f} ms = "
           f"{train_tokens_per_s:,.0f} tokens/s (best of {preset['repeats']})")
     print(f"peak: {peak_per_device / 1e12:.3f} TFLOP/s per device from {peak_source}")
@@ -233,9 +454,11 @@ def main(argv):
     print(f"sampler: {sample_batch} rows x {sample_tokens // sample_batch} new tokens after "
           f"{preset['prompt']} prompt tokens in {sample_seconds * 1e3:.1f} ms = "
           f"{sample_tokens_per_s:,.0f} tokens/s")
+    model = dict(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_layers=c.num_layers,
+                 num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, vocab_size=c.vocab_size)
     print(json.dumps(dict(
-        backend=backend, device_kind=kind, devices=devices, dtype=module_config.dtype,
-        params=num_params, model=m, remat=preset["remat"], train_batch=batch,
+        backend=backend, device_kind=kind, devices=devices, dtype=c.dtype,
+        params=num_params, model=model, remat=c.remat, train_batch=batch,
         train_length=length, train_step_s=train_seconds, train_tokens_per_s=train_tokens_per_s,
         peak_flops_per_device=peak_per_device, peak_source=peak_source, mfu=mfu,
         sample_batch=sample_batch, prompt=preset["prompt"], new=preset["new"],

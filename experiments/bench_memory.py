@@ -56,8 +56,17 @@ A program the TPU compiler rejects as too large (above what the TPU runtime leav
 30.75 of a v4 chip's 32 GiB) reports the size from the compiler's message instead.
 `weights` counts what the state arguments must hold (trained weights, optimizer states,
 frozen weights: the sum of their per-device shard bytes), a lower bound of every peak.
-Headroom = 1 - peak / capacity; the configs ask for at least 10%. The last line is
-`devices=N peak_gib=X capacity_gib=Y fits=True|False` (X the largest peak, fits = X <= Y).
+Headroom = 1 - peak / capacity; the configs ask for at least 10%.
+
+A roofline per program, from the compiler's `compiled.cost_analysis()` per device: FLOPs and
+HBM bytes accessed (XLA's count: work inside Pallas kernels, such as the splash attention, is
+not in it), the roofline bound on the step time, max(FLOPs / peak, bytes / HBM bandwidth), with
+the peak bf16 FLOP/s and HBM bandwidth of the device kind (`bench_hardware`), and the share of
+peak FLOP/s that bound allows (roofline MFU = FLOPs / peak / bound; 1 when compute-bound).
+
+The last line is `devices=N peak_gib=X capacity_gib=Y fits=True|False flops=F hbm_bytes=B
+roofline_step_s=S roofline_mfu=M` (X the largest peak, fits = X <= Y; F, B, S, M those of the
+PPO step program, `ppo_step` or `experiment`, when it was compiled).
 """
 import dataclasses
 import json
@@ -222,6 +231,7 @@ def _rerun_with_cpu_devices(n: int) -> None:
 def resolve_model(config, platform: str):
     """(ModelConfig, where its architecture came from, token ids for the PPO step): the policy
     the trainers would build from `config.model` on `platform`."""
+    from marl_jax import config as config_lib
     from marl_jax import models
     from marl_jax.models import architectures
     from marl_jax.train import build
@@ -238,8 +248,11 @@ def resolve_model(config, platform: str):
         tokenizer = _pathless_tokenizer(config)
         cfg, source = build.model_config(config, tokenizer), "config.model.config"
     dtype = m.dtype if m.dtype != "auto" else ("bfloat16" if platform == "tpu" else "float32")
-    cfg = build.with_lora(cfg.replace(dtype=dtype, param_dtype=m.param_dtype, remat=bool(m.remat),
-                                      scan_layers=bool(m.get("scan_layers", False))), config)
+    precision = m.get("matmul_precision", "auto")
+    cfg = build.with_lora(cfg.replace(dtype=dtype, param_dtype=m.param_dtype, remat=config_lib.remat_policy(m.remat),
+                                      scan_layers=bool(m.get("scan_layers", False)),
+                                      attention=m.get("attention", "auto"),
+                                      matmul_precision=None if precision == "auto" else precision), config)
     if not cfg.eos_token_id:
         raise SystemExit(f"{source}: the model has no eos_token_id; the sampler needs one")
     eos = cfg.eos_token_id[0]
@@ -310,6 +323,28 @@ def unread_bytes(compiled, args, argnums) -> int:
     return unread
 
 
+def roofline(compiled, example_arg, platform: str) -> dict:
+    """FLOPs and HBM bytes per device of a compiled program (its cost analysis), and the roofline
+    step time and MFU on the device kind it was compiled for (empty for kinds without a table
+    entry, and when the compiler gives no cost analysis)."""
+    import jax
+
+    from bench_hardware import table_entry
+
+    costs = compiled.cost_analysis()
+    costs = costs[0] if isinstance(costs, (list, tuple)) else costs
+    if not costs or "flops" not in costs:
+        return {}
+    device = next(iter(jax.tree.leaves(example_arg)[0].sharding.device_set))
+    entry = table_entry(device.device_kind) if platform == "tpu" else None
+    out = dict(flops=float(costs["flops"]), hbm_bytes=float(costs.get("bytes accessed", 0.0)))
+    if entry is not None:
+        peak, bandwidth = entry
+        bound = max(out["flops"] / peak, out["hbm_bytes"] / bandwidth)
+        out.update(roofline_step_s=bound, roofline_mfu=out["flops"] / peak / bound if bound else 0.0)
+    return out
+
+
 def measure(name, program, args, weight_argnums, outside: int, *, platform: str,
             capacity: int) -> dict:
     """Compiles `program.fn` for `args`; one table row (bytes per device). `weight_argnums`:
@@ -327,6 +362,7 @@ def measure(name, program, args, weight_argnums, outside: int, *, platform: str,
         row.update(compile_s=time.perf_counter() - start, resident=outside,
                    peak=used + outside, error=str(error).splitlines()[0][:300])
     else:
+        row.update(roofline(compiled, args[0], platform))
         stats = compiled.memory_analysis()
         fields = dict(args=stats.argument_size_in_bytes, out=stats.output_size_in_bytes,
                       alias=stats.alias_size_in_bytes, temp=stats.temp_size_in_bytes,
@@ -431,7 +467,9 @@ COLUMNS = (("stage", "stage", "{}"), ("program", "program", "{}"),
            ("alias GiB", "alias", "{:.4f}"), ("temp GiB", "temp", "{:.4f}"),
            ("code GiB", "code", "{:.4f}"), ("xla peak GiB", "xla_peak", "{:.4f}"),
            ("resident GiB", "resident", "{:.4f}"),
-           ("peak GiB", "peak", "{:.4f}"), ("headroom %", "headroom", "{:.1f}"))
+           ("peak GiB", "peak", "{:.4f}"), ("headroom %", "headroom", "{:.1f}"),
+           ("TFLOP", "flops", "{:.2f}"), ("HBM GB", "hbm_bytes", "{:.2f}"),
+           ("roofline ms", "roofline_step_s", "{:.1f}"), ("roofline MFU %", "roofline_mfu", "{:.1f}"))
 BYTE_COLUMNS = {"weights", "args", "out", "alias", "temp", "code", "xla_peak", "resident",
                 "peak"}
 
@@ -442,8 +480,14 @@ def _cell(row, key, fmt):
     value = row[key]
     if key in BYTE_COLUMNS:
         value = value / GIB
-    elif key == "headroom":
+    elif key in ("headroom", "roofline_mfu"):
         value = 100 * value
+    elif key == "flops":
+        value = value / 1e12
+    elif key == "hbm_bytes":
+        value = value / 1e9
+    elif key == "roofline_step_s":
+        value = 1e3 * value
     return fmt.format(value)
 
 
@@ -508,6 +552,7 @@ def main(argv):
         _rerun_with_cpu_devices(cpus)
 
     from marl_jax import config as config_lib
+    from marl_jax.models import attention
     from marl_jax.train import build, sharding
 
     target = cpu_target(cpus, FLAGS.capacity_gib) if cpus is not None else tpu_target(topology)
@@ -533,8 +578,11 @@ def main(argv):
               "separate programs; ppo_step here is the on-device step")
 
     rows = []
-    entries = stage_programs(config, cfg, token_ids, mesh, set(wanted))
-    with sharding.mesh_context(mesh, sharding.logical_rules(mesh, build.model_dims(cfg))):
+    with attention.target_platform(target.platform):
+        print(attention.describe(cfg), flush=True)
+        entries = stage_programs(config, cfg, token_ids, mesh, set(wanted))
+    with sharding.mesh_context(mesh, sharding.logical_rules(mesh, build.model_dims(cfg))), \
+            attention.target_platform(target.platform):
         for name, *entry in entries:
             rows.append(measure(name, *entry, platform=target.platform,
                                 capacity=target.capacity_bytes))
@@ -562,8 +610,14 @@ def main(argv):
                        param_dtype=cfg.param_dtype, remat=cfg.remat,
                        scan_layers=cfg.scan_layers),
             programs=rows, peak_bytes=peak, fits=fits), indent=2))
+    step = next((row for row in rows if row["program"] in ("ppo_step", "experiment") and "flops" in row), None)
+    roof = ""
+    if step is not None:
+        roof = f" flops={step['flops']:.4g} hbm_bytes={step['hbm_bytes']:.4g}"
+        if "roofline_step_s" in step:
+            roof += f" roofline_step_s={step['roofline_step_s']:.4g} roofline_mfu={step['roofline_mfu']:.4f}"
     print(f"devices={len(target.devices)} peak_gib={peak / GIB:.3f} "
-          f"capacity_gib={target.capacity_bytes / GIB:.3f} fits={fits}")
+          f"capacity_gib={target.capacity_bytes / GIB:.3f} fits={fits}{roof}")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ key): the share of response positions with the same token and mask, and the larg
 difference where they agree.
 """
 import argparse
+import functools
 import time
 
 import jax
@@ -79,6 +80,20 @@ def agreement(a: sampling.SampleOutput, b: sampling.SampleOutput):
     return same.sum() / valid.sum(), float(gap.max()) if gap.size else 0.0
 
 
+# Response lengths of SmolLM2-135M-Instruct answering `PROMPTS` (32 chat prompts, T = 0.8,
+# top-k 50, 256 new tokens, seed 0, float32 on a CPU): the chat profile `--lengths=chat` draws from.
+CHAT_LENGTHS = (8, 10, 36, 256, 40, 37, 23, 256, 60, 32, 63, 256, 9, 20, 6, 256, 8, 8, 25, 86, 67, 113, 7, 256,
+                9, 8, 9, 256, 9, 3, 63, 256)
+CHAT_BUDGET = 256
+
+
+def chat_lengths(batch: int, budget: int, seed: int) -> np.ndarray:
+    """`[batch]` lengths drawn (seeded, with replacement) from `CHAT_LENGTHS`, rescaled from its
+    256-token budget to `budget` (at least 1): the chat profile of a random-weight rollout."""
+    drawn = np.random.default_rng(seed).choice(np.asarray(CHAT_LENGTHS), size=batch)
+    return np.clip(np.round(drawn * budget / CHAT_BUDGET), 1, budget).astype(np.int32)
+
+
 def fifo_steps(lengths, slots: int) -> int:
     """Iterations of the slot loop for rows of these lengths, taken in order by the first free
     slot (the lowest-numbered one among those freed at once)."""
@@ -87,6 +102,95 @@ def fifo_steps(lengths, slots: int) -> int:
         slot = min(range(slots), key=lambda i: (free_at[i], i))
         free_at[slot] += int(length)
     return max(free_at)
+
+
+def _timed(runs: dict, repeats: int) -> tuple[dict, dict, dict]:
+    """(first outputs, compile + first-run seconds, best of `repeats` seconds) of each jitted
+    zero-argument call, timed alternately so that load changes hit all alike."""
+    outputs, first, best = {}, {}, {name: float("inf") for name in runs}
+    for name, run in runs.items():
+        start = time.perf_counter()
+        outputs[name] = jax.block_until_ready(run())
+        first[name] = time.perf_counter() - start
+    for _ in range(repeats):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            jax.block_until_ready(run())
+            best[name] = min(best[name], time.perf_counter() - start)
+    return outputs, first, best
+
+
+def compare_rollouts(model, params, ids, mask, *, slots: int, new: int, key, temperature: float, top_k: int,
+                     eos: int, pad: int, repeats: int, max_lengths=None, same_memory: bool = True) -> dict:
+    """The static sampler over the whole batch, over B / S calls of S rows (the same KV-cache
+    memory as the slots; chunk c draws with `fold_in(key, c)`), and the decode slots, on prompts
+    `ids, mask [B, P]`: seconds, decode steps, and the slots' agreement with the static batch.
+    `max_lengths [B]`: prescribed response lengths (random-weight workloads)."""
+    batch = ids.shape[0]
+
+    def call(p, batch_ids, batch_mask, decode_slots, call_key, lengths):
+        return sampling.generate(model, p, batch_ids, batch_mask, key=call_key, max_new_tokens=new,
+                                 temperature=temperature, top_k=top_k, eos_id=eos, pad_id=pad,
+                                 decode_slots=decode_slots, max_lengths=lengths)
+
+    static = jax.jit(lambda p: call(p, ids, mask, 0, key, max_lengths))
+    slotted = jax.jit(lambda p: call(p, ids, mask, slots, key, max_lengths))
+    runs = {"static": lambda: static(params), "slots": lambda: slotted(params)}
+    if same_memory:
+        if batch % slots:
+            raise SystemExit(f"the same-memory comparison needs the batch ({batch}) divisible by the slots ({slots})")
+        chunks = batch // slots
+        split = lambda x: None if x is None else x.reshape((chunks, slots) + x.shape[1:])
+
+        def chunked(p):
+            def chunk(xs):
+                c, c_ids, c_mask, c_lengths = xs
+                return call(p, c_ids, c_mask, 0, jax.random.fold_in(key, c), c_lengths)
+
+            return jax.lax.map(chunk, (jnp.arange(chunks), split(ids), split(mask), split(max_lengths)))
+
+        chunked_fn = jax.jit(chunked)
+        runs["static_chunks"] = lambda: chunked_fn(params)
+    outputs, first, best = _timed(runs, repeats)
+    lengths = np.asarray(outputs["static"].mask).sum(1)
+    same, gap = agreement(outputs["static"], outputs["slots"])
+    out = dict(batch=batch, slots=slots, new=new, static_s=best["static"], slots_s=best["slots"],
+               static_first_s=first["static"], slots_first_s=first["slots"], static_steps=int(lengths.max()),
+               slot_iterations=fifo_steps(lengths, slots), mean_len=float(lengths.mean()),
+               max_len=int(lengths.max()), agreement=float(same), agreement_logprob_gap=gap,
+               same_tokens=bool(same == 1.0), lengths=lengths.tolist())
+    if same_memory:
+        chunk_lengths = np.asarray(outputs["static_chunks"].mask).sum(-1)
+        chunk_steps = int(chunk_lengths.max(-1).sum())
+        out.update(static_chunks_s=best["static_chunks"], static_chunks_first_s=first["static_chunks"],
+                   chunk_steps=chunk_steps, same_memory_speedup=best["static_chunks"] / best["slots"],
+                   # A slot iteration's cost over a static step of as many rows.
+                   iteration_vs_step=(best["slots"] / out["slot_iterations"]) / (best["static_chunks"] / chunk_steps))
+    return out
+
+
+def vmap_ratio(model, params, ids, mask, *, slots: int, new: int, key, temperature: float, top_k: int, eos: int,
+               pad: int, runs: int, repeats: int, max_lengths=None) -> dict:
+    """The decode slots of `runs` runs (keys `split(key, runs)`) in one vmapped call against
+    each run alone: the vmapped call's seconds per run over the mean of the single calls'."""
+    keys = jax.random.split(key, runs)
+
+    def call(p, run_key):
+        return sampling.generate(model, p, ids, mask, key=run_key, max_new_tokens=new, temperature=temperature,
+                                 top_k=top_k, eos_id=eos, pad_id=pad, decode_slots=slots, max_lengths=max_lengths)
+
+    single = jax.jit(call)
+    vmapped = jax.jit(jax.vmap(call, in_axes=(None, 0)))
+    calls = {f"run_{r}": functools.partial(single, params, keys[r]) for r in range(runs)}
+    calls["vmapped"] = functools.partial(vmapped, params, keys)
+    outputs, _, best = _timed(calls, repeats)
+    singles = [best[f"run_{r}"] for r in range(runs)]
+    for r in range(runs):
+        same = np.array_equal(np.asarray(outputs["vmapped"].tokens[r]), np.asarray(outputs[f"run_{r}"].tokens))
+        if not same:
+            raise SystemExit(f"run {r}: the vmapped slots' tokens differ from the single call's")
+    return dict(runs=runs, single_s=singles, vmapped_s=best["vmapped"],
+                vmap_ratio=best["vmapped"] / runs / (sum(singles) / runs))
 
 
 def main(argv):
@@ -100,76 +204,66 @@ def main(argv):
     parser.add_argument("--agreement", action="store_true")
     parser.add_argument("--same-memory", action="store_true",
                         help="also time the static sampler in batch / slots calls of slots rows")
+    parser.add_argument("--lengths", choices=("model", "chat"), default="model",
+                        help="model: SmolLM2's own answers; chat: a random-weight SmolLM2-shaped model whose "
+                             "rows stop at lengths drawn from the recorded chat profile (no checkpoint)")
+    parser.add_argument("--prompt", type=int, default=48, help="prompt tokens with --lengths=chat")
+    parser.add_argument("--vmap", type=int, default=0,
+                        help="also time the slots of this many runs in one vmapped call against each alone")
     args = parser.parse_args(argv)
     slots = args.slots or args.batch // 4
-
-    gguf = _smollm2_gguf()
-    model, params = models.load_pretrained(gguf, dtype=jnp.float32)
-    tokenizer = models.load_tokenizer(gguf)
-    ids, mask = chat_batch(tokenizer, args.batch)
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     key = jax.random.key(args.seed)
+    max_lengths = None
+    if args.lengths == "chat":
+        from bench_models import model_settings, random_policy
 
-    def sampler(decode_slots, temperature, batch_ids, batch_mask):
-        return jax.jit(lambda p: sampling.generate(
-            model, p, batch_ids, batch_mask, key=key, max_new_tokens=args.new, temperature=temperature,
-            top_k=TOP_K, eos_id=eos, pad_id=pad, decode_slots=decode_slots))
-
-    print(f"model: {gguf.name} (float32), device: {jax.devices()[0].device_kind}, B={args.batch} prompts of "
+        dtype = "bfloat16" if jax.default_backend() in ("gpu", "tpu") else "float32"
+        model, params, _ = random_policy(model_settings("smollm2", dtype))
+        rng = np.random.default_rng(args.seed)
+        ids = jnp.asarray(rng.integers(3, model.config.vocab_size, (args.batch, args.prompt)), jnp.int32)
+        mask = jnp.ones_like(ids)
+        eos, pad = 1, 0
+        max_lengths = jnp.asarray(chat_lengths(args.batch, args.new, args.seed))
+        source = f"random SmolLM2-shaped model ({dtype}), chat length profile"
+    else:
+        gguf = _smollm2_gguf()
+        model, params = models.load_pretrained(gguf, dtype=jnp.float32)
+        tokenizer = models.load_tokenizer(gguf)
+        ids, mask = chat_batch(tokenizer, args.batch)
+        eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+        source = f"{gguf.name} (float32)"
+    settings = dict(new=args.new, key=key, temperature=args.temperature, top_k=TOP_K, eos=eos, pad=pad,
+                    repeats=args.repeats, max_lengths=max_lengths)
+    print(f"model: {source}, device: {jax.devices()[0].device_kind}, B={args.batch} prompts of "
           f"{ids.shape[1]} columns, S={slots} slots, max_new_tokens={args.new}, T={args.temperature}, "
           f"top_k={TOP_K}, seed {args.seed}")
     if args.agreement:
         for temperature in (0.0, 0.8):
-            static = sampler(0, temperature, ids, mask)(params)
-            slotted = sampler(4, temperature, ids, mask)(params)
-            same, gap = agreement(static, slotted)
-            lengths = np.asarray(static.mask).sum(1)
-            print(f"agreement T={temperature}: decode_slots=4 vs static: {100 * same:.2f}% of response positions "
-                  f"equal, max |logprob diff| where equal {gap:.2e}; lengths {lengths.min()}..{lengths.max()}, "
-                  f"mean {lengths.mean():.1f}")
-
-    runs = {"static": sampler(0, args.temperature, ids, mask), "continuous": sampler(slots, args.temperature, ids,
-                                                                                      mask)}
+            out = compare_rollouts(model, params, ids, mask, slots=4, same_memory=False,
+                                   **dict(settings, temperature=temperature, repeats=0))
+            lengths = np.asarray(out["lengths"])
+            print(f"agreement T={temperature}: decode_slots=4 vs static: {100 * out['agreement']:.2f}% of response "
+                  f"positions equal, max |logprob diff| where equal {out['agreement_logprob_gap']:.2e}; lengths "
+                  f"{lengths.min()}..{lengths.max()}, mean {lengths.mean():.1f}")
+    vmapped = None
+    if args.vmap:
+        vmapped = vmap_ratio(model, params, ids, mask, slots=slots, runs=args.vmap, **settings)
+        print(f"vmap: {args.vmap} runs' slots in one vmapped call {vmapped['vmapped_s']:.2f} s, alone "
+              + ", ".join(f"{t:.2f}" for t in vmapped["single_s"]) + " s")
+    out = compare_rollouts(model, params, ids, mask, slots=slots, same_memory=args.same_memory, **settings)
+    print(f"compile + first run: static {out['static_first_s']:.1f} s, slots {out['slots_first_s']:.1f} s")
+    print("response lengths:", " ".join(str(n) for n in out["lengths"]))
+    print(f"decode steps: static {out['static_steps']} over {args.batch} rows, continuous {out['slot_iterations']} "
+          f"over {slots} slots (first-in first-out)")
     if args.same_memory:
-        if args.batch % slots:
-            raise SystemExit(f"--same-memory needs --batch ({args.batch}) divisible by the slots ({slots})")
-        chunk_ids, chunk_mask = (x.reshape(args.batch // slots, slots, -1) for x in (ids, mask))
-
-        def chunked(p):
-            def chunk(c, c_ids, c_mask):
-                return sampling.generate(model, p, c_ids, c_mask, key=jax.random.fold_in(key, c),
-                                         max_new_tokens=args.new, temperature=args.temperature, top_k=TOP_K,
-                                         eos_id=eos, pad_id=pad)
-
-            return jax.lax.map(lambda x: chunk(*x), (jnp.arange(args.batch // slots), chunk_ids, chunk_mask))
-
-        runs["static_chunks"] = jax.jit(chunked)
-    outputs = {}
-    for name, run in runs.items():
-        start = time.perf_counter()
-        outputs[name] = jax.block_until_ready(run(params))
-        print(f"{name}: compile + first run {time.perf_counter() - start:.1f}s")
-    best = {name: float("inf") for name in runs}
-    # Alternate the calls so that load changes on a shared machine hit both alike.
-    for _ in range(args.repeats):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            jax.block_until_ready(run(params))
-            best[name] = min(best[name], time.perf_counter() - start)
-    static, continuous = outputs["static"], outputs["continuous"]
-    same_tokens = bool(np.array_equal(np.asarray(static.tokens), np.asarray(continuous.tokens))
-                       and np.array_equal(np.asarray(static.mask), np.asarray(continuous.mask)))
-    lengths = np.asarray(static.mask).sum(1)
-    print("response lengths:", " ".join(str(n) for n in lengths))
-    print(f"decode steps: static {lengths.max()} over {args.batch} rows, continuous {fifo_steps(lengths, slots)} over "
-          f"{slots} slots (first-in first-out)")
-    if args.same_memory:
-        chunk_lengths = np.asarray(outputs["static_chunks"].mask).sum(-1)
         print(f"same memory: static in {args.batch // slots} calls of {slots} rows static_chunks_s="
-              f"{best['static_chunks']:.2f} decode_steps={chunk_lengths.max(-1).sum()} (mean_len "
-              f"{chunk_lengths.mean():.1f}) vs continuous_s={best['continuous']:.2f}: speedup="
-              f"{best['static_chunks'] / best['continuous']:.2f}")
-    print(f"static_s={best['static']:.2f} continuous_s={best['continuous']:.2f} "
-          f"speedup={best['static'] / best['continuous']:.2f} same_tokens={same_tokens} "
-          f"mean_len={lengths.mean():.1f} max_len={lengths.max()} "
-          f"bound={args.batch * lengths.max() / lengths.sum():.2f}")
+              f"{out['static_chunks_s']:.2f} decode_steps={out['chunk_steps']} vs continuous_s={out['slots_s']:.2f}: "
+              f"speedup={out['same_memory_speedup']:.2f}; a slot iteration costs "
+              f"{out['iteration_vs_step']:.2f}x a static {slots}-row step")
+    line = (f"static_s={out['static_s']:.2f} continuous_s={out['slots_s']:.2f} "
+            f"speedup={out['static_s'] / out['slots_s']:.2f} same_tokens={out['same_tokens']} "
+            f"agreement={out['agreement']:.4f} mean_len={out['mean_len']:.1f} max_len={out['max_len']} "
+            f"bound={args.batch * out['max_len'] / sum(out['lengths']):.2f}")
+    if vmapped is not None:
+        line += f" vmap_ratio={vmapped['vmap_ratio']:.2f}"
+    print(line)

@@ -122,6 +122,11 @@ def _shown(path: str) -> str:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from marl_jax import xla_flags
+
+    added = xla_flags.apply()
+    if added:
+        print(f"XLA flags set for this GPU: {' '.join(added)} (a flag named in XLA_FLAGS wins)")
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
     config = flags.FLAGS.config

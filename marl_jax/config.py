@@ -29,6 +29,10 @@ KL_ESTIMATORS = ("k1", "k3")
 SCHEDULES = ("constant", "linear", "cosine")
 CRITIC_INITS = ("rm", "sft", "random")
 DTYPES = ("float32", "bfloat16", "float16")
+# The model's numerics knobs (marl_jax/models/config.py has their meaning).
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+ATTENTION_IMPLEMENTATIONS = ("auto", "reference", "xla", "cudnn", "splash")
+MATMUL_PRECISIONS = ("default", "high", "highest")
 OLD_LOGPROBS = ("auto", "trainer", "sampler")
 WANDB_MODES = ("online", "offline", "disabled")
 WANDB_INSTALL = "pip install -e \".[wandb]\" (or pip install wandb==0.31.0)"
@@ -124,8 +128,18 @@ def base_config() -> ml_collections.ConfigDict:
         path="",
         dtype="auto",        # compute dtype: auto = bfloat16 on GPU / TPU, float32 on CPU
         param_dtype="float32",
-        remat=False,
+        # Rematerialisation of each layer in the backward pass: none | full | dots | dots_no_batch
+        # (MaxText's nothing_saveable, checkpoint_dots, checkpoint_dots_with_no_batch_dims);
+        # True means full, False none.
+        remat="none",
         scan_layers=False,   # one `scan` over the decoder layers (MaxText's scan_layers)
+        # Whole-sequence attention (training, scoring, prefill): auto | reference | xla | cudnn |
+        # splash (marl_jax/models/attention.py); auto takes cuDNN's flash attention on NVIDIA GPUs
+        # and the splash kernel on TPUs where they apply, the reference einsums elsewhere.
+        attention="auto",
+        # Precision of every dot and einsum of every role, sampling and scoring alike: auto
+        # (highest in float32, default in bfloat16) | default | high | highest.
+        matmul_precision="auto",
         config=ml_collections.ConfigDict(),
         # LoRA (marl_jax/models/lora.py): rank 0 = full fine-tuning. With rank r > 0 every stage
         # trains float32 adapters (and its heads) on one frozen base, scaled by alpha / r, on the
@@ -253,6 +267,12 @@ def base_config() -> ml_collections.ConfigDict:
     return c
 
 
+def remat_policy(value) -> str:
+    """`config.model.remat` as a policy name: True / "True" mean full, False / "False" none."""
+    return {True: "full", False: "none", "True": "full", "False": "none", "true": "full",
+            "false": "none"}.get(value, value) if isinstance(value, (bool, str)) else value
+
+
 def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> None:
     """Raises ValueError naming the first bad field; call before anything compiles.
 
@@ -268,6 +288,15 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
           "tpu_topology", "must be empty or a Cloud TPU slice like v4-16, v5litepod-8, v5p-32")
     check(c.model.dtype in ("auto",) + DTYPES, "model.dtype", f"must be auto or one of {DTYPES}")
     check(c.model.param_dtype in DTYPES, "model.param_dtype", f"must be one of {DTYPES}")
+    check(remat_policy(c.model.remat) in REMAT_POLICIES, "model.remat",
+          f"must be one of {REMAT_POLICIES} (True means full, False none)")
+    check(c.model.get("attention", "auto") in ATTENTION_IMPLEMENTATIONS, "model.attention",
+          f"must be one of {ATTENTION_IMPLEMENTATIONS}")
+    check(c.model.get("matmul_precision", "auto") in ("auto",) + MATMUL_PRECISIONS, "model.matmul_precision",
+          f"must be one of {('auto',) + MATMUL_PRECISIONS}")
+    check(not (c.model.get("attention") == "cudnn" and c.model.dtype == "float32"), "model.attention",
+          "cuDNN's flash attention computes in bfloat16 or float16 only: set model.dtype=bfloat16, "
+          "or use attention=auto")
     _check_lora(c, check)
     p = c.ppo
     check(p.termination in TERMINATIONS, "ppo.termination", f"must be one of {TERMINATIONS}")
@@ -338,6 +367,12 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
     check(isinstance(chunks, int) and chunks >= 1 and p.batch_size % (chunks * p.group_size) == 0,
           "ppo.rollout_chunks", "must be an integer >= 1 dividing ppo.batch_size / "
           "ppo.group_size (prompts per step)")
+    if isinstance(chunks, int) and chunks >= 1 and isinstance(p.decode_slots, int):
+        chunk_rows = p.batch_size // chunks
+        check(p.decode_slots < chunk_rows or p.decode_slots == 0, "ppo.decode_slots",
+              f"must be below the {chunk_rows} responses of one rollout chunk (ppo.batch_size="
+              f"{p.batch_size} / ppo.rollout_chunks={chunks}) to refill slots; use at most "
+              f"{chunk_rows // 2} or 0 (one static batch)")
     check(chunks == 1 or p.get("num_layers_unfrozen", -1) < 0, "ppo.rollout_chunks",
           "scores the whole batch at once when a frozen trunk is shared (num_layers_unfrozen): "
           "use 1")

@@ -8,7 +8,7 @@ rows and its first token is drawn from the prefill's logits. One `lax.while_loop
 no host round trip; each iteration is
 
   refill  while a slot is free and rows wait: prefill the next `stage` units when the staged ones
-          are used up (`lax.cond`), then copy staged rows into the free slots (in slot order);
+          are used up (`run_if`), then copy staged rows into the free slots (in slot order);
   draw    one token per occupied slot, from its row's key and response position;
   decode  every slot feeds its token at its own cache column (`cache_index [S]`).
 
@@ -55,6 +55,17 @@ def _put_rows(cache, targets, values, batch_axis: int):
         return x.at[index].set(v, mode="drop")
 
     return jax.tree.map(put, cache, values)
+
+
+def run_if(pred, fn: Callable, state):
+    """`fn(state)` where `pred` holds, else `state`: a `while_loop` of at most one iteration.
+    Alone it is `lax.cond`. Under `vmap` with a per-run predicate (runs whose slots refill at
+    different iterations), a `lax.cond` becomes a select that runs `fn` at every iteration for
+    every run; this loop runs it only at the iterations where some run needs it."""
+    def body(carry):
+        return jnp.bool_(True), fn(carry[1])
+
+    return jax.lax.while_loop(lambda carry: pred & ~carry[0], body, (jnp.bool_(False), state))[1]
 
 
 def sample(prefill: Callable, decode: Callable, choose: Callable, draw: Callable, *, units: int, samples: int,
@@ -114,7 +125,7 @@ def sample(prefill: Callable, decode: Callable, choose: Callable, draw: Callable
             return dict(s, stage_cache=cache, stage_logits=logits, stage_kv_mask=kv_mask, stage_lengths=lengths,
                         stage_first=unit_position)
 
-        s = jax.lax.cond(need, restage, lambda s: dict(s), s)
+        s = run_if(need, restage, s)
         free = ~s["active"]
         rank = jnp.cumsum(free) - 1
         available = jnp.minimum((s["stage_first"] + stage) * samples, live_rows) - s["next_row"]

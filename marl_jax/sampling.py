@@ -34,6 +34,7 @@ from flax import linen as nn
 
 from marl_jax import batch_draws, decode_slots as slot_engine
 from marl_jax.models.decoder import init_cache, positions_from_mask
+from marl_jax.models.params import compute_weights
 from marl_jax.models.heads import CausalLM, check_tokens
 
 
@@ -166,15 +167,28 @@ def _repeat_rows(model: CausalLM, k: int, logits, cache, *rows):
     return (jnp.repeat(logits, k, axis=0), cache, *(jnp.repeat(x, k, axis=0) for x in rows))
 
 
+# The decode loop reads the KV cache in blocks of this many new-token columns: the steps of block
+# j attend to the prompt and the first (j + 1) x DECODE_BLOCK columns only, not the whole budget
+# (one `while_loop` per block, each with its own static width).
+DECODE_BLOCK = 128
+
+
+def read_widths(start_slot: int, steps: int, block: int = DECODE_BLOCK) -> list[tuple[int, int]]:
+    """[(last step + 1, key-mask width)] of the decode loop's blocks: steps `[1, steps)` feed the
+    token of step s - 1 at slot start_slot + s - 1, which attends to slots `[0, start_slot + s)`."""
+    ends = list(range(block, steps, block)) + [steps]
+    return [(end, min(start_slot + end, start_slot + steps)) for end in ends]
+
+
 def _sample_loop(decode, choose, draw_at, logits, cache, kv_mask, lengths, start_slot, *, steps, eos_ids, pad_id,
-                 done=None, remaining=None) -> SampleOutput:
+                 done=None, remaining=None, block: int = DECODE_BLOCK) -> SampleOutput:
     """Samples up to `steps` tokens per row after a prefill.
 
     logits `[B, V]`: the prefill's last logits; cache: slots `[0, start_slot)` filled; kv_mask
     `[B, start_slot + steps]`; lengths `[B]`: valid tokens per row before the first new one (its
     position). done `[B]` bool (optional): rows that sample nothing; remaining `[B]` int32
     (optional): at most this many tokens per row. Returns `[B, steps]` arrays; the loop stops when
-    every row is done.
+    every row is done. `block`: new-token columns per decode block (`read_widths`).
     """
     batch = logits.shape[0]
     eos = jnp.asarray(eos_ids, jnp.int32)
@@ -195,33 +209,34 @@ def _sample_loop(decode, choose, draw_at, logits, cache, kv_mask, lengths, start
     if remaining is not None:
         done = done | (remaining <= 1)
 
-    def cond(state):
-        step, _, _, done, *_ = state
-        return (step < steps) & ~jnp.all(done)
+    def body_reading(width):
+        def body(state):
+            step, cache, previous, done, tokens, logprobs, entropies, mask = state
+            # `previous` is token `step - 1`, at cache slot start_slot + step - 1 and position
+            # lengths + step - 1.
+            logits, cache = decode(previous[:, None], kv_mask[:, :width], (lengths + step - 1)[:, None], cache,
+                                   start_slot + step - 1)
+            token, logprob, entropy = choose(logits, draw_at(step))
+            alive = ~done
+            token = jnp.where(alive, token.astype(jnp.int32), pad_id)
+            logprob = jnp.where(alive, logprob, 0.0)
+            entropy = jnp.where(alive, entropy, 0.0)
+            column = (0, step)
+            tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], column)
+            logprobs = jax.lax.dynamic_update_slice(logprobs, logprob[:, None], column)
+            entropies = jax.lax.dynamic_update_slice(entropies, entropy[:, None], column)
+            mask = jax.lax.dynamic_update_slice(mask, alive.astype(jnp.int32)[:, None], column)
+            done = done | (alive & jnp.any(token[:, None] == eos, axis=-1))
+            if remaining is not None:
+                done = done | (step + 1 >= remaining)
+            return step + 1, cache, token, done, tokens, logprobs, entropies, mask
 
-    def body(state):
-        step, cache, previous, done, tokens, logprobs, entropies, mask = state
-        # `previous` is token `step - 1`, at cache slot start_slot + step - 1 and position
-        # lengths + step - 1.
-        logits, cache = decode(previous[:, None], kv_mask, (lengths + step - 1)[:, None], cache,
-                               start_slot + step - 1)
-        token, logprob, entropy = choose(logits, draw_at(step))
-        alive = ~done
-        token = jnp.where(alive, token.astype(jnp.int32), pad_id)
-        logprob = jnp.where(alive, logprob, 0.0)
-        entropy = jnp.where(alive, entropy, 0.0)
-        column = (0, step)
-        tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], column)
-        logprobs = jax.lax.dynamic_update_slice(logprobs, logprob[:, None], column)
-        entropies = jax.lax.dynamic_update_slice(entropies, entropy[:, None], column)
-        mask = jax.lax.dynamic_update_slice(mask, alive.astype(jnp.int32)[:, None], column)
-        done = done | (alive & jnp.any(token[:, None] == eos, axis=-1))
-        if remaining is not None:
-            done = done | (step + 1 >= remaining)
-        return step + 1, cache, token, done, tokens, logprobs, entropies, mask
+        return body
 
     state = (jnp.asarray(1, jnp.int32), cache, token, done, tokens, logprobs, entropies, mask)
-    _, _, _, _, tokens, logprobs, entropies, mask = jax.lax.while_loop(cond, body, state)
+    for end, width in read_widths(start_slot, steps, block):
+        state = jax.lax.while_loop(lambda s, end=end: (s[0] < end) & ~jnp.all(s[3]), body_reading(width), state)
+    _, _, _, _, tokens, logprobs, entropies, mask = state
     return SampleOutput(tokens, logprobs, mask, entropies)
 
 
@@ -233,7 +248,7 @@ def _decoder(model: CausalLM, params):
 
 
 _STATIC = ("model", "top_k", "eos_ids", "pad_id", "greedy", "dynamic_temperature", "use_top_p", "num_samples",
-           "decode_slots")
+           "decode_slots", "decode_block")
 
 
 def _prefill(model: CausalLM, decode, ids, mask, steps: int):
@@ -266,22 +281,23 @@ def _over_slots(model: CausalLM, decode, choose, draw, ids, mask, *, slots, samp
 
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", *_STATIC))
-def _generate(model: CausalLM, params, prompt_ids, prompt_mask, key, row_keys, temperature, top_p, *,
+def _generate(model: CausalLM, params, prompt_ids, prompt_mask, key, row_keys, temperature, top_p, max_lengths, *,
               max_new_tokens, num_samples, top_k, eos_ids, pad_id, greedy, dynamic_temperature, use_top_p,
-              decode_slots):
+              decode_slots, decode_block):
     batch, prompt_len = prompt_ids.shape
     steps = max_new_tokens
     choose = functools.partial(_choose, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy,
                                dynamic_temperature=dynamic_temperature, use_top_p=use_top_p)
-    decode = _decoder(model, params)
+    decode = _decoder(model, compute_weights(params, model.config))
     if decode_slots:
         return _over_slots(model, decode, choose, _slot_draws(key, row_keys), prompt_ids, prompt_mask,
-                           slots=decode_slots, samples=num_samples, steps=steps, eos_ids=eos_ids, pad_id=pad_id)
+                           slots=decode_slots, samples=num_samples, steps=steps, eos_ids=eos_ids, pad_id=pad_id,
+                           remaining=max_lengths)
     logits, cache, kv_mask, lengths = _prefill(model, decode, prompt_ids, prompt_mask, steps)
     logits, cache, kv_mask, lengths = _repeat_rows(model, num_samples, logits, cache, kv_mask, lengths)
     offsets = None if row_keys is None else jnp.zeros((batch * num_samples,), jnp.int32)
     return _sample_loop(decode, choose, _draws(key, row_keys, offsets), logits, cache, kv_mask, lengths, prompt_len,
-                        steps=steps, eos_ids=eos_ids, pad_id=pad_id)
+                        steps=steps, eos_ids=eos_ids, pad_id=pad_id, remaining=max_lengths, block=decode_block)
 
 
 def _sampler_flags(cfg, temperature, top_k, top_p, eos_id, pad_id) -> dict:
@@ -362,13 +378,27 @@ def _check_decode_slots(decode_slots, rows: int, key, candidates: int) -> int:
     return int(decode_slots)
 
 
+def _check_max_lengths(max_lengths, rows: int, budget: int):
+    max_lengths = _as_array(max_lengths)
+    if tuple(max_lengths.shape) != (rows,) or not jnp.issubdtype(max_lengths.dtype, jnp.integer):
+        raise ValueError(f"max_lengths must be an int array of shape ({rows},) = [batch * num_samples], got "
+                         f"shape {tuple(max_lengths.shape)} and dtype {max_lengths.dtype}")
+    if not isinstance(max_lengths, jax.core.Tracer):
+        values = np.asarray(max_lengths)
+        bad = np.flatnonzero((values < 1) | (values > budget)).tolist()
+        if bad:
+            raise ValueError(f"max_lengths must be in [1, max_new_tokens={budget}]; rows {bad[:8]} are not")
+    return max_lengths.astype(jnp.int32)
+
+
 def _sampler_scalars(flags: dict, temperature, top_p):
     return jnp.asarray(1.0 if flags["greedy"] else temperature, jnp.float32), jnp.asarray(top_p, jnp.float32)
 
 
 def generate(model: CausalLM, params, prompt_ids, prompt_mask, *, key=None, row_keys=None, max_new_tokens: int,
              temperature, top_k: int = 0, top_p=1.0, eos_id: int | Sequence[int], pad_id: int,
-             num_samples: int = 1, decode_slots: int | None = None) -> SampleOutput:
+             num_samples: int = 1, decode_slots: int | None = None, max_lengths=None,
+             decode_block: int = DECODE_BLOCK) -> SampleOutput:
     """Samples `max_new_tokens` (N) tokens after left-padded prompts, `num_samples` (k) per prompt.
 
     prompt_ids, prompt_mask `[B, P]` (every row's last column valid). Returns `[B * k, N]` arrays;
@@ -392,6 +422,16 @@ def generate(model: CausalLM, params, prompt_ids, prompt_mask, *, key=None, row_
     key and response position only, so the outputs equal the static call's (up to floating-point
     ties). S at or above B * k samples the static batch (with a warning); on a mesh S must
     split over the data-parallel shards.
+
+    `max_lengths` `[B * k]` int (optional): row i samples at most `max_lengths[i]` tokens
+    (in [1, N]), as if its budget ended there: prescribed lengths for benchmarks.
+
+    `decode_block` (static): the static decode loop reads the KV cache in blocks of this many
+    new-token columns, the steps of block j attending to the prompt and the first (j + 1) x
+    `decode_block` columns only (one `while_loop` per block); the tokens do not depend on it.
+
+    With bfloat16 compute and float32 parameters, the weights are cast to bfloat16 once per call
+    (`models.compute_weights`), not at every decode step; the numbers are the same.
     """
     _check_model(model, "generate")
     cfg = model.config
@@ -413,9 +453,13 @@ def generate(model: CausalLM, params, prompt_ids, prompt_mask, *, key=None, row_
     if row_keys is not None:
         _check_row_keys(row_keys, rows)
     decode_slots = _check_decode_slots(decode_slots, rows, key, flags["top_k"] or cfg.vocab_size)
+    if max_lengths is not None:
+        max_lengths = _check_max_lengths(max_lengths, rows, int(max_new_tokens))
+    if not _is_int(decode_block) or decode_block < 1:
+        raise ValueError(f"decode_block must be a positive int, got {decode_block!r}")
     return _generate(model, params, prompt_ids, prompt_mask, key, row_keys,
-                     *_sampler_scalars(flags, temperature, top_p), max_new_tokens=int(max_new_tokens),
-                     num_samples=num_samples, decode_slots=decode_slots, **flags)
+                     *_sampler_scalars(flags, temperature, top_p), max_lengths, max_new_tokens=int(max_new_tokens),
+                     num_samples=num_samples, decode_slots=decode_slots, decode_block=int(decode_block), **flags)
 
 
 # Continuation from a response prefix --------------------------------------------------------------------
@@ -456,12 +500,12 @@ def _after_prefix(response_ids, prefix_lengths, new: SampleOutput, pad_id: int) 
 @functools.partial(jax.jit, static_argnames=("steps", *_STATIC))
 def _continue(model: CausalLM, params, prompt_ids, prompt_mask, response_ids, prefix_lengths, row_keys, temperature,
               top_p, *, steps, num_samples, top_k, eos_ids, pad_id, greedy, dynamic_temperature, use_top_p,
-              decode_slots):
+              decode_slots, decode_block=DECODE_BLOCK):
     response_len = response_ids.shape[1]
     width = prompt_ids.shape[1] + response_len
     choose = functools.partial(_choose, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy,
                                dynamic_temperature=dynamic_temperature, use_top_p=use_top_p)
-    decode = _decoder(model, params)
+    decode = _decoder(model, compute_weights(params, model.config))
     prefix_lengths = prefix_lengths.astype(jnp.int32)
     ids, mask = _context(prompt_ids, prompt_mask, response_ids, prefix_lengths)
     last = jnp.take_along_axis(response_ids, jnp.maximum(prefix_lengths - 1, 0)[:, None], axis=1)[:, 0]
@@ -479,7 +523,8 @@ def _continue(model: CausalLM, params, prompt_ids, prompt_mask, response_ids, pr
     logits, cache, kv_mask, lengths, done, remaining, prefix_lengths, response_ids = _repeat_rows(
         model, num_samples, logits, cache, kv_mask, lengths, done, remaining, prefix_lengths, response_ids)
     new = _sample_loop(decode, choose, _draws(None, row_keys, prefix_lengths), logits, cache, kv_mask, lengths, width,
-                       steps=steps, eos_ids=eos_ids, pad_id=pad_id, done=done, remaining=remaining)
+                       steps=steps, eos_ids=eos_ids, pad_id=pad_id, done=done, remaining=remaining,
+                       block=decode_block)
     return _after_prefix(response_ids, prefix_lengths, new, pad_id)
 
 

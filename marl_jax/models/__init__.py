@@ -12,7 +12,7 @@ from marl_jax.models.heads import (
     reward_head_init_std,
 )
 from marl_jax.models.loading import build_model, load_pretrained
-from marl_jax.models.params import init_params, logical_axes, stack_layers, unstack_layers
+from marl_jax.models.params import compute_weights, init_params, logical_axes, stack_layers, unstack_layers
 from marl_jax.models.saving import save_pretrained
 from marl_jax.models.tokenizer import load_tokenizer
 
@@ -24,6 +24,7 @@ __all__ = [
     "ModelConfig",
     "ScalarHeadModel",
     "build_model",
+    "compute_weights",
     "forward_logits",
     "init_cache",
     "init_params",

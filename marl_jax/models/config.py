@@ -15,6 +15,7 @@ import warnings
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 FAMILIES = ("gpt2", "llama", "gemma", "qwen2", "gemma2", "qwen3", "gemma3_text", "mistral", "olmo2", "phi3")
 NORM_TYPES = ("rmsnorm", "layernorm")
@@ -26,6 +27,16 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 QK_NORMS = (None, "head", "projection")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 DTYPES = ("float32", "bfloat16", "float16")
+# Rematerialisation of each decoder layer in the backward pass (MaxText's policies): none keeps
+# every activation; full keeps only the layer's input (jax.checkpoint_policies.nothing_saveable);
+# dots keeps the outputs of its matmuls (checkpoint_dots); dots_no_batch those of its matmuls
+# without batch dimensions, the projections but not the attention einsums
+# (checkpoint_dots_with_no_batch_dims).
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+ATTENTION_IMPLEMENTATIONS = ("auto", "reference", "xla", "cudnn", "splash")
+# JAX's names for the precision of every dot and einsum: default (TF32 on NVIDIA GPUs for
+# float32, one bfloat16 pass on TPUs), high (bfloat16_3x on TPUs), highest (true float32).
+MATMUL_PRECISIONS = ("default", "high", "highest")
 
 # transformers activation names -> ours ("gelu_new" and "gelu_pytorch_tanh" are the same tanh
 # approximation).
@@ -100,10 +111,13 @@ class ModelConfig:
     `rope_scaling` is a sorted tuple of (key, value) pairs so the config stays hashable; read it
     as a dict with `rope_scaling_dict`.
     `dtype` is the compute dtype, `param_dtype` the storage dtype; logits are always float32.
-    `remat` recomputes each layer's activations in the backward pass; `scan_layers` runs the layers
-    as one `scan` over parameters stacked on a leading "layers" axis (compile time flat in
-    `num_layers`; params `backbone/layers/...` instead of `backbone/layers_{i}/...`, KV cache
-    stacked too). Neither changes the numbers.
+    `remat` is the layers' rematerialisation policy (`REMAT_POLICIES`; True means full, False
+    none); `scan_layers` runs the layers as one `scan` over parameters stacked on a leading
+    "layers" axis (compile time flat in `num_layers`; params `backbone/layers/...` instead of
+    `backbone/layers_{i}/...`, KV cache stacked too). Neither changes the numbers.
+    `attention` picks the implementation of whole-sequence attention (`marl_jax.models.attention`);
+    `matmul_precision` the precision of every dot (None: highest in float32, default otherwise;
+    `precision` resolves it).
     Direct construction defaults to Llama-style fields; `for_family` fills in a family's defaults
     and `from_hf` reads a transformers config.
     """
@@ -153,8 +167,10 @@ class ModelConfig:
     pad_token_id: int | None = None
     dtype: str = "float32"
     param_dtype: str = "float32"
-    remat: bool = False
+    remat: str = "none"
     scan_layers: bool = False
+    attention: str = "auto"
+    matmul_precision: str | None = None
     # LoRA (`marl_jax.models.lora`): rank 0 = off; adapters on the projections named in
     # `lora_targets`, scaled by lora_alpha / lora_rank. Not part of the HF config.
     lora_rank: int = 0
@@ -169,6 +185,17 @@ class ModelConfig:
         object.__setattr__(self, "sliding_layers", _as_tuple_of_ints(self.sliding_layers))
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", _freeze(self.rope_scaling))
+        if isinstance(self.remat, (bool, np.bool_)):
+            object.__setattr__(self, "remat", "full" if self.remat else "none")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"ModelConfig.remat: {self.remat!r} is not one of {REMAT_POLICIES} "
+                             "(True means full, False none)")
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"ModelConfig.attention: {self.attention!r} is not one of "
+                             f"{ATTENTION_IMPLEMENTATIONS}")
+        if self.matmul_precision not in (None, *MATMUL_PRECISIONS):
+            raise ValueError(f"ModelConfig.matmul_precision: {self.matmul_precision!r} is not one of "
+                             f"{MATMUL_PRECISIONS} (or None: highest in float32, default otherwise)")
         if self.family not in FAMILIES:
             raise ValueError(f"ModelConfig.family: {self.family!r} is not supported; supported families: {FAMILIES}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -226,6 +253,14 @@ class ModelConfig:
     @property
     def weight_dtype(self) -> jnp.dtype:
         return jnp.dtype(self.param_dtype)
+
+    @property
+    def precision(self) -> str:
+        """The precision of every dot: `matmul_precision`, or highest when computing in float32
+        and default otherwise."""
+        if self.matmul_precision is not None:
+            return self.matmul_precision
+        return "highest" if self.dtype == "float32" else "default"
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)

@@ -20,6 +20,7 @@ a trainer shards by rules.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import flax.linen as nn
@@ -27,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from marl_jax.models import attention as attention_lib
 from marl_jax.models import lora as lora_lib
 from marl_jax.models.config import (
     ModelConfig,
@@ -38,9 +40,12 @@ from marl_jax.models.config import (
 # Unrolled: a list, per layer {"k": [B, K, S, H], "v": [B, K, S, H]}; scanned: {"k", "v"}: [L, B, K, S, H].
 Cache = list | dict
 
-# A large finite negative instead of -inf: a fully masked (padded) query row then gets a uniform
-# distribution rather than NaN.
-_MASKED = float(np.finfo(np.float32).min)
+
+def precision_scope(config: ModelConfig):
+    """The context every dot of a model is traced in: `config.precision` (JAX's
+    default_matmul_precision), so the policy, reference, critic and reward model compute each
+    matmul and einsum, sampling and scoring alike, at one precision."""
+    return jax.default_matmul_precision(config.precision)
 
 
 def partitioned_param(module: nn.Module, name: str, init, shape: Sequence[int], axes: Sequence[str | None],
@@ -142,26 +147,6 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, softcap: float | None = None) -> jax.Array:
-    """Grouped-query attention. q `[B, T, N, H]` (already scaled), k, v `[B, K, S, H]`,
-    mask bool `[B, T, S]` -> `[B, T, N, H]`. Softmax in float32; `softcap` (Gemma-2) squashes
-    the scores to (-softcap, softcap) with tanh before masking.
-
-    Everything runs head-major (`[B, K, G, T, .]`, G = N / K) so both dots see their batch dims
-    (B, K) leading: the decode step then reads the cache as stored, without per-step transposes
-    of the cache or of the scores (which cost more than the attention itself on CPU)."""
-    batch, length, heads, head_dim = q.shape
-    kv_heads = k.shape[1]
-    q = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim).transpose(0, 2, 3, 1, 4)
-    scores = jnp.einsum("bkgth,bksh->bkgts", q, k, preferred_element_type=jnp.float32)
-    if softcap is not None:
-        scores = jnp.tanh(scores / softcap) * softcap
-    scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bksh->bkgth", probs, v)
-    return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, heads, head_dim)
-
-
 def _write_rows(cache: jax.Array, new: jax.Array, cache_index) -> jax.Array:
     """`cache [B, K, S, H]` with `new [B, K, T, H]` at slots `[cache_index, cache_index + T)`;
     cache_index a scalar or, per row, `[B]` (rows decoding at different slots: one scatter)."""
@@ -197,10 +182,15 @@ class Attention(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x, rotary, mask, cache=None, cache_index=None, layer=None):
+    def __call__(self, x, rotary, mask, cache=None, cache_index=None, layer=None, valid=None, window_active=None,
+                 window=None, prefill=False):
         """x `[B, T, D]`; rotary (cos, sin) or None; mask bool `[B, T, S]`; cache: this layer's
         `{"k", "v"}: [B, K, S, H]`, or with `layer` (traced index) the stacked `[L, B, K, S, H]`.
-        Returns (`[B, T, D]`, updated cache or None)."""
+        Without a cache, or with `prefill` (a fresh cache written from slot 0), the queries attend
+        to this call's own keys through `attention.attend` (valid `[B, T]`: the tokens that are
+        not padding; window: the sliding window the mask holds (static), window_active: a traced
+        flag saying whether it does, in a scan over mixed layers); a decode step attends to the
+        cache with the reference einsums. Returns (`[B, T, D]`, updated cache or None)."""
         cfg = self.config
         dense = dict(dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype, init_std=cfg.initializer_range,
                      lora=lora_lib.settings(cfg))
@@ -222,13 +212,25 @@ class Attention(nn.Module):
             q = apply_rotary(q, *rotary)
             k = apply_rotary(k, *rotary)
         q = q * jnp.asarray((cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5, q.dtype)
-        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
         new_cache = None
-        if cache is not None:
+        if cache is None or prefill:
+            if cache is not None:
+                length = x.shape[1]
+                (_, new_k), (_, new_v) = (_update_cache(cache[name], new.transpose(0, 2, 1, 3), 0, layer)
+                                          for name, new in (("k", k), ("v", v)))
+                new_cache = {"k": new_k, "v": new_v}
+                mask, valid = mask[..., :length], valid[:, :length]
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
+            out = attention_lib.attend(q, k, v, mask, valid=valid, config=cfg, window=window,
+                                       window_active=window_active)
+        else:
+            k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
             (k, new_k), (v, new_v) = (_update_cache(cache[name], new, cache_index, layer)
                                       for name, new in (("k", k), ("v", v)))
-            k, v, new_cache = k.astype(q.dtype), v.astype(q.dtype), {"k": new_k, "v": new_v}
-        out = attend(q, k, v, mask, cfg.attn_logit_softcap)
+            # A key mask narrower than the cache: the slots beyond it are not read.
+            read = mask.shape[-1]
+            k, v, new_cache = k[:, :, :read].astype(q.dtype), v[:, :, :read].astype(q.dtype), {"k": new_k, "v": new_v}
+            out = attention_lib.reference(q, k, v, mask, cfg.attn_logit_softcap)
         out = nn.with_logical_constraint(out, ("activation_batch", "activation_length", "activation_heads", None))
         out = Dense((cfg.hidden_size,), ("heads", "head_dim", "embed"), contract_dims=2, use_bias=cfg.out_bias,
                     name="o", **dense)(out)
@@ -259,10 +261,13 @@ class DecoderLayer(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x, rotary, mask, cache=None, cache_index=None, layer=None):
+    def __call__(self, x, rotary, mask, cache=None, cache_index=None, layer=None, valid=None, window_active=None,
+                 window=None, prefill=False):
+        """See `Attention` for the arguments; `window` and `prefill` are static."""
         cfg = self.config
         attn_in = Norm(cfg, name="attn_norm")(x) if cfg.pre_norms else x
-        attn_out, new_cache = Attention(cfg, name="attn")(attn_in, rotary, mask, cache, cache_index, layer)
+        attn_out, new_cache = Attention(cfg, name="attn")(attn_in, rotary, mask, cache, cache_index, layer, valid,
+                                                          window_active, window, prefill)
         if cfg.sandwich_norms:
             attn_out = Norm(cfg, name="post_attn_norm")(attn_out)
         x = x + attn_out
@@ -286,28 +291,41 @@ class Embedding(nn.Module):
         return jnp.take(self.embedding, input_ids, axis=0).astype(self.config.compute_dtype)
 
 
+_REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+# DecoderLayer.__call__'s static arguments (window, prefill), counting self.
+_STATIC_LAYER_ARGS = (9, 10)
+
+
 def _layer_class(cfg: ModelConfig):
-    if not cfg.remat:
+    if cfg.remat == "none":
         return DecoderLayer
+    policy = _REMAT_POLICIES[cfg.remat]
     if cfg.scan_layers:
-        # MaxText's full remat: of each layer only its input (the scan carry) is kept for the
-        # backward pass, so activation memory is L x [B, T, D] plus one layer's intermediates. The
-        # scan's loop already keeps XLA from merging recomputation and forward pass, so no CSE
-        # barriers.
-        return nn.remat(DecoderLayer, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
-    return nn.remat(DecoderLayer)
+        # With full remat, of each layer only its input (the scan carry) is kept for the backward
+        # pass, so activation memory is L x [B, T, D] plus one layer's intermediates. The scan's
+        # loop already keeps XLA from merging recomputation and forward pass, so no CSE barriers.
+        return nn.remat(DecoderLayer, prevent_cse=False, policy=policy, static_argnums=_STATIC_LAYER_ARGS)
+    return nn.remat(DecoderLayer, policy=None if cfg.remat == "full" else policy,
+                    static_argnums=_STATIC_LAYER_ARGS)
 
 
 def _scanned_layer(layer: DecoderLayer, carry, index, sliding, rotary, local_rotary, mask, window_mask,
-                   cache_index):
+                   cache_index, valid, *, window, mixed, prefill):
     """One step of the layer scan: carry (x `[B, T, D]`, stacked cache or None); per layer its
-    index and sliding-window flag."""
+    index and sliding-window flag. window: the sliding window of the windowed layers (None when
+    there are none); mixed: whether the stack mixes windowed and full layers (the attention
+    kernels then get the window with this layer's flag)."""
     x, cache = carry
     if window_mask is not None:
         mask = jnp.where(sliding, window_mask, mask)
     if local_rotary is not None:
         rotary = tuple(jnp.where(sliding, local, full) for local, full in zip(local_rotary, rotary))
-    x, cache = layer(x, rotary, mask, cache, cache_index, None if cache is None else index)
+    x, cache = layer(x, rotary, mask, cache, cache_index, None if cache is None else index, valid,
+                     sliding if mixed else None, window, prefill)
     return (x, cache), None
 
 
@@ -341,7 +359,15 @@ class Decoder(nn.Module):
 
     def __call__(self, input_ids, attention_mask, positions=None, cache: Cache | None = None, cache_index=None):
         """input_ids `[B, T]`; attention_mask `[B, T]` (no cache) or the key mask `[B, S]` over the
-        cache slots (with cache); positions `[B, T]` (default: from the mask, without cache)."""
+        first S slots of the cache (with cache; a decode step reads only those, so a mask as wide
+        as the longest live position saves reading the rest); positions `[B, T]` (default: from
+        the mask, without cache).
+        A call with a cache and `cache_index` the Python int 0 is a prefill: its queries attend
+        to their own keys through the whole-sequence attention (`attention.attend`)."""
+        with precision_scope(self.config):
+            return self._forward(input_ids, attention_mask, positions, cache, cache_index)
+
+    def _forward(self, input_ids, attention_mask, positions, cache, cache_index):
         cfg = self.config
         batch, length = input_ids.shape
         if positions is None:
@@ -351,6 +377,7 @@ class Decoder(nn.Module):
         if cache is not None and isinstance(cache, dict) != cfg.scan_layers:
             raise ValueError(f"the cache layout does not match config.scan_layers={cfg.scan_layers}; "
                              "build the cache with init_cache(config, ...)")
+        prefill = cache is not None and isinstance(cache_index, int) and cache_index == 0
         x = self._embed(input_ids, positions)
         rotary, local_rotary = _rotaries(cfg, positions)
         key_valid = attention_mask.astype(bool)
@@ -367,19 +394,22 @@ class Decoder(nn.Module):
         window_mask = mask & (distance < cfg.sliding_window) if cfg.sliding_layers else None
         if cfg.scan_layers:
             sliding = np.isin(np.arange(cfg.num_layers), cfg.sliding_layers)
+            window = cfg.sliding_window if sliding.any() else None
             # Each layer draws its own rngs: init's, and the adapters' dropout masks.
-            scan = nn.scan(_scanned_layer, variable_axes={"params": 0},
-                           split_rngs={"params": True, "dropout": True},
-                           in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+            scan = nn.scan(functools.partial(_scanned_layer, window=window, mixed=not sliding.all(),
+                                             prefill=prefill),
+                           variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
+                           in_axes=(0, 0) + (nn.broadcast,) * 6,
                            length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
             (x, new_cache), _ = scan(self.layers, (x, cache), jnp.arange(cfg.num_layers), jnp.asarray(sliding),
-                                     rotary, local_rotary, mask, window_mask, cache_index)
+                                     rotary, local_rotary, mask, window_mask, cache_index, key_valid)
             return self.final_norm(x), new_cache
         new_cache = [] if cache is not None else None
         for i, layer in enumerate(self.layers):
             sliding = i in cfg.sliding_layers
             x, layer_cache = layer(x, local_rotary if sliding and local_rotary else rotary,
-                                   window_mask if sliding else mask, None if cache is None else cache[i], cache_index)
+                                   window_mask if sliding else mask, None if cache is None else cache[i], cache_index,
+                                   None, key_valid, None, cfg.sliding_window if sliding else None, prefill)
             if cache is not None:
                 new_cache.append(layer_cache)
         return self.final_norm(x), new_cache
@@ -409,28 +439,32 @@ class Decoder(nn.Module):
         window_mask = mask & (distance < cfg.sliding_window)[None] if cfg.sliding_layers else None
         return positions, rotary, mask, window_mask
 
-    def _layer_range(self, x, rotary, mask, window_mask, start: int, stop: int):
+    def _layer_range(self, x, rotary, mask, window_mask, valid, start: int, stop: int):
         """Layers `[start, stop)`; rotary: (full-attention tables, sliding-layer tables or None)."""
+        cfg = self.config
         full, local = rotary
         for i in range(start, stop):
-            sliding = i in self.config.sliding_layers
-            x, _ = self.layers[i](x, local if sliding and local else full, window_mask if sliding else mask)
+            sliding = i in cfg.sliding_layers
+            x, _ = self.layers[i](x, local if sliding and local else full, window_mask if sliding else mask, None,
+                                  None, None, valid, None, cfg.sliding_window if sliding else None, False)
         return x
 
     def trunk(self, input_ids, attention_mask, num_layers: int):
         """The embeddings and the first `num_layers` layers: hidden states `[B, T, D]` (positions
         from the mask, no cache), which `top` finishes. Models whose embeddings and first
         `num_layers` layers are equal share them."""
-        positions, rotary, mask, window_mask = self._unrolled_inputs(attention_mask, "trunk")
-        return self._layer_range(self._embed(input_ids, positions), rotary, mask, window_mask, 0,
-                                 num_layers)
+        with precision_scope(self.config):
+            positions, rotary, mask, window_mask = self._unrolled_inputs(attention_mask, "trunk")
+            return self._layer_range(self._embed(input_ids, positions), rotary, mask, window_mask,
+                                     attention_mask.astype(bool), 0, num_layers)
 
     def top(self, x, attention_mask, start: int):
         """Layers `start..L-1` and the final norm on `trunk(input_ids, attention_mask, start)`:
         the hidden states `[B, T, D]` of `__call__`."""
-        _, rotary, mask, window_mask = self._unrolled_inputs(attention_mask, "top")
-        return self.final_norm(self._layer_range(x, rotary, mask, window_mask, start,
-                                                 self.config.num_layers))
+        with precision_scope(self.config):
+            _, rotary, mask, window_mask = self._unrolled_inputs(attention_mask, "top")
+            return self.final_norm(self._layer_range(x, rotary, mask, window_mask, attention_mask.astype(bool),
+                                                     start, self.config.num_layers))
 
 
 def init_cache(config: ModelConfig, batch: int, length: int, dtype=None) -> Cache:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from marl_jax.models.config import ModelConfig
-from marl_jax.models.decoder import Cache, Decoder, partitioned_param
+from marl_jax.models.decoder import Cache, Decoder, partitioned_param, precision_scope
 
 VALUE_HEAD_INIT_STD = 0.0
 
@@ -70,8 +70,9 @@ def vocab_logits(config: ModelConfig, weight: jax.Array, hidden: jax.Array) -> j
     """The LM head: hidden `[..., T, D]` -> logits `[..., T, V]` float32 (Gemma-2's final
     soft-cap included). `weight` is the tied embedding `[V, D]` or the untied head `[D, V]`."""
     spec = "...d,vd->...v" if config.tie_word_embeddings else "...d,dv->...v"
-    logits = jnp.einsum(spec, hidden, weight.astype(hidden.dtype),
-                        preferred_element_type=jnp.float32)
+    with precision_scope(config):
+        logits = jnp.einsum(spec, hidden, weight.astype(hidden.dtype),
+                            preferred_element_type=jnp.float32)
     if config.final_logit_softcap is not None:
         logits = jnp.tanh(logits / config.final_logit_softcap) * config.final_logit_softcap
     return nn.with_logical_constraint(logits, ("activation_batch", "activation_length",
@@ -224,7 +225,9 @@ class _ScalarHead(nn.Module):
         dtype = jnp.float32 if self.config.lora_rank else self.config.weight_dtype
         kernel = partitioned_param(self, "kernel", nn.initializers.normal(self.init_std),
                                    (self.config.hidden_size, 1), ("embed", None), dtype)
-        scores = jnp.einsum("btd,do->bto", hidden, kernel.astype(hidden.dtype), preferred_element_type=jnp.float32)
+        with precision_scope(self.config):
+            scores = jnp.einsum("btd,do->bto", hidden, kernel.astype(hidden.dtype),
+                                preferred_element_type=jnp.float32)
         if self.use_bias:
             bias = partitioned_param(self, "bias", nn.initializers.zeros, (1,), (None,), dtype)
             scores = scores + bias.astype(jnp.float32)

@@ -317,11 +317,13 @@ def build_model(config: ModelConfig, head: str = "lm", head_init_std: float | No
 
 def load_pretrained(path: str | os.PathLike, dtype=jnp.float32, *, head: str = "lm", compute_dtype=None,
                     head_init_std: float | None = None, head_key: jax.Array | None = None,
-                    remat: bool = False, scan_layers: bool = False):
+                    remat: bool | str = "none", scan_layers: bool = False, attention: str = "auto",
+                    matmul_precision: str | None = None):
     """(model, params) from an HF directory or a `.gguf` file.
 
     `dtype`: parameter dtype, and the compute dtype unless `compute_dtype` is given.
-    `remat`, `scan_layers`: the `ModelConfig` fields; with `scan_layers` the params come stacked
+    `remat`, `scan_layers`, `attention`, `matmul_precision`: the `ModelConfig` fields (None:
+    highest precision in float32, default otherwise); with `scan_layers` the params come stacked
     (`backbone/layers/...`, leading axis L).
     `head="lm"`: `CausalLM`; `head="scalar"`: `ScalarHeadModel`, reading `score.weight` of a
     `*ForSequenceClassification` checkpoint when present, else initialising the head with std
@@ -342,7 +344,8 @@ def load_pretrained(path: str | os.PathLike, dtype=jnp.float32, *, head: str = "
     try:
         config = ModelConfig.from_hf(hf_config, param_dtype=dtype,
                                      dtype=dtype if compute_dtype is None else compute_dtype, remat=remat,
-                                     scan_layers=scan_layers)
+                                     scan_layers=scan_layers, attention=attention,
+                                     matmul_precision=matmul_precision)
     except ValueError as error:
         raise ValueError(f"{path}: {error}") from None
     model = build_model(config, head, head_init_std)

@@ -62,3 +62,27 @@ def unstack_layers(params: dict) -> dict:
     for i in range(num_layers.pop()):
         backbone[f"layers_{i}"] = jax.tree.map(lambda leaf, i=i: leaf[i], stacked)
     return {**params, "backbone": backbone}
+
+
+# Leaves every forward casts to the compute dtype before its matmul or lookup (Dense kernels,
+# token and position embeddings, the untied LM head, a scalar head's kernel); norm scales, biases
+# and LoRA adapters keep their storage dtype, as the forward reads them.
+_COMPUTE_CAST_LEAVES = ("kernel", "embedding", "position_embedding", "lm_head")
+
+
+def compute_weights(params, config) -> dict:
+    """`params` with the leaves each forward casts to `config.compute_dtype` cast once, here:
+    a model applied to the result computes the same numbers as on `params`, without a cast per
+    layer call (and per rematerialised call in the backward pass). Gradients through it reach
+    the float32 master weights. Unchanged when the compute and storage dtypes agree."""
+    dtype = jnp.dtype(config.dtype)
+    if dtype == jnp.dtype(config.param_dtype):
+        return params
+
+    def cast(path, leaf):
+        name = getattr(path[-1], "key", None)
+        if name in _COMPUTE_CAST_LEAVES and jnp.issubdtype(leaf.dtype, jnp.floating):
+            return leaf.astype(dtype)
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(cast, params)

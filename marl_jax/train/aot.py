@@ -79,7 +79,8 @@ def _supervised(cfg, name: str, module, loss_fn, batch: dict, mesh, weight_fn=No
     # With adapter dropout the step draws its masks as the run's does (the seed changes no shape).
     kwargs = dict(schedule=stage_schedule(cfg, cfg.steps),
                   grad_accum_steps=int(cfg.get("grad_accum_steps", 1)), weight_fn=weight_fn,
-                  dropout_seed=0 if module.config.lora_dropout else None)
+                  dropout_seed=0 if module.config.lora_dropout else None,
+                  compute_weights=functools.partial(models.compute_weights, config=module.config))
     base = None
     if module.config.lora_rank:  # the state trains adapters (and heads); the base is an argument
         base, params = lora.frozen_base(params), lora.trainable(params)

@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from marl_jax import config as config_lib
 from marl_jax import models
-from marl_jax.models import lora
+from marl_jax.models import attention, lora
 from marl_jax.train import sharding
 
 
@@ -85,6 +86,15 @@ def compute_dtype(config) -> str:
     return dtype
 
 
+def matmul_precision(config) -> str:
+    """`config.model.matmul_precision`, "auto" resolved: highest when computing in float32,
+    default otherwise (`ModelConfig.precision`)."""
+    precision = config.model.get("matmul_precision", "auto")
+    if precision == "auto":
+        return "highest" if compute_dtype(config) == "float32" else "default"
+    return precision
+
+
 def model_config(config, tokenizer) -> models.ModelConfig:
     """The policy's ModelConfig: from `config.model.path` or from `config.model.config` fields.
 
@@ -112,8 +122,12 @@ def model_config(config, tokenizer) -> models.ModelConfig:
         fields.setdefault("pad_token_id", tokenizer.pad_token_id)
         fields.setdefault("bos_token_id", tokenizer.bos_token_id)
         cfg = models.ModelConfig(**fields)
-    cfg = dataclasses.replace(cfg, dtype=compute_dtype(config), param_dtype=m.param_dtype, remat=m.remat,
-                              scan_layers=m.get("scan_layers", False))
+    precision = m.get("matmul_precision", "auto")
+    cfg = dataclasses.replace(cfg, dtype=compute_dtype(config), param_dtype=m.param_dtype,
+                              remat=config_lib.remat_policy(m.remat),
+                              scan_layers=m.get("scan_layers", False), attention=m.get("attention", "auto"),
+                              matmul_precision=None if precision == "auto" else precision)
+    attention.resolve(cfg)  # a kernel asked for by name that cannot run here: one line, now
     return with_lora(cfg, config)
 
 

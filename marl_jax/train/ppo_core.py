@@ -23,7 +23,7 @@ import optax
 
 from marl_jax import estimators, losses, sampling
 from marl_jax.macro import advantage, termination
-from marl_jax.models import last_token_score, lora
+from marl_jax.models import compute_weights, last_token_score, lora
 from marl_jax.models.heads import (backbone_hidden, continuation_scores, scalar_outputs,
                                    trunk_states)
 from marl_jax.train.optim import accumulate_gradients, applied_updates, apply_if_finite
@@ -58,8 +58,10 @@ class PPOStatic:
     missing_eos_penalty: float = 0.0
     whiten_advantages: bool = False
     loss_aggregation: str = "token_mean"  # `losses.aggregate_tokens` (resolved, never "auto")
-    # The compute dtype of the models (the sampler's and the trainer's logprobs agree in float32).
+    # The compute dtype and matmul precision of the models (the sampler's and the trainer's
+    # logprobs agree in float32 at highest precision).
     compute_dtype: str = "float32"
+    matmul_precision: str = "highest"
     # PPO's old logprobs: "trainer" (the actor's scoring pass), "sampler" (the sampler's), or
     # "auto" (see `reuses_sampler_logprobs`).
     old_logprobs: str = "auto"
@@ -301,11 +303,13 @@ def generate_responses(static: PPOStatic, models: Models, state: PPOState, promp
 
 
 def sampler_logprobs_are_exact(static: PPOStatic) -> bool:
-    """In float32 without top-k / top-p filtering the sampler's logprobs are those of the
-    temperature-scaled policy that training evaluates (to ~1e-5), so the scoring pass can reuse
-    them instead of running the actor again. In bfloat16 the two programs round differently."""
+    """In float32 at highest matmul precision without top-k / top-p filtering the sampler's
+    logprobs are those of the temperature-scaled policy that training evaluates (to ~1e-5, on
+    every backend), so the scoring pass can reuse them instead of running the actor again. In
+    bfloat16, or at a lower precision (TF32 on NVIDIA GPUs, bfloat16 passes on TPUs), the two
+    programs round differently."""
     return (static.temperature > 0 and static.top_k == 0 and static.top_p >= 1.0
-            and static.compute_dtype == "float32")
+            and static.compute_dtype == "float32" and static.matmul_precision == "highest")
 
 
 def rollout_mismatch(trainer_logprobs, sampler_logprobs, response_mask, cliprange):
@@ -351,7 +355,7 @@ def terminal_reward(static: PPOStatic, scores, ended_with_eos):
 
 def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, prompt_ids,
           prompt_mask, response_ids, response_mask, documents=None, host_scores=None,
-          sampled_logprobs=None, sampled_entropy=None):
+          sampled_logprobs=None, sampled_entropy=None, first_step=None):
     """One scoring pass over sampled responses: (Experience, metrics).
 
     Old and reference logprobs, critic values, the sequence score (the reward model's, the gold
@@ -360,7 +364,10 @@ def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, pr
     `sampled_logprobs [B, R]` (the sampler's) replace the actor's scoring pass when
     `static.reuses_sampler_logprobs`; where both exist, their mismatch is measured
     (`rollout_mismatch`). Reused where they are not exact, the scoring pass still runs on the
-    first step, to measure what the choice costs (NaN on later steps).
+    first step, to measure what the choice costs (NaN on later steps). `first_step`: whether
+    this is the first step (default `state.step == 0`); a vmapped caller passes one unbatched
+    flag for all its runs, so the extra pass stays a branch taken once (under vmap a batched
+    predicate turns `lax.cond` into a select that runs both branches at every step).
     """
     args = (prompt_ids, prompt_mask, response_ids, response_mask)
     trunk = shared_trunk(static, models, frozen.ref_params, *args)
@@ -375,7 +382,8 @@ def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, pr
         old_logprobs = sampler
         trainer = None
         if not sampler_logprobs_are_exact(static):
-            trainer = jax.lax.cond(state.step == 0, lambda: trainer_pass()[0],
+            first = state.step == 0 if first_step is None else first_step
+            trainer = jax.lax.cond(first, lambda: trainer_pass()[0],
                                    lambda: jnp.full_like(sampler, jnp.nan))
     else:
         old_logprobs, actor_entropy = trainer_pass()
@@ -426,14 +434,14 @@ def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, pr
 
 
 def rollout(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, prompt_ids,
-            prompt_mask, key, documents=None):
+            prompt_mask, key, documents=None, first_step=None):
     """`generate_responses` then `score`: (Experience, metrics). The prompts `[B / group_size,
     P]` (and documents) are repeated to one row per sample."""
     sample = generate_responses(static, models, state, prompt_ids, prompt_mask, key, frozen)
     prompt_ids, prompt_mask, documents = repeat_groups(static, prompt_ids, prompt_mask, documents)
     return score(static, models, state, frozen, prompt_ids, prompt_mask, sample.tokens,
                  sample.mask.astype(jnp.int32), documents, sampled_logprobs=sample.logprobs,
-                 sampled_entropy=sample.entropy)
+                 sampled_entropy=sample.entropy, first_step=first_step)
 
 
 def repeat_groups(static: PPOStatic, *arrays):
@@ -624,9 +632,11 @@ def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, 
         data["trunk"] = trunk[0]
     trunk_of = lambda batch: None if trunk is None else (batch["trunk"], trunk[1])
 
+    # Each loss casts its weights to the compute dtype once per micro-batch, not per layer call.
     def actor_loss(params, batch, rngs=None):
         logprobs, entropy = token_logprobs(
-            models.policy, with_base(static, params, frozen), batch["prompt_ids"], batch["prompt_mask"],
+            models.policy, compute_weights(with_base(static, params, frozen), models.policy.config),
+            batch["prompt_ids"], batch["prompt_mask"],
             batch["response_ids"], batch["response_mask"], static.temperature, trunk_of(batch),
             rngs)
         loss, m = losses.ppo_policy_loss(logprobs, batch["old_logprobs"], batch["advantages"],
@@ -642,7 +652,8 @@ def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, 
         return loss, m
 
     def critic_loss(params, batch, rngs=None):
-        values = response_values(models.critic, with_base(static, params, frozen),
+        values = response_values(models.critic,
+                                 compute_weights(with_base(static, params, frozen), models.critic.config),
                                  batch["prompt_ids"], batch["prompt_mask"],
                                  batch["response_ids"], batch["response_mask"], trunk_of(batch),
                                  rngs)
@@ -778,10 +789,10 @@ def step_keys(state: PPOState):
 
 
 def rollout_phase(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen,
-                  prompt_ids, prompt_mask, documents=None):
-    """The first half of a step: (Experience, rollout metrics)."""
+                  prompt_ids, prompt_mask, documents=None, first_step=None):
+    """The first half of a step: (Experience, rollout metrics). `first_step`: see `score`."""
     return rollout(static, models, state, frozen, prompt_ids, prompt_mask, step_keys(state)[0],
-                   documents)
+                   documents, first_step)
 
 
 def generate_phase(static: PPOStatic, models: Models, state: PPOState, prompt_ids,
@@ -832,8 +843,9 @@ def update_phase(static: PPOStatic, models: Models, state: PPOState, exp: Experi
 
 
 def ppo_step(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen,
-             hparams: RunHparams, prompt_ids, prompt_mask, documents=None):
-    """rollout -> termination -> macro GAE -> update, for on-device terminations."""
+             hparams: RunHparams, prompt_ids, prompt_mask, documents=None, first_step=None):
+    """rollout -> termination -> macro GAE -> update, for on-device terminations. `first_step`:
+    see `score`."""
     exp, roll_metrics = rollout_phase(static, models, state, frozen, prompt_ids, prompt_mask,
-                                      documents)
+                                      documents, first_step)
     return update_phase(static, models, state, exp, roll_metrics, hparams, frozen=frozen)

@@ -112,7 +112,12 @@ def experiment_step_program(static: core.PPOStatic, mods: core.Models, run_state
     rep = sharding.replicated(mesh)
     state_sh = jax.tree.map(with_run_axis, run_state_sh)
     prompts_sh = sharding.batch_sharding(mesh, axis=1)
-    return jit_program(jax.vmap(functools.partial(core.ppo_step, static, mods),
-                                in_axes=(0, None, 0, 0, 0, 0)),
-                       (state_sh, frozen_sh, rep, prompts_sh, prompts_sh, prompts_sh),
+    vmapped = jax.vmap(functools.partial(core.ppo_step, static, mods),
+                       in_axes=(0, None, 0, 0, 0, 0, None))
+
+    def step(state, frozen, hparams, prompt_ids, prompt_mask, documents):
+        # The runs of a group step together: one unbatched first-step flag for all of them.
+        return vmapped(state, frozen, hparams, prompt_ids, prompt_mask, documents, state.step[0] == 0)
+
+    return jit_program(step, (state_sh, frozen_sh, rep, prompts_sh, prompts_sh, prompts_sh),
                        (state_sh, rep), donate_argnums=(0,))

@@ -1,12 +1,14 @@
 """One jitted, sharded, resumable loop for the supervised stages (SFT and the reward model)."""
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
 from marl_jax.data import batches
+from marl_jax import models
 from marl_jax.models import lora
 from marl_jax.train import build, loop, programs, sharding
 from marl_jax.train.checkpoint import check_same_base, lora_identity
@@ -25,7 +27,7 @@ DROPOUT_STREAM = 1
 
 def make_train_step(loss_fn: Callable, optimizer, *, schedule=None, grad_accum_steps: int = 1,
                     weight_fn: Callable | None = None, num_layers_unfrozen: int = -1,
-                    dropout_seed: int | None = None):
+                    dropout_seed: int | None = None, compute_weights: Callable | None = None):
     """`(state, batch) -> (state, metrics)`; a non-finite loss skips the update and is counted.
 
     With `grad_accum_steps` > 1 the batch is split into micro-batches whose gradients are
@@ -38,8 +40,13 @@ def make_train_step(loss_fn: Callable, optimizer, *, schedule=None, grad_accum_s
     `dropout_seed` (None: no dropout): the loss is called with `rngs` (the adapters' dropout,
     `accumulate_gradients`) drawn from the seed and the state's step, so a resumed run draws the
     masks the uninterrupted one drew.
+    `compute_weights` (`models.compute_weights` of the model's config): the loss sees the
+    weights cast to the compute dtype once per micro-batch instead of once per layer call.
     """
     weight_fn = weight_fn or (lambda batch: jnp.float32(1.0))
+    if compute_weights is not None:
+        uncast_loss_fn = loss_fn
+        loss_fn = lambda params, batch, **kw: uncast_loss_fn(compute_weights(params), batch, **kw)
 
     def train_step(state: build.TrainState, batch):
         dropout_key = None
@@ -65,8 +72,10 @@ def make_lora_train_step(loss_fn: Callable, optimizer, **kwargs):
     """`(state, batch, base) -> (state, metrics)`: `make_train_step` of a LoRA stage, whose state
     holds the adapters and heads and whose loss sees them attached to the frozen `base` (an
     argument of the step, so one copy of it sits on the devices and none in the state)."""
+    cast = kwargs.pop("compute_weights", None) or (lambda params: params)
+
     def train_step(state: build.TrainState, batch, base):
-        attached = lambda params, b, **kw: loss_fn(lora.attach(base, params), b, **kw)
+        attached = lambda params, b, **kw: loss_fn(cast(lora.attach(base, params)), b, **kw)
         return make_train_step(attached, optimizer, **kwargs)(state, batch)
 
     return train_step
@@ -105,7 +114,8 @@ def train(*, name: str, cfg, seed: int, module, init_params, loss_fn: Callable, 
     step_kwargs = dict(schedule=stage_schedule(cfg, cfg.steps),
                        grad_accum_steps=int(cfg.get("grad_accum_steps", 1)), weight_fn=weight_fn,
                        num_layers_unfrozen=int(cfg.get("num_layers_unfrozen", -1)),
-                       dropout_seed=seed if module.config.lora_dropout else None)
+                       dropout_seed=seed if module.config.lora_dropout else None,
+                       compute_weights=functools.partial(models.compute_weights, config=module.config))
     if base is None:
         step_fn = programs.supervised_program(make_train_step(loss_fn, optimizer, **step_kwargs),
                                               shardings, mesh).fn
