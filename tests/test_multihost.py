@@ -292,3 +292,38 @@ def test_bench_device_small_on_cpu():
     text = "\n".join(lines[:-1])
     assert f"{result['train_tokens_per_s']:,.0f} tokens/s" in text
     assert f"MFU (6 * params * tokens/s / peak of all 1 device(s)): {100 * result['mfu']:.2f}%" in text
+
+
+def test_bench_device_suite_small_on_cpu():
+    """Every row of the suite, training and rollout, on the smoke-test model; each number
+    checked against the others it is derived from."""
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench.py"), "device", "--suite",
+                           "--small"], env=_env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import bench_device
+
+    assert tuple(result["rows"]) == bench_device.SUITE_ROWS
+    assert not [name for name, row in result["rows"].items() if "error" in row]
+    peak = result["bounds"]["flops"]
+    for name in bench_device.SUITE_ROWS[:7]:
+        row = result["rows"][name]
+        assert row["tokens_per_s"] == pytest.approx(row["batch_per_device"] * row["length"] / row["step_s"])
+        assert row["mfu"] == pytest.approx(6 * row["params"] * row["tokens_per_s"] / peak)
+        assert row["mfu_with_attention"] > row["mfu"]
+    assert result["rows"]["train_smollm2_8x1024_before"]["attention"] == "reference"
+    assert result["rows"]["train_smollm2_8x1024_xla"]["attention"] == "xla"
+    for name in ("decode_b32", "decode_b256"):
+        row = result["rows"][name]
+        assert row["new"] == 32  # prescribed lengths: every row decodes the whole budget
+        assert 0 < row["share_of_bound"] == pytest.approx(row["bound_s"] / row["seconds"])
+    for name in ("slots_chat_b32_s8", "slots_chat_b256_s64"):
+        row = result["rows"][name]
+        # On a CPU the slots draw the static batch's tokens exactly.
+        assert row["agreement"] == 1.0 and row["same_tokens"]
+        assert row["same_memory_speedup"] == pytest.approx(row["static_chunks_s"] / row["slots_s"])
+        assert row["slot_iterations"] <= row["chunk_steps"]
+    assert result["rows"]["mismatch_f32"]["precision"] == "highest"
+    assert result["rows"]["mismatch_f32"]["diff_max"] < 1e-4
