@@ -55,11 +55,11 @@ from bench_timing import best_time
 # The legacy single run's presets: (shape, remat, batch per device, length, sampler rows, prompt,
 # new tokens, repeats).
 PRESETS = {
-    "small": dict(shape="small", remat=False, batch_per_device=2, length=64, sample_batch=4, prompt=16, new=16,
+    "small": dict(shape="small", remat="none", batch_per_device=2, length=64, sample_batch=4, prompt=16, new=16,
                   repeats=2),
-    "cpu": dict(shape="cpu", remat=False, batch_per_device=4, length=256, sample_batch=8, prompt=64, new=64,
+    "cpu": dict(shape="cpu", remat="none", batch_per_device=4, length=256, sample_batch=8, prompt=64, new=64,
                 repeats=3),
-    "accelerator": dict(shape="smollm2", remat=True, batch_per_device=8, length=1024, sample_batch=32, prompt=128,
+    "accelerator": dict(shape="smollm2", remat="full", batch_per_device=8, length=1024, sample_batch=32, prompt=128,
                         new=128, repeats=5),
 }
 
