@@ -205,10 +205,10 @@ def _param_count(cfg) -> int:
 class Suite:
     """The rows of `--suite`: each a method returning its measured numbers and bounds."""
 
-    def __init__(self, small: bool, unrolled: bool, repeats: int):
+    def __init__(self, small: bool, unrolled: bool, repeats: int, scan_unroll: int = 1):
         from marl_jax.train import sharding
 
-        self.small, self.scan, self.repeats = small, not unrolled, repeats
+        self.small, self.scan, self.repeats, self.scan_unroll = small, not unrolled, repeats, scan_unroll
         self.backend = jax.default_backend()
         self.dtype = "bfloat16" if self.backend in ("gpu", "tpu") else "float32"
         self.bounds = device_bounds(self.dtype, small)
@@ -219,6 +219,8 @@ class Suite:
     def _policy(self, shape: str, dtype=None, **settings):
         config = model_settings("small" if self.small else shape, dtype or self.dtype, scan_layers=self.scan,
                                 **settings)
+        if self.scan_unroll > 1:
+            config.model.config.scan_unroll = min(self.scan_unroll, config.model.config.num_layers)
         return (config,) + random_policy(config)
 
     def _train(self, shape, batch, length, remat, attention="auto", cast=True):
@@ -355,14 +357,15 @@ def run_suite(args):
     # Rows that build the same program (the small model's shapes repeat) compile it once.
     compile_cache.use_run_cache()
 
-    suite = Suite(args.small, args.unrolled, args.repeats or (2 if args.small else 4))
+    suite = Suite(args.small, args.unrolled, args.repeats or (2 if args.small else 4), args.scan_unroll)
     rows = SUITE_ROWS if not args.only else tuple(args.only.split(","))
     unknown = [r for r in rows if r not in SUITE_ROWS]
     if unknown:
         raise SystemExit(f"--only: unknown rows {unknown}; rows: {', '.join(SUITE_ROWS)}")
     kind = jax.devices()[0].device_kind
     print(f"devices: {suite.devices} x {kind} ({suite.backend}); compute {suite.dtype}, params float32; layers "
-          f"{'in one scan' if suite.scan else 'unrolled'}; peak {suite.bounds['flops'] / 1e12:.1f} TFLOP/s, HBM "
+          f"{'in one scan' if suite.scan else 'unrolled'}"
+          f"{f' ({suite.scan_unroll} per iteration)' if suite.scan and suite.scan_unroll > 1 else ''}; peak {suite.bounds['flops'] / 1e12:.1f} TFLOP/s, HBM "
           f"{suite.bounds['bandwidth'] / 1e12:.2f} TB/s per device ({suite.bounds['source']}); XLA flags: "
           f"{xla_flags.current() or '(none)'}", flush=True)
     results = {}
@@ -390,6 +393,8 @@ def main(argv):
     parser.add_argument("--suite", action="store_true", help="every row of the suite (see the module docstring)")
     parser.add_argument("--only", default="", help="with --suite: a comma-separated subset of its rows")
     parser.add_argument("--unrolled", action="store_true", help="with --suite: unrolled layers instead of a scan")
+    parser.add_argument("--scan-unroll", type=int, default=1,
+                        help="with --suite: layers per iteration of the layer scan (ModelConfig.scan_unroll)")
     parser.add_argument("--dtype", default="auto", help="compute dtype: auto, bfloat16, float32")
     parser.add_argument("--batch-per-device", type=int)
     parser.add_argument("--length", type=int, help="train sequence length")

@@ -36,7 +36,7 @@ class Vocabulary:
 
 
 # ModelConfig fields a run sets itself (numerics, token ids, adapters), not the architecture's.
-_RUN_FIELDS = ("dtype", "param_dtype", "remat", "scan_layers", "attention", "matmul_precision", "bos_token_id",
+_RUN_FIELDS = ("dtype", "param_dtype", "remat", "scan_layers", "scan_unroll", "attention", "matmul_precision", "bos_token_id",
                "eos_token_id", "pad_token_id", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
 
 

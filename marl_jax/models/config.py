@@ -169,6 +169,9 @@ class ModelConfig:
     param_dtype: str = "float32"
     remat: str = "none"
     scan_layers: bool = False
+    # Layers per iteration of the layer scan (`jax.lax.scan`'s unroll): fewer loop iterations
+    # (each a round trip of the loop's predicate on GPUs) for a longer compile.
+    scan_unroll: int = 1
     attention: str = "auto"
     matmul_precision: str | None = None
     # LoRA (`marl_jax.models.lora`): rank 0 = off; adapters on the projections named in
@@ -190,6 +193,9 @@ class ModelConfig:
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"ModelConfig.remat: {self.remat!r} is not one of {REMAT_POLICIES} "
                              "(True means full, False none)")
+        if not isinstance(self.scan_unroll, int) or not 1 <= self.scan_unroll <= self.num_layers:
+            raise ValueError(f"ModelConfig.scan_unroll must be an int in [1, num_layers={self.num_layers}], "
+                             f"got {self.scan_unroll!r}")
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(f"ModelConfig.attention: {self.attention!r} is not one of "
                              f"{ATTENTION_IMPLEMENTATIONS}")

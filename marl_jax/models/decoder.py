@@ -399,8 +399,8 @@ class Decoder(nn.Module):
             scan = nn.scan(functools.partial(_scanned_layer, window=window, mixed=not sliding.all(),
                                              prefill=prefill),
                            variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
-                           in_axes=(0, 0) + (nn.broadcast,) * 6,
-                           length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+                           in_axes=(0, 0) + (nn.broadcast,) * 6, length=cfg.num_layers,
+                           unroll=cfg.scan_unroll, metadata_params={nn.PARTITION_NAME: "layers"})
             (x, new_cache), _ = scan(self.layers, (x, cache), jnp.arange(cfg.num_layers), jnp.asarray(sliding),
                                      rotary, local_rotary, mask, window_mask, cache_index, key_valid)
             return self.final_norm(x), new_cache
