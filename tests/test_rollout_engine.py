@@ -201,3 +201,16 @@ def test_slots_that_cannot_refill_are_refused_at_config_time():
     assert str(error.value) == ("config.ppo.decode_slots=2: must be below the 2 responses of one rollout chunk "
                                 "(ppo.batch_size=8 / ppo.rollout_chunks=4) to refill slots; use at most 1 or 0 "
                                 "(one static batch)")
+
+
+def test_unrolling_the_layer_scan_changes_no_token():
+    model = _model(scan_layers=True)
+    params = models.init_params(model, jax.random.key(0))
+    ids, mask = _prompts()
+    run = lambda m: sampling.generate(m, params, ids, mask, key=jax.random.key(2), max_new_tokens=20,
+                                      temperature=0.8, eos_id=1, pad_id=0)
+    base, unrolled = run(model), run(_model(scan_layers=True, scan_unroll=2))
+    np.testing.assert_array_equal(unrolled.tokens, base.tokens)
+    np.testing.assert_allclose(unrolled.logprobs, base.logprobs, atol=1e-6)
+    with pytest.raises(ValueError, match=r"ModelConfig.scan_unroll must be an int in \[1, num_layers=2\]"):
+        _model(scan_unroll=3)
