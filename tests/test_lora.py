@@ -446,9 +446,11 @@ def test_chunked_scoring_equals_the_whole_batch():
 
 
 def test_lora_pipeline_exports_peft_adapters_of_one_base(tmp_path):
-    """SFT -> reward model -> PPO with LoRA: each export's PEFT adapter, applied with peft to the
-    base it names, gives that export's merged model (and differs from the base: it trained);
-    PPO's checkpoints hold adapters and heads plus the base's identity, not the base."""
+    """SFT -> reward model -> PPO with LoRA, evaluating every step: each export's PEFT adapter,
+    applied with peft to the base it names, gives that export's merged model (and differs from
+    the base: it trained); PPO's checkpoints hold adapters and heads plus the base's identity,
+    not the base; the evaluation rows of steps 0, 1 and 2 are logged, step 0's KL that of the
+    SFT policy to itself."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -458,7 +460,7 @@ def test_lora_pipeline_exports_peft_adapters_of_one_base(tmp_path):
 
     workdir = tmp_path / "run"
     config = tiny_config(**{"model.lora.rank": 4, "sft.steps": 10, "sft.learning_rate": 3e-2,
-                            "ppo.eval_every": 0, "ppo.learning_rate": 3e-2})
+                            "ppo.eval_every": 1, "ppo.learning_rate": 3e-2})
     stages.run(config, str(workdir))
     models_dir = workdir / "models"
     ids = torch.as_tensor(np.random.default_rng(0).integers(3, 20, (2, 9)), dtype=torch.long)
@@ -486,3 +488,6 @@ def test_lora_pipeline_exports_peft_adapters_of_one_base(tmp_path):
     assert len(meta["base"]["hash"]) == 64
     names = {p[-1].key for p, _ in jax.tree_util.tree_flatten_with_path(state["actor_params"])[0]}
     assert names == {"lora_a", "lora_b"}
+    evals = [r for r in metrics.read_metrics(str(workdir)) if r["stage"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 1, 2]
+    assert abs(evals[0]["kl"]) < 1e-4 and all(np.isfinite(r["rm_score"]) for r in evals)

@@ -213,7 +213,8 @@ def evaluate(static: core.PPOStatic, mods: core.Models, actor_params, frozen: co
     (scoring is the costly part: one sample per prompt keeps it at E sequences).
     """
     m = int(samples_per_prompt)
-    actor_params = core.with_base(static, actor_params, frozen)
+    actor_params = core.role_params(static, "actor", frozen, actor_params)
+    ref_params = core.role_params(static, "reference", frozen)
     sample = sampling.generate(
         mods.policy, actor_params, prompt_ids, prompt_mask, key=key,
         max_new_tokens=static.response_length, temperature=static.temperature,
@@ -222,16 +223,15 @@ def evaluate(static: core.PPOStatic, mods: core.Models, actor_params, frozen: co
     all_ids, all_mask = sample.tokens, sample.mask.astype(jnp.int32)
     ids, mask = all_ids[::m], all_mask[::m]  # the first sample of every prompt
     args = (prompt_ids, prompt_mask, ids, mask)
-    trunk = core.shared_trunk(static, mods, frozen.ref_params, *args)
+    trunk = core.shared_trunk(static, mods, ref_params, *args)
     if core.sampler_logprobs_are_exact(static):
         logp = sample.logprobs[::m] * mask
     else:
         logp, _ = core.token_logprobs(mods.policy, actor_params, *args, static.temperature,
                                       trunk)
-    ref, _ = core.token_logprobs(mods.policy, frozen.ref_params, *args, static.temperature,
-                                 trunk)
+    ref, _ = core.token_logprobs(mods.policy, ref_params, *args, static.temperature, trunk)
     kl = ((logp - ref) * mask).sum(axis=1)
-    score = core.sequence_scores(mods.reward, frozen.rm_params, *args,
+    score = core.sequence_scores(mods.reward, core.role_params(static, "reward", frozen), *args,
                                  trunk if static.reward_source == "rm" else None)
     if static.normalize_reward:
         score = (score - frozen.reward_mean) / frozen.reward_std

@@ -149,7 +149,7 @@ class PPOState:
 @flax.struct.dataclass
 class Frozen:
     """What a PPO run reads but never updates. With LoRA `ref_params` is the base every role's
-    adapters attach to (`with_base`) and `rm_params` the reward model's adapters and head."""
+    adapters attach to (`role_params`) and `rm_params` the reward model's adapters and head."""
 
     ref_params: Any
     rm_params: Any
@@ -190,9 +190,22 @@ class Models:
     critic_schedule: Any = None
 
 
-def with_base(static: PPOStatic, params, frozen: Frozen):
-    """A role's params as its model applies them: with LoRA its adapters (and head) attached
-    to the frozen base (a tree of the same arrays, no copy), else `params` themselves."""
+# The models a PPO step applies: the actor and the critic (params in the state), the reward
+# model and the reference (params in `Frozen`).
+ROLES = ("actor", "critic", "reward", "reference")
+
+
+def role_params(static: PPOStatic, role: str, frozen: Frozen, params=None):
+    """The params the model of `role` applies: the actor's and the critic's `params` (the
+    state's), the reward model's and the reference's from `frozen`. With LoRA a role's adapters
+    (and head) are attached to the one frozen base (a tree of the same arrays, no copy), and the
+    reference is the base. Every call site of a role takes its params from here."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    if role == "reference":
+        return frozen.ref_params
+    if role == "reward":
+        params = frozen.rm_params
     return lora.attach(frozen.ref_params, params) if static.lora else params
 
 
@@ -278,7 +291,7 @@ def generate_responses(static: PPOStatic, models: Models, state: PPOState, promp
     current actor (each prompt prefilled once): `SampleOutput` with tokens, logprobs, mask and
     entropy `[B, R]`, the samples of a prompt in adjacent rows."""
     groups = {} if static.group_size == 1 else {"num_samples": static.group_size}
-    actor = with_base(static, state.actor_params, frozen)
+    actor = role_params(static, "actor", frozen, state.actor_params)
     k, n = static.group_size, static.rollout_chunks
 
     def sample(ids, mask, chunk_key):
@@ -333,7 +346,7 @@ def sequence_score(static: PPOStatic, models: Models, frozen: Frozen, prompt_ids
     if static.reward_source == "gold":
         scores = models.gold_fn(documents, response_ids, response_mask)
         return scores, scores
-    raw = sequence_scores(models.reward, with_base(static, frozen.rm_params, frozen), prompt_ids,
+    raw = sequence_scores(models.reward, role_params(static, "reward", frozen), prompt_ids,
                           prompt_mask, response_ids, response_mask, trunk)
     if static.normalize_reward:
         return (raw - frozen.reward_mean) / frozen.reward_std, raw
@@ -363,14 +376,14 @@ def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, pr
     first step, to measure what the choice costs (NaN on later steps).
     """
     args = (prompt_ids, prompt_mask, response_ids, response_mask)
-    trunk = shared_trunk(static, models, frozen.ref_params, *args)
+    trunk = shared_trunk(static, models, role_params(static, "reference", frozen), *args)
     # A shared trunk's states cover the whole batch; the config keeps it and chunks apart.
     n = static.rollout_chunks if trunk is None else 1
     entropies = None if sampled_entropy is None else sampled_entropy * response_mask
     sampler = None if sampled_logprobs is None else sampled_logprobs * response_mask
     trainer_pass = lambda: in_row_chunks(n, lambda *a: token_logprobs(
-        models.policy, with_base(static, state.actor_params, frozen), *a, static.temperature,
-        trunk), *args)
+        models.policy, role_params(static, "actor", frozen, state.actor_params), *a,
+        static.temperature, trunk), *args)
     if sampler is not None and static.reuses_sampler_logprobs:
         old_logprobs = sampler
         trainer = None
@@ -382,12 +395,14 @@ def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, pr
         trainer = old_logprobs
         entropies = actor_entropy if entropies is None else entropies
     ref = in_row_chunks(n, lambda *a: continuation_scores(
-        models.policy, frozen.ref_params, *a, static.temperature, trunk), *args)
+        models.policy, role_params(static, "reference", frozen), *a, static.temperature, trunk),
+        *args)
     if entropies is None:
         entropies = jnp.zeros_like(old_logprobs)
     if static.uses_critic:
         values, final_values = in_row_chunks(n, lambda *a: critic_outputs(
-            models.critic, with_base(static, state.critic_params, frozen), *a, trunk), *args)
+            models.critic, role_params(static, "critic", frozen, state.critic_params), *a, trunk),
+            *args)
     else:
         values = final_values = None
     scores, raw_scores = in_row_chunks(n, lambda *a: sequence_score(
@@ -524,9 +539,9 @@ def critic_free_advantages(static: PPOStatic, models: Models, state: PPOState, f
     k_points, k_rollouts = jax.random.split(key)
     seg = variant_segments(static, segments, hparams.variant)
     starts, valid = estimators.choose_branch_points(k_points, seg, mask, static.mc_branch_points)
-    returns, budget = monte_carlo_returns(static, models,
-                                          with_base(static, state.actor_params, frozen), frozen,
-                                          exp, starts, valid, k_rollouts, state.kl_coef)
+    actor = role_params(static, "actor", frozen, state.actor_params)
+    returns, budget = monte_carlo_returns(static, models, actor, frozen, exp, starts, valid,
+                                          k_rollouts, state.kl_coef)
     values = returns.mean(axis=-1)
     per_token_kl = kl_rewards(static, exp, state.kl_coef)
     terminal = ((exp.rewards - per_token_kl) * mask).sum(axis=1)
@@ -567,7 +582,8 @@ def monte_carlo_returns(static: PPOStatic, models: Models, actor_params, frozen:
                               _ended_with_eos(cont.tokens, cont_mask, static.eos_id))
     sampled = cont_mask * (jnp.arange(cont_mask.shape[1])[None] >= jnp.repeat(prefix, m)[:, None])
     cont_args = (prompt_ids, prompt_mask, cont.tokens, cont_mask)
-    ref = continuation_scores(models.policy, frozen.ref_params, *cont_args, static.temperature)
+    ref = continuation_scores(models.policy, role_params(static, "reference", frozen), *cont_args,
+                              static.temperature)
     if static.reuses_sampler_logprobs:
         actor_logprobs = cont.logprobs
     else:
@@ -626,9 +642,9 @@ def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, 
 
     def actor_loss(params, batch, rngs=None):
         logprobs, entropy = token_logprobs(
-            models.policy, with_base(static, params, frozen), batch["prompt_ids"], batch["prompt_mask"],
-            batch["response_ids"], batch["response_mask"], static.temperature, trunk_of(batch),
-            rngs)
+            models.policy, role_params(static, "actor", frozen, params), batch["prompt_ids"],
+            batch["prompt_mask"], batch["response_ids"], batch["response_mask"],
+            static.temperature, trunk_of(batch), rngs)
         loss, m = losses.ppo_policy_loss(logprobs, batch["old_logprobs"], batch["advantages"],
                                          batch["response_mask"], cliprange=static.cliprange,
                                          aggregation=static.loss_aggregation,
@@ -642,7 +658,7 @@ def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, 
         return loss, m
 
     def critic_loss(params, batch, rngs=None):
-        values = response_values(models.critic, with_base(static, params, frozen),
+        values = response_values(models.critic, role_params(static, "critic", frozen, params),
                                  batch["prompt_ids"], batch["prompt_mask"],
                                  batch["response_ids"], batch["response_mask"], trunk_of(batch),
                                  rngs)
