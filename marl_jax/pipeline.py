@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from marl_jax import distributed
-from marl_jax.config import validate_config
+from marl_jax.config_check import validate_config
 from marl_jax.data.real_tasks import decode_responses
 from marl_jax.data.tasks import build_task
 from marl_jax.eval.unit_test_reward import attach_unit_test_reward

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import marl_jax.models as M
-from marl_jax.config import base_config, validate_config
+from marl_jax.config import base_config
+from marl_jax.config_check import validate_config
 from marl_jax.models import lora, peft_export
 from marl_jax.train import build, checkpoint, metrics, supervised
 from marl_jax.train.reward import rm_loss

@@ -67,7 +67,7 @@ def loss_aggregation(ppo_config) -> str:
     """`ppo.loss_aggregation`, "auto" resolved to the estimator's published one."""
     chosen = ppo_config.get("loss_aggregation", "auto")
     if chosen == "auto":
-        return estimators.DEFAULT_LOSS_AGGREGATION[ppo_config.get("estimator", "gae")]
+        return estimators.ESTIMATORS[ppo_config.get("estimator", "gae")].loss_aggregation
     return chosen
 
 
@@ -136,7 +136,7 @@ def make_models(config, policy, critic, reward_model, gold_fn=None) -> core.Mode
 
 def uses_critic(p) -> bool:
     """Whether `config.ppo` trains a critic (macro GAE) or estimates advantages without one."""
-    return p.get("estimator", "gae") == "gae"
+    return estimators.ESTIMATORS[p.get("estimator", "gae")].needs_critic
 
 
 def ppo_updates(p) -> int:

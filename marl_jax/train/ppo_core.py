@@ -98,12 +98,12 @@ class PPOStatic:
 
     @property
     def uses_critic(self) -> bool:
-        return self.estimator == "gae"
+        return estimators.ESTIMATORS[self.estimator].needs_critic
 
     @property
     def kl_in_loss(self) -> bool:
-        """The KL to the reference is a loss term (the group estimators), not a reward."""
-        return self.estimator in estimators.KL_IN_LOSS
+        """The KL to the reference is a loss term (GRPO, Dr. GRPO), not in the reward."""
+        return estimators.ESTIMATORS[self.estimator].kl_in_loss
 
     @property
     def reuses_sampler_logprobs(self) -> bool:
@@ -417,7 +417,7 @@ def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, pr
                      jnp.zeros_like(old_logprobs) if values is None else values, scores, rewards,
                      ended_with_eos, entropies,
                      # Only Monte Carlo branches score again (with the gold function).
-                     documents if static.estimator == "macro_mc" else None,
+                     documents if estimators.ESTIMATORS[static.estimator].branches else None,
                      None if trunk is None else trunk[0],
                      sampler if static.rollout_correction != "none" else None)
     seq_kl = (losses.kl_per_token(old_logprobs, ref.logprobs, "k1") * response_mask).sum(axis=1)
@@ -487,7 +487,7 @@ def advantages_and_returns(static: PPOStatic, hparams: RunHparams, exp: Experien
     """Macro GAE for the run's variant; `segments` maps termination name -> `[B, R]` ids."""
     results = []
     for term, weighting, aggregation in static.variants:
-        results.append(advantage.macro_gae(
+        results.append(estimators.ESTIMATORS["gae"].advantages(
             exp.values, exp.rewards, exp.response_mask, segments[term], gamma=hparams.gamma,
             lam=hparams.lam, value_weighting=weighting, reward_aggregation=aggregation))
     if len(results) == 1:
@@ -509,33 +509,28 @@ def variant_segments(static: PPOStatic, segments: dict, variant):
     return jnp.stack([segments[n] for n in names])[variant]
 
 
-def kl_rewards(static: PPOStatic, exp: Experience, kl_coef):
-    """The per-token KL part of the rewards `[B, R]`: -kl_coef * kl_t (no score)."""
-    kl = losses.kl_per_token(exp.old_logprobs, exp.ref_logprobs, static.kl_estimator)
-    return jnp.where(exp.response_mask != 0, -kl_coef * kl, 0.0)
-
-
 def critic_free_advantages(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen,
                            hparams: RunHparams, exp: Experience, segments: dict, key):
-    """Per-token advantages `[B, R]` without a critic: (advantages, metrics, extra budget).
+    """Per-token advantages `[B, R]` without a critic: (advantages, metrics, extra budget), from
+    the estimator's record (`estimators.ESTIMATORS`).
 
-    grpo / dr_grpo / rloo: the sequence's terminal reward (clipped score, missing-EOS penalty)
-    normalised within each group of `group_size` samples, on every token; the KL to the
-    reference is a loss term of its own (`update`), so equal scores give zero advantages.
-    reinforce_pp: the return-to-go of the per-token rewards, normalised over the batch.
-    macro_mc: Monte Carlo values at branch points (macro starts) from `mc_rollouts`
-    continuations each, sampled by the current policy; see `estimators.macro_mc_advantages`.
+    The record's advantage function reads the responses' terminal rewards (clipped score,
+    missing-EOS penalty), their per-token KL estimates to the reference at `state.kl_coef`, and
+    the per-token rewards (`estimators.AdvantageInputs`). An estimator that branches (macro_mc)
+    first samples `mc_rollouts` continuations from up to `mc_branch_points` macro starts of
+    the run variant's segments with the current policy, whose mean returns are the values of
+    those states (`monte_carlo_returns`).
     """
+    estimator = estimators.ESTIMATORS[static.estimator]
     mask = exp.response_mask
-    if static.estimator in estimators.GROUP_METHODS:
-        returns = jnp.where(mask.sum(axis=1) > 0,
-                            terminal_reward(static, exp.scores, exp.ended_with_eos), 0.0)
-        seq = estimators.group_advantages(returns, static.group_size, method=static.estimator)
-        return estimators.sequence_advantages_to_tokens(seq, mask), {}, {}
-    if static.estimator == "reinforce_pp":
-        return estimators.reinforce_pp_advantages(exp.rewards, mask), {}, {}
-    if static.estimator != "macro_mc":
-        raise ValueError(f"unknown estimator {static.estimator!r}")
+    kl = losses.kl_per_token(exp.old_logprobs, exp.ref_logprobs, static.kl_estimator)
+    inputs = estimators.AdvantageInputs(
+        scores=jnp.where(mask.sum(axis=1) > 0,
+                         terminal_reward(static, exp.scores, exp.ended_with_eos), 0.0),
+        kl=jnp.where(mask != 0, kl, 0.0), kl_coef=state.kl_coef, rewards=exp.rewards,
+        response_mask=mask, group_size=static.group_size)
+    if not estimator.branches:
+        return estimator.advantages(inputs), {}, {}
     k_points, k_rollouts = jax.random.split(key)
     seg = variant_segments(static, segments, hparams.variant)
     starts, valid = estimators.choose_branch_points(k_points, seg, mask, static.mc_branch_points)
@@ -543,9 +538,7 @@ def critic_free_advantages(static: PPOStatic, models: Models, state: PPOState, f
     returns, budget = monte_carlo_returns(static, models, actor, frozen, exp, starts, valid,
                                           k_rollouts, state.kl_coef)
     values = returns.mean(axis=-1)
-    per_token_kl = kl_rewards(static, exp, state.kl_coef)
-    terminal = ((exp.rewards - per_token_kl) * mask).sum(axis=1)
-    adv = estimators.macro_mc_advantages(starts, valid, values, terminal, per_token_kl, mask)
+    adv = estimator.advantages(inputs._replace(branches=(starts, valid, values)))
     metrics = {"mc/branch_points_avg": valid.sum(axis=1).astype(jnp.float32).mean(),
                "mc/value_at_start": values[:, 0].mean(),
                "mc/value_std_avg": returns.std(axis=-1).mean()}
@@ -616,8 +609,8 @@ def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, 
     """`ppo_epochs` x `num_minibatches` actor and critic updates from advantages and returns
     `[B, R]` (every token carrying its macro's A and G); the actor alone for the critic-free
     estimators (`ret` unused). `is_weights [B, R]`: rollout-correction weights of each token's
-    policy-gradient term (None: 1). The group estimators add beta x the k3 KL to the reference,
-    per token, aggregated as the policy loss. With LoRA the gradients are those of the adapters
+    policy-gradient term (None: 1). The estimators whose KL is a loss term (GRPO, Dr. GRPO) add
+    beta x the k3 KL to the reference, per token, aggregated as the policy loss. With LoRA the gradients are those of the adapters
     and heads alone, attached to `frozen`'s base."""
     b = static.batch_size
     mb = b // static.num_minibatches
