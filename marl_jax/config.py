@@ -116,8 +116,8 @@ def base_config() -> ml_collections.ConfigDict:
         # down). `dropout`: PEFT's lora_dropout, on the adapters' inputs in the training
         # forwards of every stage (masks drawn from the seed and the step, so resume is exact).
         # `merge_sft`: the SFT adapter is merged into the base the later stages start
-        # from; False keeps it apart (the reference and every role then start from the
-        # pretrained base, the actor from the SFT adapter).
+        # from; False keeps it apart (every role's adapters attach to the pretrained base, the
+        # reference is that base with the SFT adapter, frozen, the actor a copy of it).
         lora=ml_collections.ConfigDict(dict(rank=0, alpha=16.0, dropout=0.0, targets=(),
                                             merge_sft=True)),
     ))

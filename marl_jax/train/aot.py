@@ -160,13 +160,15 @@ def ppo_programs(config, tokenizer, policy, critic, reward_model, mesh,
     actor, critic_params, rm_params = (abstract_params(m) for m in (policy, critic, reward_model))
     if not ppo.uses_critic(p):
         critic_params = {}
-    base = None
+    base = ref_adapters = None
     if static.lora:
+        if static.reference_adapters:  # the SFT adapter, kept apart from the base
+            ref_adapters = lora.adapters(actor)
         base, actor, rm_params = (lora.frozen_base(actor), lora.trainable(actor),
                                   lora.trainable(rm_params))
         critic_params = lora.trainable(critic_params) if critic_params else {}
     state_sh = ppo.state_shardings(mods, mesh, actor, critic_params)
-    frozen_sh = programs.frozen_shardings(mods, mesh, state_sh, rm_params, base)
+    frozen_sh = programs.frozen_shardings(mods, mesh, state_sh, rm_params, base, ref_adapters)
     rep, batch_sh = sharding.replicated(mesh), sharding.batch_sharding(mesh)
 
     state = with_shardings(jax.eval_shape(
@@ -174,8 +176,8 @@ def ppo_programs(config, tokenizer, policy, critic, reward_model, mesh,
         state_sh)
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
     frozen = with_shardings(core.Frozen(ref_params=actor if base is None else base,
-                                        rm_params=rm_params,
-                                        reward_mean=scalar, reward_std=scalar), frozen_sh)
+                                        rm_params=rm_params, reward_mean=scalar,
+                                        reward_std=scalar, ref_adapters=ref_adapters), frozen_sh)
     hparams = with_shardings(build.abstract(ppo.hparams_from_config(p)), rep)
     prompts = with_shardings((_ids(static.prompts_per_step, inputs.prompt_length),) * 2, batch_sh)
     documents = None if inputs.documents_width is None else with_shardings(

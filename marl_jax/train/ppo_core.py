@@ -90,8 +90,11 @@ class PPOStatic:
     # holds that many rows instead of the batch's); 0: one static batch.
     decode_slots: int = 0
     # LoRA: actor, critic and reward-model params are adapters (and heads) on the one frozen
-    # base, `Frozen.ref_params`, which is also the reference (the base with the adapters off).
+    # base, `Frozen.ref_params`. The reference is the SFT policy: the base with the adapters off
+    # when SFT merged its adapter into the base, else (`reference_adapters`) the base with the
+    # SFT adapter, `Frozen.ref_adapters`, attached.
     lora: bool = False
+    reference_adapters: bool = False
     # Prompts are sampled and scored in this many sequential chunks (`in_row_chunks`): the KV
     # cache and the scoring pass's activations hold one chunk's rows.
     rollout_chunks: int = 1
@@ -149,12 +152,15 @@ class PPOState:
 @flax.struct.dataclass
 class Frozen:
     """What a PPO run reads but never updates. With LoRA `ref_params` is the base every role's
-    adapters attach to (`role_params`) and `rm_params` the reward model's adapters and head."""
+    adapters attach to (`role_params`), `rm_params` the reward model's adapters and head, and
+    `ref_adapters` the SFT adapter the reference applies when it was not merged into the base
+    (`PPOStatic.reference_adapters`; None otherwise)."""
 
     ref_params: Any
     rm_params: Any
     reward_mean: jax.Array
     reward_std: jax.Array
+    ref_adapters: Any = None
 
 
 @flax.struct.dataclass
@@ -196,17 +202,35 @@ ROLES = ("actor", "critic", "reward", "reference")
 
 
 def role_params(static: PPOStatic, role: str, frozen: Frozen, params=None):
-    """The params the model of `role` applies: the actor's and the critic's `params` (the
-    state's), the reward model's and the reference's from `frozen`. With LoRA a role's adapters
-    (and head) are attached to the one frozen base (a tree of the same arrays, no copy), and the
-    reference is the base. Every call site of a role takes its params from here."""
+    """The params the model of `role` (`role_model`) applies: the actor's and the critic's
+    `params` (the state's), the reward model's and the reference's from `frozen`. With LoRA a
+    role's adapters (and head) are attached to the one frozen base (a tree of the same arrays, no
+    copy); the reference is the base, with the SFT adapter attached when
+    `static.reference_adapters`. Every call site of a role takes its params from here."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     if role == "reference":
+        if static.lora and static.reference_adapters:
+            return lora.attach(frozen.ref_params, frozen.ref_adapters)
         return frozen.ref_params
     if role == "reward":
         params = frozen.rm_params
     return lora.attach(frozen.ref_params, params) if static.lora else params
+
+
+def role_model(static: PPOStatic, models: Models, role: str):
+    """The module that applies `role_params(static, role, ...)`: the policy for the actor and
+    the reference, the critic, the reward model. A LoRA reference without adapters is the policy
+    with its adapters switched off (`lora.adapters_off`)."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    if role == "critic":
+        return models.critic
+    if role == "reward":
+        return models.reward
+    if role == "reference" and static.lora and not static.reference_adapters:
+        return lora.adapters_off(models.policy)
+    return models.policy
 
 
 def in_row_chunks(n: int, fn, *rows):
@@ -395,8 +419,8 @@ def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, pr
         trainer = old_logprobs
         entropies = actor_entropy if entropies is None else entropies
     ref = in_row_chunks(n, lambda *a: continuation_scores(
-        models.policy, role_params(static, "reference", frozen), *a, static.temperature, trunk),
-        *args)
+        role_model(static, models, "reference"), role_params(static, "reference", frozen), *a,
+        static.temperature, trunk), *args)
     if entropies is None:
         entropies = jnp.zeros_like(old_logprobs)
     if static.uses_critic:
@@ -575,7 +599,8 @@ def monte_carlo_returns(static: PPOStatic, models: Models, actor_params, frozen:
                               _ended_with_eos(cont.tokens, cont_mask, static.eos_id))
     sampled = cont_mask * (jnp.arange(cont_mask.shape[1])[None] >= jnp.repeat(prefix, m)[:, None])
     cont_args = (prompt_ids, prompt_mask, cont.tokens, cont_mask)
-    ref = continuation_scores(models.policy, role_params(static, "reference", frozen), *cont_args,
+    ref = continuation_scores(role_model(static, models, "reference"),
+                              role_params(static, "reference", frozen), *cont_args,
                               static.temperature)
     if static.reuses_sampler_logprobs:
         actor_logprobs = cont.logprobs
