@@ -236,15 +236,33 @@ def build_optimizer(section):
     return make_optimizer(section, 10)
 
 
-def test_peft_export_gives_the_adapted_models_logits_in_transformers(tmp_path):
+ALL_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@pytest.mark.parametrize("case, targets", [
+    ("llama_gqa_llama3_untied", ALL_TARGETS),
+    ("gemma_mqa_head_dim", ALL_TARGETS),
+    ("qwen2_bias", ALL_TARGETS),
+    ("gemma2_softcap_window", ALL_TARGETS),
+    ("qwen3_window_head_dim", ALL_TARGETS),
+    ("gemma3_local_global", ALL_TARGETS),
+    ("mistral_window_mqa", ALL_TARGETS),
+    ("olmo2_post_norms", ALL_TARGETS),
+    ("phi3_fused_window", ALL_TARGETS),
+    # Fused modules with parts left out: k of qkv_proj, up of gate_up_proj.
+    ("phi3_fused_window", ("q", "v", "gate", "down")),
+])
+def test_peft_export_gives_the_adapted_models_logits_in_transformers(tmp_path, case, targets):
+    """Every family that exports adapters: PEFT's model of the exported adapter on the base
+    gives the adapted model's logits (Phi-3's fused qkv_proj and gate_up_proj included, which
+    PEFT would otherwise load without a warning and leave unadapted)."""
     import torch
     from peft import PeftModel
 
-    hf = random_hf_model("llama_gqa_llama3_untied", seed=4)
+    hf = random_hf_model(case, seed=4)
     base_dir = write_checkpoint(hf, tmp_path / "base")
     model, params = M.load_pretrained(base_dir)
-    cfg = model.config.replace(lora_rank=4, lora_alpha=8.0,
-                               lora_targets=("q", "k", "v", "o", "gate", "up", "down"))
+    cfg = model.config.replace(lora_rank=4, lora_alpha=8.0, lora_targets=targets)
     adapted = M.CausalLM(cfg)
     params = lora.with_adapters(adapted, params, jax.random.key(0))
     params = lora.attach(lora.without_adapters(params), _randomised_adapters(params))
@@ -254,8 +272,11 @@ def test_peft_export_gives_the_adapted_models_logits_in_transformers(tmp_path):
     ids, mask = padded_batch([7, 9], 9, seed=5)
     ours = np.asarray(adapted.apply({"params": params}, ids, mask))
     with torch.no_grad():
-        peft_model = PeftModel.from_pretrained(random_hf_model("llama_gqa_llama3_untied", seed=4),
+        peft_model = PeftModel.from_pretrained(random_hf_model(case, seed=4),
                                                str(tmp_path / "adapter")).eval()
+    adapted_modules = {name.rsplit(".", 2)[-2] for name, _ in peft_model.named_modules()
+                       if name.endswith(".lora_A")}
+    assert adapted_modules == set(config["target_modules"])
     theirs = hf_logits(peft_model, ids, mask)
     valid = mask.astype(bool)
     np.testing.assert_allclose(theirs[valid], ours[valid], atol=2e-4)
