@@ -230,6 +230,9 @@ def base_config() -> ml_collections.ConfigDict:
         judge_workers=8,
         judge_timeout_s=60.0,
         num_samples=5,         # apps: samples per problem for pass@k
+        # apps: the namespaces jail (task.sandbox) may run without its seccomp filter where
+        # libseccomp / pyseccomp is missing (programs may then reach host Unix sockets).
+        allow_unfiltered_jail=False,
         pass_at_k=(1, 5),
         histogram_bins=30,
     ))

@@ -141,6 +141,9 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
     check(not ESTIMATORS[p.estimator].branches or p.reward_source in ("rm", "gold"),
           "ppo.reward_source", f"{p.estimator} scores its branches on device: use rm or gold")
     check(c.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
+    if "eval" in c:
+        check(isinstance(c.eval.get("allow_unfiltered_jail", False), bool),
+              "eval.allow_unfiltered_jail", "must be True or False")
     if "logging" in c:
         _check_logging(c.logging)
     for axis in ("data", "fsdp", "tensor"):
