@@ -13,6 +13,7 @@ import importlib.util
 import netrc
 import os
 import re
+import sys
 from urllib.parse import urlparse
 
 import ml_collections
@@ -140,6 +141,7 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
           "ppo.mc_branch_points", "must be an integer >= 0 (0: every macro start)")
     check(not ESTIMATORS[p.estimator].branches or p.reward_source in ("rm", "gold"),
           "ppo.reward_source", f"{p.estimator} scores its branches on device: use rm or gold")
+    _warn_once(rollout_correction_warning(p))
     check(c.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
     if "eval" in c:
         check(isinstance(c.eval.get("allow_unfiltered_jail", False), bool),
@@ -152,6 +154,52 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
               "must be a positive integer or -1 (all remaining devices)")
     check(sum(c.mesh[a] == -1 for a in ("data", "fsdp", "tensor")) <= 1, "mesh",
           "at most one mesh axis may be -1")
+
+
+# Longest macro (tokens) above which macro-level correction weights under top-k / top-p warn.
+LONG_MACRO = 32
+# The kept probability mass per token that `rollout_correction_warning` illustrates with.
+KEPT_MASS = 0.99
+_warned: set = set()
+
+
+def rollout_correction_warning(p) -> str | None:
+    """One line when `config.ppo`'s rollout correction multiplies many tokens' weights under
+    top-k / top-p, else None.
+
+    The sampler renormalises its probabilities over the tokens top-k / top-p keep, so each
+    token's ratio pi_trainer / pi_sampler is at most 1 (the kept mass) and a product over L
+    tokens shrinks geometrically: "sequence" multiplies a whole response's, "macro" a macro's
+    (fixed n-grams of n tokens; randomized lengths up to the rest of the response after the
+    list). Terminations whose macro lengths depend on the samples are not bounded here.
+    """
+    if p.rollout_correction not in ("sequence", "macro") or (p.top_k == 0 and p.top_p >= 1):
+        return None
+    length = int(p.response_length)
+    if p.rollout_correction == "macro":
+        if p.termination == "fixed":
+            length = min(int(p.ngram), length)
+        elif p.termination == "randomized":
+            listed = [int(x) for x in p.randomized_lengths] * int(p.randomized_repeats)
+            length = min(max(max(listed), length - sum(listed)), length)
+        else:
+            return None
+        if length <= LONG_MACRO:
+            return None
+    unit = "response" if p.rollout_correction == "sequence" else "macro"
+    return (f"warning: config.ppo.rollout_correction={p.rollout_correction!r} under "
+            f"top_k={p.top_k}, top_p={p.top_p}: the sampler renormalises over the kept tokens, "
+            f"so every token's weight is at most 1 and a {unit}'s weight, their product over "
+            f"up to {length} tokens, shrinks geometrically ({KEPT_MASS} kept per token gives "
+            f"{KEPT_MASS ** length:.2g}); use token, or macro with macros of at most "
+            f"{LONG_MACRO} tokens")
+
+
+def _warn_once(line: str | None) -> None:
+    """`line` on stderr, once per process (the config is checked again by later stages)."""
+    if line is not None and line not in _warned:
+        _warned.add(line)
+        print(line, file=sys.stderr, flush=True)
 
 
 def _check_lora(c, check):
