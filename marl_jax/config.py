@@ -118,8 +118,10 @@ def base_config() -> ml_collections.ConfigDict:
         # `merge_sft`: the SFT adapter is merged into the base the later stages start
         # from; False keeps it apart (every role's adapters attach to the pretrained base, the
         # reference is that base with the SFT adapter, frozen, the actor a copy of it).
+        # `weight_decay`: the adapters' AdamW weight decay in every stage (PEFT / TRL LoRA
+        # recipes: 0); the heads keep their stage's `weight_decay`.
         lora=ml_collections.ConfigDict(dict(rank=0, alpha=16.0, dropout=0.0, targets=(),
-                                            merge_sft=True)),
+                                            merge_sft=True, weight_decay=0.0)),
     ))
 
     c.sft = optimizer_config(lr=1e-5, steps=1000, batch_size=32)

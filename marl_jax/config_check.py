@@ -213,6 +213,9 @@ def _check_lora(c, check):
     check(lo.alpha > 0, "model.lora.alpha", "must be > 0")
     check(0.0 <= lo.dropout < 1.0, "model.lora.dropout",
           "must be in [0, 1): the probability of dropping an input of the adapters")
+    check(isinstance(lo.get("weight_decay", 0.0), (int, float))
+          and lo.get("weight_decay", 0.0) >= 0, "model.lora.weight_decay",
+          "must be a number >= 0 (the adapters' AdamW weight decay; PEFT / TRL use 0)")
     if lo.rank:
         lora.check(lo.rank, tuple(lo.targets) or lora.TARGETS, None)
         for stage in ("sft", "rm", "ppo"):

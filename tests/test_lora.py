@@ -316,6 +316,7 @@ def test_peft_export_of_gpt2_is_refused_in_one_line():
     ("rank", 20, r"config.model.lora.rank=20: above the k projection's smaller dimension 16"),
     ("targets", ("q", "proj"), r"config.model.lora.targets: unknown \['proj'\]"),
     ("dropout", 1.0, r"config.model.lora.dropout=1.0: must be in \[0, 1\)"),
+    ("weight_decay", -0.1, r"config.model.lora.weight_decay=-0.1: must be a number >= 0"),
 ])
 def test_bad_lora_settings_fail_in_one_line_before_compiling(field, value, message):
     config = importlib.import_module("configs.synthetic").get_config()

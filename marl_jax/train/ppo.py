@@ -20,7 +20,7 @@ from marl_jax.data import batches
 from marl_jax.models import lora
 from marl_jax.train import build, checkpoint, loop, programs, sharding
 from marl_jax.train import ppo_core as core
-from marl_jax.train.optim import make_optimizer, stage_schedule
+from marl_jax.train.optim import adapter_weight_decay, make_optimizer, stage_schedule
 
 
 def static_from_config(config, tokenizer, variants=None) -> core.PPOStatic:
@@ -132,10 +132,12 @@ def make_models(config, policy, critic, reward_model, gold_fn=None) -> core.Mode
         raise ValueError("config.ppo.reward_source='gold' needs a task with a gold reward "
                          "(the synthetic task)")
     updates = ppo_updates(p)
+    decay = adapter_weight_decay(config)
     return core.Models(
         policy=policy, critic=critic, reward=reward_model,
-        actor_optimizer=make_optimizer(p, updates),
-        critic_optimizer=make_optimizer(p, updates, learning_rate=p.critic_learning_rate),
+        actor_optimizer=make_optimizer(p, updates, lora_weight_decay=decay),
+        critic_optimizer=make_optimizer(p, updates, learning_rate=p.critic_learning_rate,
+                                        lora_weight_decay=decay),
         gold_fn=gold_fn, actor_schedule=stage_schedule(p, updates),
         critic_schedule=stage_schedule(p, updates, learning_rate=p.critic_learning_rate))
 
