@@ -189,7 +189,8 @@ def test_namespaces_without_libseccomp_refuses_unless_allowed(monkeypatch, fresh
                r"installed: pip install pyseccomp==0\.1\.2 \(the jails' seccomp filter\); or set "
                r"config\.eval\.allow_unfiltered_jail=True to run it unfiltered")
     config = _apps_config(sandbox="namespaces")
-    with pytest.raises(ValueError, match=r"^config\.task\.sandbox='namespaces': " + refusal) as error:
+    prefix = r"^config\.task\.sandbox='namespaces': "
+    with pytest.raises(ValueError, match=prefix + refusal) as error:
         unit_test_reward.check_unit_test_config(config)
     assert "\n" not in str(error.value)
     with pytest.raises(sandbox.SandboxError, match="^" + refusal):

@@ -178,8 +178,9 @@ def test_adapters_that_miss_their_projections_raise_and_adapters_off_is_explicit
     misplaced = lora.attach(lora.without_adapters(unrolled), _randomised_adapters(scanned))
     assert lora.has_adapters(misplaced)
     ids, mask = padded_batch([5, 8], 8, seed=0, vocab=64)
-    with pytest.raises(ValueError, match=r"^LoRA: the targeted projection backbone/layers_0/attn/q "
-                                         r"has no adapter \(lora_a, lora_b\) in the params") as error:
+    message = (r"^LoRA: the targeted projection backbone/layers_0/attn/q has no adapter "
+               r"\(lora_a, lora_b\) in the params")
+    with pytest.raises(ValueError, match=message) as error:
         M.CausalLM(cfg).apply({"params": misplaced}, ids, mask)
     assert "\n" not in str(error.value)
     base = lora.without_adapters(unrolled)

@@ -635,8 +635,8 @@ def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, 
     `[B, R]` (every token carrying its macro's A and G); the actor alone for the critic-free
     estimators (`ret` unused). `is_weights [B, R]`: rollout-correction weights of each token's
     policy-gradient term (None: 1). The estimators whose KL is a loss term (GRPO, Dr. GRPO) add
-    beta x the k3 KL to the reference, per token, aggregated as the policy loss. With LoRA the gradients are those of the adapters
-    and heads alone, attached to `frozen`'s base."""
+    beta x the k3 KL to the reference, per token, aggregated as the policy loss. With LoRA the
+    gradients are those of the adapters and heads alone, attached to `frozen`'s base."""
     b = static.batch_size
     mb = b // static.num_minibatches
     data = dict(prompt_ids=exp.prompt_ids, prompt_mask=exp.prompt_mask,
