@@ -6,8 +6,9 @@
 
 The config is resolved as `experiments/run.py` resolves it: `--config.size` applies its preset
 (`marl_jax.config.resolve_size`; a field also set on the command line keeps that value), then
-`validate_config`. A config error (a bad field, a batch that does not split over the mesh's
-data-parallel shards) ends with one line `error: <message>` and exit status 2.
+`marl_jax.config_check.validate_config`. A config error (a bad field, a batch that does not
+split over the mesh's data-parallel shards) ends with one line `error: <message>` and exit
+status 2.
 
 Targets (`--topology`, default `config.tpu_topology`):
   Cloud TPU slices: v2-N, v3-N, v4-N, v5p-N (N TensorCores, two per chip), v5e-N (also
@@ -551,7 +552,7 @@ def main(argv):
     if cpus is not None:
         _rerun_with_cpu_devices(cpus)
 
-    from marl_jax import config as config_lib
+    from marl_jax import config as config_lib, config_check
     from marl_jax.models import attention
     from marl_jax.train import build, sharding
 
@@ -559,7 +560,7 @@ def main(argv):
     try:
         config_lib.resolve_size(config, overridden=config_lib.command_line_fields(
             ["bench.py memory", *argv])[1])
-        config_lib.validate_config(config, config_file=config_file)
+        config_check.validate_config(config, config_file=config_file)
         mesh = sharding.make_mesh(config.mesh, devices=target.devices)
         check_batches(config, mesh, wanted)
     except ValueError as error:

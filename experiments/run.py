@@ -133,10 +133,10 @@ def main(argv):
     config_file = flags.FLAGS["config"].config_filename
     workdir = flags.FLAGS.workdir or os.path.join("runs", pathlib.Path(config_file).stem)
     try:
-        from marl_jax import config as config_lib, stages
+        from marl_jax import config as config_lib, config_check, stages
 
         config_lib.resolve_size(config, overridden=config_lib.command_line_fields(sys.argv)[1])
-        config_lib.validate_config(config, config_file=_shown(config_file))
+        config_check.validate_config(config, config_file=_shown(config_file))
         stages.run(config, workdir)
     except INPUT_ERRORS as error:
         if flags.FLAGS.traceback or not is_input_error(error):

@@ -1,6 +1,6 @@
 """The one config system: `ml_collections.ConfigDict`s built by files in configs/ on top of
-`base_config()`, overridden on the command line, validated by `validate_config` before anything
-compiles.
+`base_config()`, overridden on the command line, validated by
+`marl_jax.config_check.validate_config` before anything compiles.
 
 Defaults of the PPO section are the released MA-RLHF TL;DR Gemma-2B run: batch 256 prompts,
 1 PPO epoch, clip 0.2 / 0.2, lam 0.95, gamma 1, kl_coef 0.05, reward clip 2.5, Adam (0.9, 0.95),
@@ -12,30 +12,9 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
-import netrc
-import os
-import re
-from urllib.parse import urlparse
 
 import ml_collections
 
-from marl_jax.estimators import ESTIMATORS
-from marl_jax.losses import POLICY_AGGREGATIONS, ROLLOUT_CORRECTIONS
-from marl_jax.macro.advantage import REWARD_AGGREGATIONS, VALUE_WEIGHTINGS
-
-STAGES = ("sft", "rm", "ppo", "all", "experiment", "eval")
-TERMINATIONS = ("fixed", "randomized", "perplexity", "entropy", "parsing")
-KL_ESTIMATORS = ("k1", "k3")
-SCHEDULES = ("constant", "linear", "cosine")
-CRITIC_INITS = ("rm", "sft", "random")
-DTYPES = ("float32", "bfloat16", "float16")
-# The model's numerics knobs (marl_jax/models/config.py has their meaning).
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
-ATTENTION_IMPLEMENTATIONS = ("auto", "reference", "xla", "cudnn", "splash")
-MATMUL_PRECISIONS = ("default", "high", "highest")
-OLD_LOGPROBS = ("auto", "trainer", "sampler")
-WANDB_MODES = ("online", "offline", "disabled")
-WANDB_INSTALL = "pip install -e \".[wandb]\" (or pip install wandb==0.31.0)"
 # The config file that serves each task name: real datasets need the task fields of
 # `base_config()`, which configs/synthetic.py replaces with the synthetic world's.
 TASK_CONFIGS = {
@@ -147,10 +126,12 @@ def base_config() -> ml_collections.ConfigDict:
         # down). `dropout`: PEFT's lora_dropout, on the adapters' inputs in the training
         # forwards of every stage (masks drawn from the seed and the step, so resume is exact).
         # `merge_sft`: the SFT adapter is merged into the base the later stages start
-        # from; False keeps it apart (the reference and every role then start from the
-        # pretrained base, the actor from the SFT adapter).
+        # from; False keeps it apart (every role's adapters attach to the pretrained base, the
+        # reference is that base with the SFT adapter, frozen, the actor a copy of it).
+        # `weight_decay`: the adapters' AdamW weight decay in every stage (PEFT / TRL LoRA
+        # recipes: 0); the heads keep their stage's `weight_decay`.
         lora=ml_collections.ConfigDict(dict(rank=0, alpha=16.0, dropout=0.0, targets=(),
-                                            merge_sft=True)),
+                                            merge_sft=True, weight_decay=0.0)),
     ))
 
     c.sft = optimizer_config(lr=1e-5, steps=1000, batch_size=32)
@@ -203,7 +184,7 @@ def base_config() -> ml_collections.ConfigDict:
     p.cliprange = 0.2
     p.cliprange_value = 0.2
     p.vf_coef = 0.5
-    # auto: the estimator's published aggregation (`estimators.DEFAULT_LOSS_AGGREGATION`);
+    # auto: the estimator's published aggregation (its record in `estimators.ESTIMATORS`);
     # token_mean, sequence_mean (GRPO) or token_sum (Dr. GRPO) for every arm.
     p.loss_aggregation = "auto"
     # The sampler and the trainer compute the same policy in different programs: in bfloat16, or
@@ -220,8 +201,8 @@ def base_config() -> ml_collections.ConfigDict:
     # host: a reward computed on the host, e.g. the fraction of APPS unit tests passed.
     p.reward_source = "rm"
     # Advantages (marl_jax/estimators.py): gae (macro GAE with a critic: PPO / MA-PPO) or a
-    # critic-free estimator: grpo, dr_grpo, rloo (group baselines over `group_size` samples of
-    # each prompt), reinforce_pp (REINFORCE++), macro_mc (Monte Carlo values of macro starts
+    # critic-free estimator: grpo, dr_grpo, rloo (group baselines over `group_size` >= 2 samples
+    # of each prompt), reinforce_pp (REINFORCE++), macro_mc (Monte Carlo values of macro starts
     # from `mc_rollouts` continuations at up to `mc_branch_points` of them per response).
     p.estimator = "gae"
     p.group_size = 1  # samples per prompt; batch_size counts responses (prompts x group_size)
@@ -261,6 +242,9 @@ def base_config() -> ml_collections.ConfigDict:
         judge_workers=8,
         judge_timeout_s=60.0,
         num_samples=5,         # apps: samples per problem for pass@k
+        # apps: the namespaces jail (task.sandbox) may run without its seccomp filter where
+        # libseccomp / pyseccomp is missing (programs may then reach host Unix sockets).
+        allow_unfiltered_jail=False,
         pass_at_k=(1, 5),
         histogram_bins=30,
     ))
@@ -271,206 +255,6 @@ def remat_policy(value) -> str:
     """`config.model.remat` as a policy name: True / "True" mean full, False / "False" none."""
     return {True: "full", False: "none", "True": "full", "False": "none", "true": "full",
             "false": "none"}.get(value, value) if isinstance(value, (bool, str)) else value
-
-
-def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> None:
-    """Raises ValueError naming the first bad field; call before anything compiles.
-
-    `config_file` (the file `c` came from) only makes messages more specific.
-    """
-    def check(cond, field, msg):
-        if not cond:
-            raise ValueError(f"config.{field}={_get(c, field)!r}: {msg}")
-
-    check(c.stage in STAGES, "stage", f"must be one of {STAGES}")
-    _check_task_fields(c, config_file)
-    check(isinstance(c.tpu_topology, str) and re.fullmatch(r"([a-z0-9]+-[0-9]+)?", c.tpu_topology),
-          "tpu_topology", "must be empty or a Cloud TPU slice like v4-16, v5litepod-8, v5p-32")
-    check(c.model.dtype in ("auto",) + DTYPES, "model.dtype", f"must be auto or one of {DTYPES}")
-    check(c.model.param_dtype in DTYPES, "model.param_dtype", f"must be one of {DTYPES}")
-    check(remat_policy(c.model.remat) in REMAT_POLICIES, "model.remat",
-          f"must be one of {REMAT_POLICIES} (True means full, False none)")
-    check(c.model.get("attention", "auto") in ATTENTION_IMPLEMENTATIONS, "model.attention",
-          f"must be one of {ATTENTION_IMPLEMENTATIONS}")
-    check(c.model.get("matmul_precision", "auto") in ("auto",) + MATMUL_PRECISIONS, "model.matmul_precision",
-          f"must be one of {('auto',) + MATMUL_PRECISIONS}")
-    check(not (c.model.get("attention") == "cudnn" and c.model.dtype == "float32"), "model.attention",
-          "cuDNN's flash attention computes in bfloat16 or float16 only: set model.dtype=bfloat16, "
-          "or use attention=auto")
-    _check_lora(c, check)
-    p = c.ppo
-    check(p.termination in TERMINATIONS, "ppo.termination", f"must be one of {TERMINATIONS}")
-    check(isinstance(p.ngram, int) and p.ngram >= 1, "ppo.ngram", "must be an integer >= 1")
-    check(p.value_weighting in VALUE_WEIGHTINGS, "ppo.value_weighting",
-          f"must be one of {VALUE_WEIGHTINGS}")
-    check(p.reward_aggregation in REWARD_AGGREGATIONS, "ppo.reward_aggregation",
-          f"must be one of {REWARD_AGGREGATIONS}")
-    check(p.kl_estimator in KL_ESTIMATORS, "ppo.kl_estimator", f"must be one of {KL_ESTIMATORS}")
-    check(p.critic_init in CRITIC_INITS, "ppo.critic_init", f"must be one of {CRITIC_INITS}")
-    check(p.reward_source in ("rm", "gold", "host"), "ppo.reward_source",
-          "must be rm, gold or host")
-    check(p.loss_aggregation in ("auto",) + POLICY_AGGREGATIONS, "ppo.loss_aggregation",
-          f"must be one of {('auto',) + POLICY_AGGREGATIONS}")
-    check(p.old_logprobs in OLD_LOGPROBS, "ppo.old_logprobs", f"must be one of {OLD_LOGPROBS}")
-    check(p.rollout_correction in ROLLOUT_CORRECTIONS, "ppo.rollout_correction",
-          f"must be one of {ROLLOUT_CORRECTIONS}")
-    check(isinstance(p.rollout_is_cap, (int, float)) and p.rollout_is_cap >= 1,
-          "ppo.rollout_is_cap", "must be a number >= 1 (the largest importance weight)")
-    check(p.rollout_correction == "none" or p.old_logprobs != "sampler", "ppo.old_logprobs",
-          f"ppo.rollout_correction={p.rollout_correction!r} weighs the trainer's old logprobs "
-          "against the sampler's: use trainer or auto")
-    check(len(p.randomized_lengths) > 0 and all(int(x) >= 1 for x in p.randomized_lengths),
-          "ppo.randomized_lengths", "must be a non-empty tuple of integers >= 1")
-    check(p.randomized_repeats >= 1, "ppo.randomized_repeats", "must be >= 1")
-    check(0 < p.entropy_quantile <= 1, "ppo.entropy_quantile", "must be in (0, 1]")
-    check(p.temperature >= 0, "ppo.temperature", "must be >= 0")
-    check(0 < p.top_p <= 1, "ppo.top_p", "must be in (0, 1]")
-    check(p.top_k >= 0, "ppo.top_k", "must be >= 0 (0 disables top-k)")
-    check(isinstance(p.decode_slots, int) and p.decode_slots >= 0, "ppo.decode_slots",
-          "must be an integer >= 0 (0: one static batch)")
-    check(0 <= p.lam <= 1, "ppo.lam", "must be in [0, 1]")
-    check(0 <= p.gamma <= 1, "ppo.gamma", "must be in [0, 1]")
-    check(p.kl_coef >= 0, "ppo.kl_coef", "must be >= 0")
-    check(p.cliprange > 0, "ppo.cliprange", "must be > 0")
-    check(p.cliprange_value > 0, "ppo.cliprange_value", "must be > 0")
-    check(p.response_length >= 1, "ppo.response_length", "must be >= 1")
-    check(p.ppo_epochs >= 1, "ppo.ppo_epochs", "must be >= 1")
-    check(isinstance(p.eval_samples_per_prompt, int) and p.eval_samples_per_prompt >= 1,
-          "ppo.eval_samples_per_prompt", "must be an integer >= 1")
-    check(p.num_minibatches >= 1 and p.batch_size % p.num_minibatches == 0,
-          "ppo.num_minibatches", f"must divide ppo.batch_size={p.batch_size}")
-    for stage in ("sft", "rm", "ppo"):
-        s = c[stage]
-        check(s.steps >= 0, f"{stage}.steps", "must be >= 0")
-        check(s.batch_size >= 1, f"{stage}.batch_size", "must be >= 1")
-        check(isinstance(s.grad_accum_steps, int) and s.grad_accum_steps >= 1,
-              f"{stage}.grad_accum_steps", "must be an integer >= 1")
-        check(s.learning_rate > 0, f"{stage}.learning_rate", "must be > 0")
-        check(s.schedule in SCHEDULES, f"{stage}.schedule", f"must be one of {SCHEDULES}")
-        check(0 <= s.warmup_ratio < 1, f"{stage}.warmup_ratio", "must be in [0, 1)")
-        n = s.get("num_layers_unfrozen", -1)
-        check(isinstance(n, int) and n >= -1, f"{stage}.num_layers_unfrozen",
-              "must be an int >= 0 (layers trained from the top) or -1 (every parameter)")
-        check(n < 0 or not c.model.get("scan_layers", False), f"{stage}.num_layers_unfrozen",
-              "needs unrolled decoder layers: set config.model.scan_layers=False")
-    check(isinstance(c.rm.get("group_by_prompt", False), bool), "rm.group_by_prompt",
-          "must be True or False")
-    for stage in ("sft", "rm"):
-        s = c[stage]
-        check(s.batch_size % s.grad_accum_steps == 0, f"{stage}.grad_accum_steps",
-              f"must divide {stage}.batch_size={s.batch_size}")
-    # PPO splits each of its minibatches into the micro-batches.
-    check(p.batch_size % (p.num_minibatches * p.grad_accum_steps) == 0, "ppo.grad_accum_steps",
-          f"ppo.num_minibatches * ppo.grad_accum_steps = {p.num_minibatches} * "
-          f"{p.grad_accum_steps} must divide ppo.batch_size={p.batch_size}")
-    chunks = p.get("rollout_chunks", 1)
-    check(isinstance(chunks, int) and chunks >= 1 and p.batch_size % (chunks * p.group_size) == 0,
-          "ppo.rollout_chunks", "must be an integer >= 1 dividing ppo.batch_size / "
-          "ppo.group_size (prompts per step)")
-    if isinstance(chunks, int) and chunks >= 1 and isinstance(p.decode_slots, int):
-        chunk_rows = p.batch_size // chunks
-        check(p.decode_slots < chunk_rows or p.decode_slots == 0, "ppo.decode_slots",
-              f"must be below the {chunk_rows} responses of one rollout chunk (ppo.batch_size="
-              f"{p.batch_size} / ppo.rollout_chunks={chunks}) to refill slots; use at most "
-              f"{chunk_rows // 2} or 0 (one static batch)")
-    check(chunks == 1 or p.get("num_layers_unfrozen", -1) < 0, "ppo.rollout_chunks",
-          "scores the whole batch at once when a frozen trunk is shared (num_layers_unfrozen): "
-          "use 1")
-    check(p.estimator in ESTIMATORS, "ppo.estimator", f"must be one of {ESTIMATORS}")
-    check(isinstance(p.group_size, int) and p.group_size >= 1 and p.batch_size % p.group_size == 0,
-          "ppo.group_size", f"must be an integer >= 1 dividing ppo.batch_size={p.batch_size}")
-    check(p.group_size >= 2 or p.estimator not in ("grpo", "rloo"), "ppo.group_size",
-          f"ppo.estimator={p.estimator!r} needs at least 2 samples per prompt")
-    check(isinstance(p.mc_rollouts, int) and p.mc_rollouts >= 1, "ppo.mc_rollouts",
-          "must be an integer >= 1")
-    check(isinstance(p.mc_branch_points, int) and p.mc_branch_points >= 0,
-          "ppo.mc_branch_points", "must be an integer >= 0 (0: every macro start)")
-    check(p.estimator != "macro_mc" or p.reward_source in ("rm", "gold"), "ppo.reward_source",
-          "macro_mc scores its branches on device: use rm or gold")
-    check(c.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
-    if "logging" in c:
-        _check_logging(c.logging)
-    for axis in ("data", "fsdp", "tensor"):
-        v = c.mesh[axis]
-        check(isinstance(v, int) and (v >= 1 or v == -1), f"mesh.{axis}",
-              "must be a positive integer or -1 (all remaining devices)")
-    check(sum(c.mesh[a] == -1 for a in ("data", "fsdp", "tensor")) <= 1, "mesh",
-          "at most one mesh axis may be -1")
-
-
-def _check_lora(c, check):
-    """The LoRA fields that need no model; `marl_jax.models.lora.check` checks the rank against
-    the projections once the architecture is known (before anything compiles)."""
-    from marl_jax.models import lora
-
-    if "lora" not in c.model:
-        return
-    lo = c.model.lora
-    check(isinstance(lo.rank, int) and lo.rank >= 0, "model.lora.rank",
-          "must be an integer >= 0 (0 = full fine-tuning)")
-    check(lo.alpha > 0, "model.lora.alpha", "must be > 0")
-    check(0.0 <= lo.dropout < 1.0, "model.lora.dropout",
-          "must be in [0, 1): the probability of dropping an input of the adapters")
-    if lo.rank:
-        lora.check(lo.rank, tuple(lo.targets) or lora.TARGETS, None)
-        for stage in ("sft", "rm", "ppo"):
-            check(c[stage].get("num_layers_unfrozen", -1) < 0, f"{stage}.num_layers_unfrozen",
-                  "LoRA trains adapters on every layer: use -1 with model.lora.rank > 0")
-        check(c.rm.init_from == "sft", "rm.init_from",
-              "LoRA trains the reward model's adapters on the SFT base: use sft")
-        check(c.ppo.critic_init in ("rm", "sft"), "ppo.critic_init",
-              "LoRA trains the critic's adapters on the shared base: use rm or sft")
-        check(c.stage != "experiment", "stage",
-              "experiments (arms vmapped over seeds) run full fine-tuning: set model.lora.rank=0")
-
-
-def _check_logging(logging_cfg) -> None:
-    """W&B fields, the package and its credentials: a run that would fail at its first metrics
-    row fails here instead, before anything compiles."""
-    if not isinstance(logging_cfg.wandb, bool):
-        raise ValueError(f"config.logging.wandb={logging_cfg.wandb!r}: must be True or False")
-    mode = logging_cfg.wandb_mode
-    if mode not in WANDB_MODES:
-        raise ValueError(f"config.logging.wandb_mode={mode!r}: must be one of {WANDB_MODES}")
-    if not logging_cfg.wandb:
-        return
-    if not logging_cfg.wandb_project:
-        raise ValueError("config.logging.wandb_project='': name the W&B project")
-    if importlib.util.find_spec("wandb") is None:
-        raise ValueError(f"config.logging.wandb=True needs the wandb package: {WANDB_INSTALL}")
-    if mode == "online" and not _wandb_credentials():
-        raise ValueError("config.logging.wandb_mode='online' needs W&B credentials: run "
-                         "`wandb login` (or set WANDB_API_KEY), or choose "
-                         "--config.logging.wandb_mode=offline")
-
-
-def _wandb_credentials() -> bool:
-    """Whether W&B finds credentials without asking: WANDB_API_KEY, an identity token file, or
-    a netrc entry for its host (where `wandb login` writes the key)."""
-    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
-        return True
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
-    path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
-    try:
-        return netrc.netrc(path).authenticators(host) is not None
-    except (OSError, netrc.NetrcParseError):
-        return False
-
-
-def _check_task_fields(c, config_file):
-    """A task name whose section lacks the fields its task reads fails here, naming them and the
-    config file that serves the task, rather than deep inside data loading."""
-    name = c.task.name
-    if name not in TASK_CONFIGS:
-        raise ValueError(f"config.task.name={name!r}: must be one of {tuple(TASK_CONFIGS)}")
-    needed = {"synthetic": SYNTHETIC_TASK_FIELDS, "reviews": REVIEW_TASK_FIELDS}.get(
-        name, tuple(base_config().task))
-    missing = [f for f in needed if f not in c.task]
-    if missing:
-        kind = {"synthetic": "synthetic", "reviews": "review"}.get(name, "real-dataset")
-        raise ValueError(
-            f"config.task.name={name!r} needs the {kind} task fields ({', '.join(missing)}) that "
-            f"{config_file or 'this config'} does not have; use --config={TASK_CONFIGS[name]}")
 
 
 def resolve_size(config, file_config=None, overridden=None):
@@ -494,14 +278,14 @@ def resolve_size(config, file_config=None, overridden=None):
         return config
     for dotted, value in _flatten(sizes[config.size]):
         try:
-            current = _get(config, dotted)
+            current = get_field(config, dotted)
         except (KeyError, AttributeError):
             raise ValueError(f"config.sizes.{config.size}.{dotted}: config.{dotted} does not "
                              "exist") from None
         if overridden is not None:
             if dotted in overridden:
                 continue
-        elif file_config is not None and current != _get(file_config, dotted):
+        elif file_config is not None and current != get_field(file_config, dotted):
             continue  # set on the command line
         set_field(config, dotted, value)
     config.size_applied = config.size
@@ -560,7 +344,7 @@ def set_field(c, dotted: str, value) -> None:
     c[last] = value
 
 
-def _get(c, dotted):
+def get_field(c, dotted):
     for part in dotted.split("."):
         c = c[part]
     return c

@@ -1,11 +1,20 @@
-"""Critic-free advantage estimators: group baselines, REINFORCE++, Monte Carlo macro values.
+"""Advantage estimators: one record each (`ESTIMATORS`), and the critic-free ones' functions:
+group baselines, REINFORCE++, Monte Carlo macro values.
+
+Every estimator's rules live in its `Estimator` record: its advantage function, whether the KL to
+the reference is in the reward or a loss term of its own, its published loss aggregation, the
+samples per prompt it needs and whether it trains a critic. The PPO step, the config check and
+the experiment's arms read them here.
 
 Per-token advantages are float `[B, R]` over the response positions, 0 on padding; responses are
 left-aligned (`response_mask[b, :L_b] == 1`). They are targets: no gradient flows through them.
 
-- `group_advantages`: one advantage per sampled response from the scores of the other samples
-  of its prompt ("grpo", "dr_grpo", "rloo"); `sequence_advantages_to_tokens` spreads it over the
-  response. The score alone: the KL to the reference is a loss term of its own (`KL_IN_LOSS`).
+- `sequence_advantages`: one advantage per sampled response from the rewards of the other
+  samples of its prompt ("grpo", "dr_grpo", "rloo", `group_advantages`);
+  `sequence_advantages_to_tokens` spreads it over the response. GRPO and Dr. GRPO normalise the
+  score alone and carry the KL as a loss term (DeepSeekMath, TRL's GRPO); RLOO subtracts beta x
+  the response's summed KL from its score before the leave-one-out baseline (Ahmadian et al.,
+  2024; TRL's RLOO) and has no KL loss term.
 - `reinforce_pp_advantages`: REINFORCE++, the undiscounted return-to-go of the per-token rewards,
   normalised over the batch.
 - Monte Carlo macro values (VinePPO with macro actions): `choose_branch_points` picks macro
@@ -14,13 +23,15 @@ left-aligned (`response_mask[b, :L_b] == 1`). They are targets: no gradient flow
   into `start_values`, and `macro_mc_advantages` turns those values into advantages with no
   critic.
 """
+import dataclasses
 import functools
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from marl_jax.macro.advantage import _check_segment_ids
+from marl_jax.macro.advantage import _check_segment_ids, macro_gae
 from marl_jax.macro.checks import (
     check_choice,
     check_mask,
@@ -29,21 +40,88 @@ from marl_jax.macro.checks import (
     is_concrete,
 )
 
-GROUP_METHODS = ("grpo", "dr_grpo", "rloo")
-# Every `config.ppo.estimator`: macro GAE with a critic, then the critic-free ones.
-ESTIMATORS = ("gae",) + GROUP_METHODS + ("reinforce_pp", "macro_mc")
-# The group estimators normalise the score alone; the KL to the reference enters the loss as
-# its own term, beta x k3 per token (DeepSeekMath's GRPO, TRL). REINFORCE++ keeps it in the
-# per-token reward (OpenRLHF), as GAE does.
-KL_IN_LOSS = GROUP_METHODS
-# Each estimator's published loss aggregation (`losses.aggregate_tokens`), used when
-# `config.ppo.loss_aggregation` is "auto": GRPO averages each sequence's tokens, then the
-# sequences; Dr. GRPO sums tokens over a constant; PPO, RLOO and REINFORCE++ average tokens.
-DEFAULT_LOSS_AGGREGATION = {"gae": "token_mean", "grpo": "sequence_mean",
-                            "dr_grpo": "token_sum", "rloo": "token_mean",
-                            "reinforce_pp": "token_mean", "macro_mc": "token_mean"}
 GROUP_STD_EPS = 1e-4  # TRL's GRPO: (score - mean) / (std + 1e-4)
 REINFORCE_PP_VAR_EPS = 1e-8  # OpenRLHF: (x - mean) * rsqrt(max(var, 1e-8))
+
+
+class AdvantageInputs(NamedTuple):
+    """What a critic-free estimator reads of one batch of B sampled responses.
+
+    scores: float `[B]` each response's terminal reward (the clipped score minus any missing-EOS
+      penalty; 0 on an empty response).
+    kl: float `[B, R]` the per-token KL estimate to the reference, as the KL penalty uses it
+      (0 on padding).
+    kl_coef: beta, a scalar (traced under an adaptive controller).
+    rewards: float `[B, R]` per-token rewards: -beta x kl on every token, plus the terminal reward
+      on the last valid one.
+    response_mask: `[B, R]` left-aligned response mask.
+    group_size: samples per prompt k (rows `g k .. g k + k - 1` are prompt g's), a Python int.
+    branches: `(starts [B, M], valid [B, M], start_values [B, M])` of the Monte Carlo branch
+      points (`choose_branch_points` and the mean returns of their continuations), or None.
+    """
+
+    scores: Any
+    kl: Any
+    kl_coef: Any
+    rewards: Any
+    response_mask: Any
+    group_size: int = 1
+    branches: Optional[tuple] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimator:
+    """One estimator's rules.
+
+    advantages: the per-token advantages it trains on. The critic-free ones map
+      `AdvantageInputs` to float `[B, R]`; "gae" is macro GAE over the critic's values
+      (`macro_gae`, run per variant of the run by the step, with the returns the critic fits).
+    kl_in_loss: True: the KL to the reference is a loss term of its own, beta x k3 per token,
+      aggregated as the policy loss, and the advantages see the score alone; False: the KL is
+      in the reward (per token, or per sequence before a group baseline).
+    loss_aggregation: the published aggregation of per-token losses (`losses.aggregate_tokens`),
+      used when `config.ppo.loss_aggregation` is "auto".
+    min_group_size: the fewest samples per prompt (`config.ppo.group_size`) it can use.
+    needs_critic: it trains a critic (and builds one).
+    branches: it samples Monte Carlo continuations from macro starts every step
+      (`AdvantageInputs.branches`), which score on device.
+    """
+
+    advantages: Callable
+    kl_in_loss: bool
+    loss_aggregation: str
+    min_group_size: int = 1
+    needs_critic: bool = False
+    branches: bool = False
+
+
+def sequence_advantages(scores, kl_sums, *, method, group_size, beta):
+    """The advantage each response of a group method trains on, one per response.
+
+    "rloo" puts the KL in the reward: each response's reward is score - beta x its summed KL,
+    and its advantage that reward minus the mean reward of the other k - 1 samples of its prompt
+    (Ahmadian et al., 2024; TRL's RLOOTrainer). "grpo" and "dr_grpo" normalise the score alone
+    (`kl_sums` and `beta` unused): their KL is a loss term (`Estimator.kl_in_loss`). See
+    `group_advantages` for the baselines.
+
+    Args:
+      scores: float `[B]` terminal rewards (clipped score, missing-EOS penalty).
+      kl_sums: float `[B]` each response's summed per-token KL estimate to the reference, as the
+        KL penalty uses it.
+      method: one of `GROUP_METHODS`; static under `jax.jit`.
+      group_size: samples per prompt k >= 2 dividing B; static under `jax.jit`.
+      beta: the KL coefficient (a float or a traced scalar).
+
+    Returns:
+      float `[B]` advantages.
+    """
+    check_choice(method, GROUP_METHODS, "method")
+    check_rank(scores, 1, "scores")
+    check_rank(kl_sums, 1, "kl_sums")
+    check_same_shape(scores, "scores", kl_sums=kl_sums)
+    if not ESTIMATORS[method].kl_in_loss:
+        scores = jnp.asarray(scores, _float_dtype(scores, kl_sums)) - beta * jnp.asarray(kl_sums)
+    return group_advantages(scores, group_size, method=method)
 
 
 def group_advantages(scores, group_size, *, method):
@@ -57,12 +135,12 @@ def group_advantages(scores, group_size, *, method):
     - "rloo":    score - the mean of the group's OTHER k - 1 scores, i.e. k / (k - 1) (score - m).
 
     A group of identical scores gets zeros exactly (the group is centred on its first score
-    before anything is summed), never NaN; so does any group of one under "dr_grpo".
+    before anything is summed), never NaN.
 
     Args:
       scores: float `[B]`, one score per response; numpy or jax.
-      group_size: samples per prompt k, a Python int >= 1 dividing B (>= 2 for "grpo" and
-        "rloo"); static under `jax.jit`.
+      group_size: samples per prompt k, a Python int >= 2 dividing B (one sample is its own
+        baseline: every advantage would be 0); static under `jax.jit`.
       method: one of `GROUP_METHODS`; static under `jax.jit`.
 
     Returns:
@@ -70,7 +148,7 @@ def group_advantages(scores, group_size, *, method):
     """
     check_choice(method, GROUP_METHODS, "method")
     check_rank(scores, 1, "scores")
-    group_size = _static_int(group_size, "group_size", 1 if method == "dr_grpo" else 2,
+    group_size = _static_int(group_size, "group_size", ESTIMATORS[method].min_group_size,
                              f" for method {method!r}")
     if np.shape(scores)[0] % group_size:
         raise ValueError(f"group_size={group_size} must divide the number of scores "
@@ -338,3 +416,47 @@ def _check_starts(starts, valid, response_mask):
         raise ValueError(
             f"starts: the used starts of each row must be distinct positions in [0, L) that "
             f"include 0 on a non-empty row; rows {bad.tolist()} break this")
+
+
+# ---- the records ------------------------------------------------------------------------------
+def _group_estimator(method):
+    def advantages(inputs: AdvantageInputs):
+        mask = inputs.response_mask
+        kl_sums = jnp.where(jnp.asarray(mask) != 0, inputs.kl, 0).sum(axis=1)
+        seq = sequence_advantages(inputs.scores, kl_sums, method=method,
+                                  group_size=inputs.group_size, beta=inputs.kl_coef)
+        return sequence_advantages_to_tokens(seq, mask)
+    return advantages
+
+
+def _reinforce_pp(inputs: AdvantageInputs):
+    return reinforce_pp_advantages(inputs.rewards, inputs.response_mask)
+
+
+def _macro_mc(inputs: AdvantageInputs):
+    starts, valid, start_values = inputs.branches
+    kl_rewards = jnp.where(jnp.asarray(inputs.response_mask) != 0,
+                           -inputs.kl_coef * inputs.kl, 0.0)
+    return macro_mc_advantages(starts, valid, start_values, inputs.scores, kl_rewards,
+                               inputs.response_mask)
+
+
+# Every `config.ppo.estimator`: macro GAE with a critic, then the critic-free ones. Published
+# aggregations: PPO, RLOO and REINFORCE++ average tokens; GRPO averages each sequence's tokens,
+# then the sequences; Dr. GRPO sums tokens over a constant.
+ESTIMATORS = {
+    "gae": Estimator(macro_gae, kl_in_loss=False, loss_aggregation="token_mean",
+                     needs_critic=True),
+    "grpo": Estimator(_group_estimator("grpo"), kl_in_loss=True,
+                      loss_aggregation="sequence_mean", min_group_size=2),
+    "dr_grpo": Estimator(_group_estimator("dr_grpo"), kl_in_loss=True,
+                         loss_aggregation="token_sum", min_group_size=2),
+    "rloo": Estimator(_group_estimator("rloo"), kl_in_loss=False, loss_aggregation="token_mean",
+                      min_group_size=2),
+    "reinforce_pp": Estimator(_reinforce_pp, kl_in_loss=False, loss_aggregation="token_mean"),
+    "macro_mc": Estimator(_macro_mc, kl_in_loss=False, loss_aggregation="token_mean",
+                          branches=True),
+}
+# The group methods: one advantage per response from the other samples of its prompt, so at
+# least two samples per prompt.
+GROUP_METHODS = tuple(name for name, e in ESTIMATORS.items() if e.min_group_size > 1)

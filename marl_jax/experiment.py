@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from marl_jax import config as config_lib
-from marl_jax import distributed
+from marl_jax import config_check
+from marl_jax import distributed, estimators
 from marl_jax.data import batches
 from marl_jax.data.real_tasks import decode_responses
 from marl_jax.eval.report import SFT_ARM  # the SFT policy's final rows (step-0 evaluations)
@@ -75,12 +75,12 @@ TRACED_FIELDS = ("lam", "gamma", "kl_coef", "ngram", "termination", "value_weigh
 # differ in them are separate groups, each one vmapped program, run one after the other.
 STATIC_FIELDS = ("estimator", "group_size", "batch_size", "mc_rollouts", "mc_branch_points",
                  "loss_aggregation")
-# Critic-free estimators (configs/synthetic_estimators.py). Sizes are set by the config.
+# Critic-free estimators (configs/synthetic_estimators.py), one arm each by the estimator's
+# name (`estimators.ESTIMATORS`); sizes are set by the config.
+ARMS.update({name: (lambda p, name=name: dict(TOKEN_PPO, estimator=name))
+             for name, rules in estimators.ESTIMATORS.items()
+             if not rules.needs_critic and not rules.branches})
 ARMS.update({
-    "grpo": lambda p: dict(TOKEN_PPO, estimator="grpo"),
-    "dr_grpo": lambda p: dict(TOKEN_PPO, estimator="dr_grpo"),
-    "rloo": lambda p: dict(TOKEN_PPO, estimator="rloo"),
-    "reinforce_pp": lambda p: dict(TOKEN_PPO, estimator="reinforce_pp"),
     # Monte Carlo values at every token (VinePPO-like) or at the starts of 5-gram macros.
     "macro_mc_n1": lambda p: dict(TOKEN_PPO, estimator="macro_mc"),
     "macro_mc_n5": lambda p: dict(TOKEN_PPO, estimator="macro_mc", ngram=5),
@@ -115,7 +115,7 @@ def is_known_arm(name: str) -> bool:
 
 def is_macro_arm(fields: dict) -> bool:
     """Macro-action PPO (GAE over macros): the arms that get a matched token-PPO control."""
-    return fields.get("estimator", "gae") == "gae" and not (
+    return estimators.ESTIMATORS[fields.get("estimator", "gae")].needs_critic and not (
         fields["termination"] == "fixed" and int(fields["ngram"]) == 1)
 
 
@@ -268,7 +268,7 @@ def run_experiment(config, workdir: str) -> dict:
 def _run_one(config, workdir: str) -> dict:
     from marl_jax.eval import report as report_lib
 
-    config_lib.validate_config(config)
+    config_check.validate_config(config)
     runs = plan_runs(config)
     groups = run_groups(runs, config.experiment.get("runs_per_program", 0))
     pipe = Pipeline(config, workdir)
@@ -319,7 +319,7 @@ def group_config(config, run: Run):
     out = config.copy_and_resolve_references()
     for key in STATIC_FIELDS:
         out.ppo[key] = run.ppo[key]
-    config_lib.validate_config(out)
+    config_check.validate_config(out)
     return out
 
 

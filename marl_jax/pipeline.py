@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from marl_jax import distributed
-from marl_jax.config import validate_config
+from marl_jax.config_check import validate_config
 from marl_jax.data.real_tasks import decode_responses
 from marl_jax.data.tasks import build_task
 from marl_jax.eval.unit_test_reward import attach_unit_test_reward
@@ -178,7 +178,7 @@ class Pipeline:
         p = self.config.ppo
         static = ppo_lib.static_from_config(self.config, self.task.tokenizer)
         sampled = sample_policy_pairs(
-            self.policy, sft_params, self.task.policy_pair_prompts, self.task.label_pairs,
+            self._sft_policy(), sft_params, self.task.policy_pair_prompts, self.task.label_pairs,
             key=jax.random.fold_in(jax.random.key(self.config.seed), 11),
             sampler=dict(max_new_tokens=p.response_length, temperature=static.temperature,
                          top_k=static.top_k, top_p=static.top_p, eos_id=static.eos_id,
@@ -212,8 +212,9 @@ class Pipeline:
                                for key, v in sampler.items()})
             loaded = sampled_data.load_samples(self.workdir, part, settings)
             if loaded is None:
+                # The initial model is a base: with LoRA, the adapters are off.
                 ids, mask = sampled_data.sample_responses(
-                    self.policy, self.initial_params(), prompts, num_samples=k,
+                    lora.adapters_off(self.policy), self.initial_params(), prompts, num_samples=k,
                     key=jax.random.fold_in(jax.random.key(self.config.seed), 100 + i),
                     sampler=sampler, batch_size=int(t.sample_batch_size), desc=f"sample {part}")
                 texts = decode_responses(self.task.tokenizer, ids.reshape(-1, ids.shape[-1]),
@@ -271,6 +272,13 @@ class Pipeline:
                                                          state.actor_params),
                      adapter_base=self._sft_base())
         return state
+
+    def _sft_policy(self):
+        """The module that applies the SFT params: with LoRA and a merged SFT adapter the policy
+        with its adapters off, else the policy."""
+        if self.policy.config.lora_rank and self.config.model.lora.merge_sft:
+            return lora.adapters_off(self.policy)
+        return self.policy
 
     def _sft_base(self):
         """The directory of the base the reward model's and the actor's adapters apply to: the

@@ -1,6 +1,7 @@
 """APPS execution in the sandbox: verdicts over both jails, the reference comparison, the jail
 refusing to run when incomplete, the memory budget of parallel sandboxes, the config wiring,
 unit-test reward and pass@k. Escapes are in test_sandbox_escapes.py."""
+import contextlib
 import itertools
 import json
 import math
@@ -178,10 +179,38 @@ def test_refuses_without_libseccomp(monkeypatch, fresh_seccomp):
         apps.run_solution(ADD, STDIN_IO, 2.0)
 
 
-def test_namespaces_without_libseccomp_runs_unfiltered_and_says_so(monkeypatch, fresh_seccomp):
+def test_namespaces_without_libseccomp_refuses_unless_allowed(monkeypatch, fresh_seccomp):
+    """The namespaces jail without its seccomp filter: one line naming the missing package, its
+    install command and the setting that allows it, at config time (before anything compiles)
+    and at the jail; allowed, it runs unfiltered and its isolation report says so. The jail
+    itself refuses to start without a filter it was not told to do without."""
     monkeypatch.setitem(sys.modules, "pyseccomp", None)
-    report = sandbox.describe_isolation(sandbox="namespaces")
+    refusal = (r"the namespaces jail refuses to run without its seccomp filter: pyseccomp not "
+               r"installed: pip install pyseccomp==0\.1\.2 \(the jails' seccomp filter\); or set "
+               r"config\.eval\.allow_unfiltered_jail=True to run it unfiltered")
+    config = _apps_config(sandbox="namespaces")
+    prefix = r"^config\.task\.sandbox='namespaces': "
+    with pytest.raises(ValueError, match=prefix + refusal) as error:
+        unit_test_reward.check_unit_test_config(config)
+    assert "\n" not in str(error.value)
+    with pytest.raises(sandbox.SandboxError, match="^" + refusal):
+        apps.run_solution(ADD, STDIN_IO, 2.0, sandbox="namespaces")
+    config.eval.allow_unfiltered_jail = True
+    unit_test_reward.check_unit_test_config(config)
+    options = unit_test_reward.unit_test_options(config)
+    assert apps.run_solution(ADD, STDIN_IO, 2.0, sandbox="namespaces",
+                             allow_unfiltered_jail=options["allow_unfiltered_jail"]) == [True] * 3
+    report = sandbox.describe_isolation(sandbox="namespaces", allow_unfiltered_jail=True)
     assert not report["seccomp"] and report["host_unix_sockets_reachable"]
+
+    @contextlib.contextmanager
+    def no_filter_no_permission(allow_unfiltered_jail=False):
+        yield [sys.executable, "-I", "-B", sandbox.NAMESPACES_SCRIPT], ()
+
+    monkeypatch.setattr(sandbox, "_namespaces_command", no_filter_no_permission)
+    with pytest.raises(sandbox.SandboxError, match=r"^the namespaces jail has no seccomp filter "
+                                                   r"\(no --seccomp-fd\); refusing to run$"):
+        sandbox.describe_isolation(sandbox="namespaces")
 
 
 def _bwrap_on_path(tmp_path, monkeypatch, text):
@@ -297,6 +326,7 @@ def test_config_selects_the_sandbox_and_its_limits(monkeypatch):
                                                         unit_test_workers=2,
                                                         unit_test_timeout_s=3.0))
     assert options == {"timeout_s": 3.0, "max_workers": 2, "sandbox": "namespaces",
+                       "allow_unfiltered_jail": False,
                        "limits": sandbox.SandboxLimits(timeout_s=3.0, memory_mb=512)}
     default = unit_test_reward.unit_test_options(_apps_config())
     assert default["sandbox"] == "bubblewrap" and default["max_workers"] is None

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from marl_jax import config as config_lib
+from marl_jax import config_check
 from marl_jax import models, sampling
 from marl_jax.models import attention, splash
 from marl_jax.models.config import ModelConfig
@@ -151,7 +151,7 @@ def test_bad_numerics_settings_get_one_line(field, value, needle):
     config = tiny_config()
     config[section][name] = value
     with pytest.raises(ValueError) as error:
-        config_lib.validate_config(config)
+        config_check.validate_config(config)
     assert str(error.value) == f"config.{field}={value!r}: {needle}"
 
 
@@ -160,7 +160,7 @@ def test_cudnn_in_float32_is_refused_before_compiling():
     config.model.update(attention="cudnn", dtype="float32")
     with pytest.raises(ValueError, match=r"config.model.attention='cudnn': cuDNN's flash attention computes in "
                                          r"bfloat16 or float16 only"):
-        config_lib.validate_config(config)
+        config_check.validate_config(config)
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])

@@ -59,7 +59,7 @@ def test_traceback_flag_shows_the_traceback(tmp_path):
     lines = result.stderr.splitlines()
     assert "Traceback (most recent call last):" in lines
     assert lines[-1] == "ValueError: config.ppo.ngram=0: must be an integer >= 1"
-    assert any("marl_jax/config.py" in line and "validate_config" in line for line in lines)
+    assert any("marl_jax/config_check.py" in line and "validate_config" in line for line in lines)
 
 
 def test_flag_syntax_errors_stay_as_absl_prints_them(tmp_path):
@@ -95,7 +95,8 @@ CLASSIFY = textwrap.dedent("""
     import jax, numpy as np
     import marl_jax
     from marl_jax import data
-    from marl_jax.config import base_config, validate_config
+    from marl_jax.config import base_config
+    from marl_jax.config_check import validate_config
 
     spec = importlib.util.spec_from_file_location("run_cli", sys.argv[1])
     cli = importlib.util.module_from_spec(spec)

@@ -6,8 +6,10 @@ import importlib
 import pytest
 
 from marl_jax import experiment
-from marl_jax.config import TASK_CONFIGS, base_config, validate_config
+from marl_jax.config import TASK_CONFIGS, base_config
+from marl_jax.config_check import validate_config
 from marl_jax.data.real_tasks import REAL_TASKS
+from marl_jax.estimators import ESTIMATORS, GROUP_METHODS
 
 from train_util import ROOT  # puts the repository root (and so `configs`) on sys.path
 
@@ -129,6 +131,23 @@ def test_bad_new_fields_are_named(overrides, message):
     with pytest.raises(ValueError) as error:
         validate_config(_synthetic(overrides))
     assert str(error.value).startswith(message)
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_every_group_estimator_needs_two_samples_per_prompt(estimator):
+    """One sample per prompt is its own baseline: every advantage of a group estimator would be
+    0 and the run would train the KL term alone."""
+    config = _synthetic({"ppo.estimator": estimator})
+    if estimator not in GROUP_METHODS:
+        validate_config(config)
+        return
+    with pytest.raises(ValueError) as error:
+        validate_config(config)
+    assert str(error.value) == (
+        f"config.ppo.group_size=1: ppo.estimator={estimator!r} compares each response with the "
+        "other samples of its prompt: set ppo.group_size >= 2 (and ppo.batch_size a multiple "
+        "of it)")
+    validate_config(_synthetic({"ppo.estimator": estimator, "ppo.group_size": 2}))
 
 
 @pytest.mark.parametrize("overrides", [

@@ -40,21 +40,27 @@ def test_group_estimators_train_without_a_critic(tiny_pipe):
     cfg, static, mods, state, frozen = _setup(
         tiny_pipe, **{"ppo.estimator": "grpo", "ppo.group_size": 4, "ppo.batch_size": 8})
     assert state.critic_params == {} and static.prompts_per_step == 2
+    # A reference other than the actor, so the responses' KL is not 0.
+    frozen = frozen.replace(ref_params=jax.tree.map(lambda x: x * 1.05, frozen.ref_params))
     ids, mask = pipe.task.rl["ids"][:2], pipe.task.rl["mask"][:2]
     exp, roll = jax.jit(functools.partial(core.rollout_phase, static, mods))(state, frozen, ids,
                                                                              mask)
     # Rows of a group share their prompt.
     np.testing.assert_array_equal(np.asarray(exp.prompt_ids), np.repeat(ids, 4, axis=0))
-    # By hand: the group estimators normalise the clipped score alone (the KL is a loss term).
+    # By hand: GRPO and Dr. GRPO normalise the clipped score alone (their KL is a loss term),
+    # RLOO the clipped score minus beta x the response's summed k1 KL.
     m = np.asarray(exp.response_mask, np.float64)
     ret = np.clip(np.asarray(exp.scores, np.float64), -cfg.ppo.reward_clip, cfg.ppo.reward_clip)
+    kl = ((np.asarray(exp.old_logprobs, np.float64) - np.asarray(exp.ref_logprobs)) * m).sum(1)
+    assert np.abs(cfg.ppo.kl_coef * kl).max() > 1e-2
     for method in ("grpo", "rloo", "dr_grpo"):
+        rewards = ret - cfg.ppo.kl_coef * kl if method == "rloo" else ret
         adv, _, extra = core.critic_free_advantages(
             dataclasses.replace(static, estimator=method), mods, state, frozen,
             ppo_lib.hparams_from_config(cfg.ppo), exp, {}, jax.random.key(1))
         assert extra == {}
         want = []
-        for g in ret.reshape(2, 4):
+        for g in rewards.reshape(2, 4):
             if method == "grpo":
                 want += list((g - g.mean()) / (g.std(ddof=1) + 1e-4))
             elif method == "dr_grpo":

@@ -1,5 +1,8 @@
-"""Each estimator's published objective: the group estimators normalise the score alone and carry
-the KL as a loss term; loss aggregations per estimator, overridable per arm."""
+"""Each estimator's published objective: GRPO and Dr. GRPO normalise the score alone and carry the
+KL as a loss term, RLOO puts the summed KL in the reward before its baseline; loss aggregations
+per estimator, overridable per arm."""
+import types
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -27,19 +30,29 @@ def _group_experience(scores, kl_per_row, length=3):
 
 
 @pytest.mark.parametrize("method", ["grpo", "dr_grpo", "rloo"])
-def test_equal_scores_with_unequal_kl_give_exactly_zero_advantages(method):
+def test_equal_scores_with_unequal_kl(method):
+    """Four samples with equal scores 0.7 and summed KL [0.8, 1.2, 1.0, 0.6], beta 0.05, through
+    the step's estimator path: GRPO and Dr. GRPO normalise the score alone (their KL is a loss
+    term), so every advantage is exactly 0; RLOO subtracts beta x the summed KL from the score
+    before the leave-one-out baseline: [+0.0067, -0.0200, -0.0067, +0.0200] (rewards
+    [0.66, 0.64, 0.65, 0.67], each minus the mean of the other three)."""
     exp = _group_experience([0.7] * 4, [0.8, 1.2, 1.0, 0.6])
     static = core.PPOStatic(batch_size=4, response_length=3, eos_id=1, pad_id=0,
                             estimator=method, group_size=4)
     hp = core.RunHparams(lam=jnp.float32(1.0), gamma=jnp.float32(1.0), ngram=jnp.int32(1),
                          variant=jnp.int32(0))
-    adv, _, _ = core.critic_free_advantages(static, None, None, None, hp, exp, {}, None)
-    assert np.all(np.asarray(adv) == 0.0)
-    # Unequal scores still move them (by the score alone: KL does not enter).
+    state = types.SimpleNamespace(kl_coef=jnp.float32(0.05))
+    adv, _, _ = core.critic_free_advantages(static, None, state, None, hp, exp, {}, None)
+    want = [0.02 / 3, -0.02, -0.02 / 3, 0.02] if method == "rloo" else [0.0] * 4
+    np.testing.assert_allclose(np.asarray(adv), np.asarray(want)[:, None] * np.ones((1, 3)),
+                               atol=1e-6)
+    if method != "rloo":
+        assert np.all(np.asarray(adv) == 0.0)
+    assert static.kl_in_loss == (method != "rloo")
+    # Unequal scores move them the same way for every method.
     exp = _group_experience([0.0, 1.0, 0.0, 1.0], [0.8, 1.2, 1.0, 0.6])
-    adv, _, _ = core.critic_free_advantages(static, None, None, None, hp, exp, {}, None)
+    adv, _, _ = core.critic_free_advantages(static, None, state, None, hp, exp, {}, None)
     assert np.all(np.asarray(adv)[[1, 3]] > 0) and np.all(np.asarray(adv)[[0, 2]] < 0)
-    np.testing.assert_allclose(np.asarray(adv)[1], np.asarray(adv)[3], rtol=1e-6)
 
 
 def test_kl_loss_term_gradient_by_hand():
@@ -71,7 +84,7 @@ def test_each_estimator_defaults_to_its_papers_aggregation_and_arms_override_it(
         return ppo_lib.loss_aggregation(cfg.ppo)
     assert resolved(estimator="gae") == "token_mean"
     assert resolved(estimator="grpo", group_size=2) == "sequence_mean"
-    assert resolved(estimator="dr_grpo") == "token_sum"
+    assert resolved(estimator="dr_grpo", group_size=2) == "token_sum"
     assert resolved(estimator="rloo", group_size=2) == "token_mean"
     assert resolved(estimator="reinforce_pp") == "token_mean"
     assert resolved(estimator="grpo", group_size=2, loss_aggregation="token_mean") == "token_mean"

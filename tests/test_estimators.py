@@ -7,12 +7,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from marl_jax.estimators import (
+    ESTIMATORS,
     GROUP_METHODS,
     choose_branch_points,
     flatten_branches,
     group_advantages,
     macro_mc_advantages,
     reinforce_pp_advantages,
+    sequence_advantages,
     sequence_advantages_to_tokens,
 )
 from marl_jax.macro.termination import fixed_ngram, segment_ids_from_starts
@@ -51,8 +53,33 @@ def test_group_advantages_hand_cases():
     # rloo with two samples is the difference of the two scores.
     np.testing.assert_allclose(group_advantages(np.array([1.0, 5.0, -2.0, 0.5]), 2,
                                                 method="rloo"), [-4, 4, -2.5, 2.5], rtol=1e-6)
-    # One sample per prompt has no baseline but itself.
-    np.testing.assert_array_equal(group_advantages(scores, 1, method="dr_grpo"), np.zeros(6))
+
+
+def test_rloo_puts_the_kl_in_the_reward_before_the_baseline():
+    """Four samples with equal scores 0.7 and summed KL [0.8, 1.2, 1.0, 0.6] at beta 0.05:
+    RLOO's rewards are 0.7 - 0.05 KL = [0.66, 0.64, 0.65, 0.67], each minus the mean of the
+    other three (Ahmadian et al., 2024; TRL's RLOOTrainer); GRPO and Dr. GRPO see the scores
+    alone (their KL is a loss term), so theirs are zeros."""
+    scores = np.full(4, 0.7, np.float32)
+    kl_sums = np.array([0.8, 1.2, 1.0, 0.6], np.float32)
+    got = sequence_advantages(scores, kl_sums, method="rloo", group_size=4, beta=0.05)
+    np.testing.assert_allclose(got, [0.02 / 3, -0.02, -0.02 / 3, 0.02], atol=1e-7)
+    rewards = [0.66, 0.64, 0.65, 0.67]
+    np.testing.assert_allclose(got, [r - np.mean(np.delete(rewards, i))
+                                     for i, r in enumerate(rewards)], atol=1e-7)
+    for method in ("grpo", "dr_grpo"):
+        assert ESTIMATORS[method].kl_in_loss and not ESTIMATORS["rloo"].kl_in_loss
+        np.testing.assert_array_equal(sequence_advantages(scores, kl_sums, method=method,
+                                                          group_size=4, beta=0.05), np.zeros(4))
+    # Unequal scores: GRPO and Dr. GRPO as before, the KL ignored.
+    scores = np.array([1.0, 2.0, 3.0, 4.0, 4.0, 4.0], np.float32)
+    kl_sums = np.arange(6, dtype=np.float32)
+    np.testing.assert_allclose(sequence_advantages(scores, kl_sums, method="dr_grpo",
+                                                   group_size=3, beta=0.05),
+                               [-1, 0, 1, 0, 0, 0], rtol=1e-6)
+    np.testing.assert_allclose(sequence_advantages(scores, kl_sums, method="grpo",
+                                                   group_size=3, beta=0.05),
+                               [-1 / 1.0001, 0, 1 / 1.0001, 0, 0, 0], rtol=1e-6)
 
 
 @pytest.mark.parametrize("method", GROUP_METHODS)
@@ -68,7 +95,7 @@ def test_identical_scores_give_exact_zeros(method):
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), method=st.sampled_from(GROUP_METHODS))
 def test_group_advantages_match_the_numpy_reference(data, method):
-    k = data.draw(st.integers(1 if method == "dr_grpo" else 2, 6), label="group_size")
+    k = data.draw(st.integers(2, 6), label="group_size")
     groups = data.draw(st.integers(1, 4), label="groups")
     scores = np.asarray(data.draw(st.lists(st.one_of(st.sampled_from([-1.0, 0.0, 0.5, 2.0]),
                                                      st.floats(-10, 10, width=32)),
@@ -96,13 +123,14 @@ def test_group_advantages_bad_input():
         group_advantages(scores, 3, method="ppo")
     with pytest.raises(ValueError, match="group_size"):
         group_advantages(scores, 4, method="grpo")
-    for method in ("grpo", "rloo"):
-        with pytest.raises(ValueError, match="group_size"):
+    # One sample per prompt is its own baseline (every advantage 0): refused by every method.
+    for method in GROUP_METHODS:
+        with pytest.raises(ValueError, match=rf"^group_size must be >= 2 for method '{method}'"):
             group_advantages(scores, 1, method=method)
     with pytest.raises(ValueError, match="group_size"):
-        group_advantages(scores, 0, method="dr_grpo")
-    with pytest.raises(ValueError, match="group_size"):
         group_advantages(scores, 2.0, method="dr_grpo")
+    with pytest.raises(ValueError, match="kl_sums"):
+        sequence_advantages(scores, np.zeros(5), method="rloo", group_size=3, beta=0.1)
     with pytest.raises(ValueError, match="scores"):
         group_advantages(np.zeros((2, 3)), 3, method="grpo")
 

@@ -79,3 +79,11 @@ def test_data_imports_nothing_from_eval_or_train():
               if source.startswith("marl_jax.data") for target in targets
               if target.startswith(("marl_jax.eval", "marl_jax.train"))]
     assert arrows == []
+
+
+def test_the_config_imports_no_algorithm_module():
+    """config.py builds and edits configs; the config check (config_check.py) reads the
+    algorithms' rules, e.g. each estimator's record."""
+    graph = import_graph()
+    assert graph["marl_jax.config"] == set()
+    assert "marl_jax.estimators" in graph["marl_jax.config_check"]

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import marl_jax.models as M
-from marl_jax.config import base_config, validate_config
+from marl_jax.config import base_config
+from marl_jax.config_check import validate_config
 from marl_jax.models import lora, peft_export
 from marl_jax.train import build, checkpoint, metrics, supervised
 from marl_jax.train.reward import rm_loss
@@ -166,6 +167,32 @@ def test_sft_step_draws_dropout_masks_from_its_seed_and_step():
     assert abs(float(want) - float(sft_loss(policy, full, batch)[0])) > 1e-3
 
 
+def test_adapters_that_miss_their_projections_raise_and_adapters_off_is_explicit():
+    """A scanned model's adapters attached to an unrolled base give no adapter to any unrolled
+    projection: the adapted model raises naming the first one (it used to run as the base, bit
+    for bit). The base runs through the explicit switch `adapters_off`, which equals the model
+    built without LoRA."""
+    cfg = _config(lora_rank=2, lora_targets=("q", "down"))
+    unrolled = M.init_params(M.CausalLM(cfg), jax.random.key(0))
+    scanned = M.init_params(M.CausalLM(cfg.replace(scan_layers=True)), jax.random.key(0))
+    misplaced = lora.attach(lora.without_adapters(unrolled), _randomised_adapters(scanned))
+    assert lora.has_adapters(misplaced)
+    ids, mask = padded_batch([5, 8], 8, seed=0, vocab=64)
+    message = (r"^LoRA: the targeted projection backbone/layers_0/attn/q has no adapter "
+               r"\(lora_a, lora_b\) in the params")
+    with pytest.raises(ValueError, match=message) as error:
+        M.CausalLM(cfg).apply({"params": misplaced}, ids, mask)
+    assert "\n" not in str(error.value)
+    base = lora.without_adapters(unrolled)
+    with pytest.raises(ValueError, match="backbone/layers_0/attn/q has no adapter"):
+        M.CausalLM(cfg).apply({"params": base}, ids, mask)
+    off = lora.adapters_off(M.CausalLM(cfg))
+    assert off.config.lora_rank == 0 and lora.adapters_off(off) is off
+    np.testing.assert_array_equal(
+        np.asarray(off.apply({"params": base}, ids, mask)),
+        np.asarray(M.CausalLM(cfg.replace(lora_rank=0)).apply({"params": base}, ids, mask)))
+
+
 def test_only_adapters_and_the_head_train():
     cfg = _config(lora_rank=2)
     reward_model = build.reward_module(cfg)
@@ -210,15 +237,33 @@ def build_optimizer(section):
     return make_optimizer(section, 10)
 
 
-def test_peft_export_gives_the_adapted_models_logits_in_transformers(tmp_path):
+ALL_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@pytest.mark.parametrize("case, targets", [
+    ("llama_gqa_llama3_untied", ALL_TARGETS),
+    ("gemma_mqa_head_dim", ALL_TARGETS),
+    ("qwen2_bias", ALL_TARGETS),
+    ("gemma2_softcap_window", ALL_TARGETS),
+    ("qwen3_window_head_dim", ALL_TARGETS),
+    ("gemma3_local_global", ALL_TARGETS),
+    ("mistral_window_mqa", ALL_TARGETS),
+    ("olmo2_post_norms", ALL_TARGETS),
+    ("phi3_fused_window", ALL_TARGETS),
+    # Fused modules with parts left out: k of qkv_proj, up of gate_up_proj.
+    ("phi3_fused_window", ("q", "v", "gate", "down")),
+])
+def test_peft_export_gives_the_adapted_models_logits_in_transformers(tmp_path, case, targets):
+    """Every family that exports adapters: PEFT's model of the exported adapter on the base
+    gives the adapted model's logits (Phi-3's fused qkv_proj and gate_up_proj included, which
+    PEFT would otherwise load without a warning and leave unadapted)."""
     import torch
     from peft import PeftModel
 
-    hf = random_hf_model("llama_gqa_llama3_untied", seed=4)
+    hf = random_hf_model(case, seed=4)
     base_dir = write_checkpoint(hf, tmp_path / "base")
     model, params = M.load_pretrained(base_dir)
-    cfg = model.config.replace(lora_rank=4, lora_alpha=8.0,
-                               lora_targets=("q", "k", "v", "o", "gate", "up", "down"))
+    cfg = model.config.replace(lora_rank=4, lora_alpha=8.0, lora_targets=targets)
     adapted = M.CausalLM(cfg)
     params = lora.with_adapters(adapted, params, jax.random.key(0))
     params = lora.attach(lora.without_adapters(params), _randomised_adapters(params))
@@ -228,8 +273,11 @@ def test_peft_export_gives_the_adapted_models_logits_in_transformers(tmp_path):
     ids, mask = padded_batch([7, 9], 9, seed=5)
     ours = np.asarray(adapted.apply({"params": params}, ids, mask))
     with torch.no_grad():
-        peft_model = PeftModel.from_pretrained(random_hf_model("llama_gqa_llama3_untied", seed=4),
+        peft_model = PeftModel.from_pretrained(random_hf_model(case, seed=4),
                                                str(tmp_path / "adapter")).eval()
+    adapted_modules = {name.rsplit(".", 2)[-2] for name, _ in peft_model.named_modules()
+                       if name.endswith(".lora_A")}
+    assert adapted_modules == set(config["target_modules"])
     theirs = hf_logits(peft_model, ids, mask)
     valid = mask.astype(bool)
     np.testing.assert_allclose(theirs[valid], ours[valid], atol=2e-4)
@@ -269,6 +317,7 @@ def test_peft_export_of_gpt2_is_refused_in_one_line():
     ("rank", 20, r"config.model.lora.rank=20: above the k projection's smaller dimension 16"),
     ("targets", ("q", "proj"), r"config.model.lora.targets: unknown \['proj'\]"),
     ("dropout", 1.0, r"config.model.lora.dropout=1.0: must be in \[0, 1\)"),
+    ("weight_decay", -0.1, r"config.model.lora.weight_decay=-0.1: must be a number >= 0"),
 ])
 def test_bad_lora_settings_fail_in_one_line_before_compiling(field, value, message):
     config = importlib.import_module("configs.synthetic").get_config()
@@ -399,7 +448,7 @@ def test_lora_ppo_step_on_eight_devices_with_the_base_sharded_fsdp(monkeypatch):
     # The update's forwards have a dropout rng, the rollout's values none.
     assert ("policy", ("dropout",)) in forwards and ("critic", ("dropout",)) in forwards
     assert ("critic", None) in forwards
-    ref = continuation_scores(policy, base, prompts, np.ones_like(prompts),
+    ref = continuation_scores(lora.adapters_off(policy), base, prompts, np.ones_like(prompts),
                               np.asarray(exp.response_ids), np.asarray(exp.response_mask),
                               config.ppo.temperature)
     np.testing.assert_allclose(np.asarray(exp.ref_logprobs), np.asarray(ref.logprobs), atol=1e-5)
@@ -445,10 +494,15 @@ def test_chunked_scoring_equals_the_whole_batch():
                                    np.asarray(getattr(out[1], name)), atol=1e-5, err_msg=name)
 
 
-def test_lora_pipeline_exports_peft_adapters_of_one_base(tmp_path):
-    """SFT -> reward model -> PPO with LoRA: each export's PEFT adapter, applied with peft to the
-    base it names, gives that export's merged model (and differs from the base: it trained);
-    PPO's checkpoints hold adapters and heads plus the base's identity, not the base."""
+@pytest.mark.parametrize("merge_sft", [True, False], ids=["merged_sft", "sft_adapter_apart"])
+def test_lora_pipeline_exports_peft_adapters_of_one_base(tmp_path, merge_sft):
+    """SFT -> reward model -> PPO with LoRA, evaluating every step: each export's PEFT adapter,
+    applied with peft to the base it names (the SFT model when SFT merged its adapter, else the
+    pretrained base), gives that export's merged model (and differs from the base: it trained);
+    PPO's checkpoints hold adapters and heads plus the base's identity, not the base; the
+    evaluation rows of steps 0, 1 and 2 are logged. The reference is the SFT policy either way:
+    the first step's KL is 0 to float32 rounding (with the SFT adapter kept apart, the pretrained
+    base as the reference was 0.43 nats from the SFT policy at step 0)."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -458,7 +512,8 @@ def test_lora_pipeline_exports_peft_adapters_of_one_base(tmp_path):
 
     workdir = tmp_path / "run"
     config = tiny_config(**{"model.lora.rank": 4, "sft.steps": 10, "sft.learning_rate": 3e-2,
-                            "ppo.eval_every": 0, "ppo.learning_rate": 3e-2})
+                            "ppo.eval_every": 1, "ppo.learning_rate": 3e-2,
+                            "model.lora.merge_sft": merge_sft})
     stages.run(config, str(workdir))
     models_dir = workdir / "models"
     ids = torch.as_tensor(np.random.default_rng(0).integers(3, 20, (2, 9)), dtype=torch.long)
@@ -472,7 +527,7 @@ def test_lora_pipeline_exports_peft_adapters_of_one_base(tmp_path):
         adapter = models_dir / name / "adapter"
         base_dir = json.loads((adapter / "adapter_config.json").read_text())[
             "base_model_name_or_path"]
-        assert base_dir == str(models_dir / ("base" if name == "sft" else "sft"))
+        assert base_dir == str(models_dir / ("sft" if merge_sft and name != "sft" else "base"))
         extra = {"num_labels": 1} if name == "rm" else {}
         base = loader.from_pretrained(base_dir, **extra).eval()
         base_logits = logits(base)
@@ -486,3 +541,9 @@ def test_lora_pipeline_exports_peft_adapters_of_one_base(tmp_path):
     assert len(meta["base"]["hash"]) == 64
     names = {p[-1].key for p, _ in jax.tree_util.tree_flatten_with_path(state["actor_params"])[0]}
     assert names == {"lora_a", "lora_b"}
+    rows = metrics.read_metrics(str(workdir))
+    evals = [r for r in rows if r["stage"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 1, 2]
+    assert abs(evals[0]["kl"]) < 1e-4 and all(np.isfinite(r["rm_score"]) for r in evals)
+    first = [r for r in rows if r["stage"] == "ppo"][0]
+    assert first["step"] == 1 and abs(first["objective/kl"]) < 1e-6

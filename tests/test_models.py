@@ -110,6 +110,40 @@ def test_bfloat16_compute_is_close_and_returns_float32(case):
     assert np.abs(ours[valid] - reference[valid]).mean() < 0.05, name
 
 
+def test_rmsnorm_in_bfloat16_rounds_as_transformers_does():
+    """In bfloat16, OLMo-2's RMSNorm multiplies by its weight in float32 and casts once; Llama's
+    casts the normalised input, then multiplies in bfloat16. Each equals its transformers
+    module bit for bit (the OLMo-2 q/k norms and post norms are this module too), and OLMo-2
+    computed the Llama way is off by a bfloat16 rounding on a share of the outputs."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    from marl_jax.models.decoder import Norm
+
+    width = 96
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(4, 9, width)) * 3.0, jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(width,)), jnp.bfloat16)
+    as_torch = lambda a: torch.tensor(np.asarray(a.astype(jnp.float32))).to(torch.bfloat16)
+    for family, reference in (("olmo2", Olmo2RMSNorm), ("llama", LlamaRMSNorm)):
+        cfg = M.ModelConfig.for_family(family, vocab_size=VOCAB, hidden_size=width,
+                                       intermediate_size=64, num_layers=1, num_heads=4,
+                                       num_kv_heads=2, head_dim=24, max_position_embeddings=64,
+                                       dtype="bfloat16", param_dtype="bfloat16")
+        ours = Norm(cfg).apply({"params": {"scale": w}}, x)
+        assert ours.dtype == jnp.bfloat16
+        norm = reference(width, eps=cfg.norm_eps).to(torch.bfloat16)
+        with torch.no_grad():
+            norm.weight.copy_(as_torch(w))
+            theirs = norm(as_torch(x)).float().numpy()
+        np.testing.assert_array_equal(np.asarray(ours.astype(jnp.float32)), theirs,
+                                      err_msg=family)
+        if family == "olmo2":
+            llama_way = Norm(cfg.replace(norm_scale_in_float32=False)).apply(
+                {"params": {"scale": w}}, x)
+            assert np.mean(np.asarray(llama_way.astype(jnp.float32)) != theirs) > 0.05
+
+
 def test_config_round_trips_through_hf_dict(case):
     _, hf, _, model, _ = case
     config = model.config

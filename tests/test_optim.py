@@ -27,6 +27,44 @@ def test_weight_decay_skips_norm_scales_and_biases():
         np.testing.assert_array_equal(leaf, 0.0)
 
 
+def test_lora_adapters_get_their_own_weight_decay():
+    """A LoRA stage decays its adapters at `model.lora.weight_decay` (default 0, as PEFT / TRL)
+    and its head at the stage's `weight_decay`: with zero gradients AdamW's update is
+    -lr x decay x param, leaf by leaf. The PPO optimizers of a LoRA config do the same."""
+    from train_util import tiny_config
+
+    params = {"backbone": {"layers_0": {"attn": {"q": {"lora_a": jnp.ones((4, 2)),
+                                                       "lora_b": jnp.full((2, 3), 2.0)}}}},
+              "head": {"kernel": jnp.ones((4, 1)), "bias": jnp.ones((1,))}}
+    zero_grads = jax.tree.map(jnp.zeros_like, params)
+    cfg = optimizer_config(lr=0.1, steps=10, batch_size=1)
+    cfg.update(dict(schedule="constant", warmup_ratio=0.0, weight_decay=0.5, grad_clip=0.0))
+
+    def update(optimizer):
+        updates, _ = optimizer.update(zero_grads, optimizer.init(params), params)
+        q = updates["backbone"]["layers_0"]["attn"]["q"]
+        return (np.asarray(q["lora_a"]), np.asarray(q["lora_b"]),
+                np.asarray(updates["head"]["kernel"]), np.asarray(updates["head"]["bias"]))
+
+    for decay in (0.0, 0.3):
+        a, b, kernel, bias = update(optim.make_optimizer(cfg, 10, lora_weight_decay=decay))
+        np.testing.assert_allclose(a, -0.1 * decay * np.ones((4, 2)), atol=1e-7)
+        np.testing.assert_allclose(b, -0.1 * decay * np.full((2, 3), 2.0), atol=1e-7)
+        np.testing.assert_allclose(kernel, -0.05 * np.ones((4, 1)), rtol=1e-6)
+        np.testing.assert_array_equal(bias, 0.0)
+    # The config: 0 unless set, None (the stage's decay everywhere) without LoRA.
+    config = tiny_config(**{"model.lora.rank": 4})
+    assert optim.adapter_weight_decay(config) == 0.0
+    assert optim.adapter_weight_decay(tiny_config()) is None
+    config.ppo.update(dict(schedule="constant", warmup_ratio=0.0, weight_decay=0.5,
+                           grad_clip=0.0, learning_rate=0.1, critic_learning_rate=0.1))
+    mods = ppo_lib.make_models(config, None, None, None, lambda *a: None)
+    for optimizer in (mods.actor_optimizer, mods.critic_optimizer):
+        a, _, kernel, _ = update(optimizer)
+        np.testing.assert_array_equal(a, 0.0)
+        np.testing.assert_allclose(kernel, -0.05 * np.ones((4, 1)), rtol=1e-6)
+
+
 def test_ppo_schedule_counts_updates_not_steps():
     p = optimizer_config(lr=1.0, steps=10, batch_size=8)
     p.update(dict(schedule="linear", warmup_ratio=0.1, ppo_epochs=2, num_minibatches=4,

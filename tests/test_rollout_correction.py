@@ -98,3 +98,88 @@ def test_aggregations_by_hand():
     # Dr. GRPO: each row's sum over the constant width 4, then the mean over rows.
     assert float(losses.aggregate_tokens(per_token, mask, "token_sum")) == pytest.approx(
         (6 / 4 + 4 / 4) / 2)
+
+
+def test_weights_reach_the_loss_and_its_gradient_inside_the_update():
+    """`ppo_core.update` with rollout-correction weights w: at ratio 1 (the old logprobs are the
+    actor's own) its policy loss is the weighted objective -sum(w A m) / sum(m), and one SGD
+    step of rate 1 moves the params by minus that objective's gradient, computed here from the
+    actor's logprobs alone. Doubling one response's weights and zeroing another's moves the loss
+    and the step exactly as the reweighted objective says."""
+    import optax
+
+    from marl_jax import models as M
+    from marl_jax.train import ppo_core as core
+
+    cfg = M.ModelConfig(family="llama", vocab_size=11, hidden_size=16, intermediate_size=32,
+                        num_layers=1, num_heads=2, num_kv_heads=2, head_dim=8,
+                        max_position_embeddings=32)
+    policy = M.CausalLM(cfg)
+    params = M.init_params(policy, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    prompt_ids = jnp.asarray(rng.integers(2, 11, (3, 3)), jnp.int32)
+    prompt_mask = jnp.ones((3, 3), jnp.int32)
+    mask = jnp.asarray([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]], jnp.int32)
+    response_ids = jnp.asarray(rng.integers(2, 11, (3, 4)), jnp.int32) * mask
+    args = (prompt_ids, prompt_mask, response_ids, mask)
+    logp = lambda p: core.token_logprobs(policy, p, *args, 1.0)[0]
+    old = logp(params)
+    zeros = jnp.zeros((3, 4))
+    exp = core.Experience(*args, old, old, old, zeros, jnp.zeros(3), zeros, jnp.zeros(3, bool))
+    advantages = jnp.asarray(rng.normal(size=(3, 4)), jnp.float32) * mask
+    sgd = optax.sgd(1.0)
+    models = core.Models(policy=policy, critic=None, reward=None, actor_optimizer=sgd,
+                         critic_optimizer=sgd)
+    static = core.PPOStatic(batch_size=3, response_length=4, eos_id=1, pad_id=0,
+                            temperature=1.0, estimator="reinforce_pp", rollout_correction="token")
+    state = core.PPOState(step=jnp.zeros((), jnp.int32), actor_params=params,
+                          actor_opt_state=sgd.init(params), critic_params={},
+                          critic_opt_state=sgd.init({}),
+                          key=jax.random.key_data(jax.random.key(1)), kl_coef=jnp.float32(0.05),
+                          skipped_updates=jnp.zeros(()), generated_tokens=jnp.zeros(()),
+                          prefill_tokens=jnp.zeros(()))
+    m = mask.astype(jnp.float32)
+    base = jnp.asarray(rng.uniform(0.3, 1.0, (3, 4)), jnp.float32) * m
+    perturbed = base * jnp.asarray([[2.0], [0.0], [1.0]])
+    steps = []
+    for weights in (base, perturbed):
+        new, metrics = jax.jit(lambda s, w: core.update(static, models, s, exp, advantages, None,
+                                                        jax.random.key(2), w))(state, weights)
+        objective = lambda p: -(weights * advantages * logp(p) * m).sum() / m.sum()
+        np.testing.assert_allclose(float(metrics["loss/policy_avg"]),
+                                   float(-(weights * advantages * m).sum() / m.sum()), rtol=1e-5)
+        grad = jax.grad(objective)(params)
+        step = jax.tree.map(lambda a, b: a - b, new.actor_params, params)
+        for got, want in zip(jax.tree.leaves(step), jax.tree.leaves(grad)):
+            np.testing.assert_allclose(np.asarray(got), -np.asarray(want), rtol=1e-4, atol=1e-6)
+        steps.append(step)
+    moved = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(steps[0]),
+                                                           jax.tree.leaves(steps[1])))
+    assert moved > 1e-3
+
+
+def test_products_of_truncated_weights_warn_once_at_config_time(capsys):
+    """Under top-k / top-p every sampler probability is renormalised, so each token's weight is
+    at most 1: a response's (or a long macro's) product shrinks geometrically. One warning line
+    with the expected shrink, once; token level, short macros and no truncation stay silent."""
+    from train_util import ROOT  # noqa: F401 (puts the repository root, `configs`, on sys.path)
+    from configs import synthetic
+    from marl_jax import config_check
+
+    def warnings(**ppo):
+        config = synthetic.get_config()
+        config.ppo.update(ppo)
+        config_check._warned.clear()
+        config_check.validate_config(config)
+        config_check.validate_config(config)
+        return capsys.readouterr().err.splitlines()
+
+    lines = warnings(rollout_correction="sequence", top_k=50, response_length=512)
+    assert len(lines) == 1 and lines[0].startswith(
+        "warning: config.ppo.rollout_correction='sequence' under top_k=50, top_p=1.0: ")
+    assert "up to 512 tokens" in lines[0] and f"gives {0.99 ** 512:.2g})" in lines[0]
+    assert "(0.99 kept per token gives 0.0058)" in lines[0]
+    assert len(warnings(rollout_correction="macro", ngram=64, top_p=0.9)) == 1
+    assert warnings(rollout_correction="macro", ngram=5, top_k=50) == []
+    assert warnings(rollout_correction="token", top_k=50) == []
+    assert warnings(rollout_correction="sequence", top_k=0, top_p=1.0) == []

@@ -193,11 +193,11 @@ def test_vmapped_step_keeps_the_first_steps_pass_a_branch():
 
 
 def test_slots_that_cannot_refill_are_refused_at_config_time():
-    from marl_jax import config as config_lib
+    from marl_jax import config_check
 
     config = tiny_config(**{"ppo.rollout_chunks": 4, "ppo.decode_slots": 2})
     with pytest.raises(ValueError) as error:
-        config_lib.validate_config(config)
+        config_check.validate_config(config)
     assert str(error.value) == ("config.ppo.decode_slots=2: must be below the 2 responses of one rollout chunk "
                                 "(ppo.batch_size=8 / ppo.rollout_chunks=4) to refill slots; use at most 1 or 0 "
                                 "(one static batch)")

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 
-from marl_jax import config as config_lib
+from marl_jax import config_check
 from marl_jax import losses, models
 from marl_jax import stages
 from marl_jax.macro import termination
@@ -178,7 +178,7 @@ def test_correction_weights_in_the_step_match_their_own_computation(estimator, l
 ])
 def test_bad_values_get_one_line_naming_the_field(field, value, allowed):
     with pytest.raises(ValueError) as err:
-        config_lib.validate_config(tiny_config(**{field: value}))
+        config_check.validate_config(tiny_config(**{field: value}))
     message = str(err.value)
     assert "\n" not in message and f"config.{field}=" in message and allowed in message
 

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from test_termination import assert_valid_segment_ids, mask_from_lengths
 from train_util import tiny_config
 
-from marl_jax.config import base_config, validate_config
+from marl_jax.config import base_config
+from marl_jax.config_check import validate_config
 from marl_jax.macro import termination
 from marl_jax.macro.termination import entropy_spans, fixed_ngram, segment
 

@@ -10,7 +10,7 @@ import pytest
 from wandb.proto import wandb_internal_pb2
 
 from marl_jax import stages
-from marl_jax.config import validate_config
+from marl_jax.config_check import validate_config
 from marl_jax.train.metrics import MetricsWriter, read_metrics
 from train_util import tiny_config
 

@@ -212,7 +212,8 @@ def _limits(timeout_s: float, limits: Optional[SandboxLimits]) -> SandboxLimits:
 def evaluate_solution(code: str, input_output: Union[str, dict], timeout_s: float = 4.0, *,
                       limits: Optional[SandboxLimits] = None, compare: str = "apps",
                       stop_at_first_failure: bool = False,
-                      sandbox: str = "bubblewrap") -> SolutionEvaluation:
+                      sandbox: str = "bubblewrap",
+                      allow_unfiltered_jail: bool = False) -> SolutionEvaluation:
     """Run `code` on every test case of one APPS problem in the sandbox (one process per case).
 
     Args:
@@ -224,8 +225,10 @@ def evaluate_solution(code: str, input_output: Union[str, dict], timeout_s: floa
       compare: "apps" (reference comparison) or "strict" (see `stdout_matches`).
       stop_at_first_failure: skip the remaining cases after the first failure (enough for
         pass@k); skipped cases count as failed with code -1.
-      sandbox: "bubblewrap" (default) or "namespaces" (weaker: host files stay readable, no
-        seccomp). A jail that cannot be built complete raises `SandboxError`; nothing runs.
+      sandbox: "bubblewrap" (default) or "namespaces" (weaker: host files stay readable). A jail
+        that cannot be built complete raises `SandboxError`; nothing runs.
+      allow_unfiltered_jail: the namespaces jail may run without its seccomp filter where
+        libseccomp / pyseccomp is missing (otherwise it refuses).
     """
     if compare not in COMPARE_MODES:
         raise ValueError(f"compare must be one of {COMPARE_MODES}, got {compare!r}")
@@ -251,7 +254,8 @@ def evaluate_solution(code: str, input_output: Union[str, dict], timeout_s: floa
         return not stop_at_first_failure or passes(index, case_run)
 
     run = run_program(code, tests.inputs, fn_name=tests.fn_name, limits=limits,
-                      should_continue=should_continue, sandbox=sandbox)
+                      should_continue=should_continue, sandbox=sandbox,
+                      allow_unfiltered_jail=allow_unfiltered_jail)
     codes = []
     for index, case_run in enumerate(run.cases):
         if case_run.status == "compile_error":

@@ -4,11 +4,12 @@ Selected explicitly (`sandbox="namespaces"`, `--config.task.sandbox=namespaces`)
 bubblewrap cannot be installed. It is weaker than the default bubblewrap jail: every host file
 the worker's uid may read stays readable (the interpreter runs from the host's filesystem,
 remounted read-only). It loads the same seccomp filter (`marl_jax.eval.seccomp_filter`, sent by
-the caller on `--seccomp-fd`) once its mounts are set up, when the caller has libseccomp; that
-filter refuses every socket, so no host Unix socket is reachable. Without libseccomp it runs
-unfiltered, and says so (`seccomp` and `host_unix_sockets_reachable` in its isolation report):
-a program may then connect to a Unix socket in any host directory it can reach, and create
-namespaces of its own inside these. Run as a script (`python -I -B jail_namespaces.py`, so this
+the caller on `--seccomp-fd`) once its mounts are set up; that filter refuses every socket, so
+no host Unix socket is reachable. Without a filter it refuses to run, unless the caller allows
+it (`--allow-unfiltered`, where libseccomp is missing and `config.eval.allow_unfiltered_jail` is
+set); it then says so (`seccomp` and `host_unix_sockets_reachable` in its isolation report): a
+program may connect to a Unix socket in any host directory it can reach, and create namespaces
+of its own inside these. Run as a script (`python -I -B jail_namespaces.py`, so this
 package is not importable: `sandbox_runner.py` beside it is loaded by path), standard library
 only.
 
@@ -108,6 +109,9 @@ def enter(payload: dict, libc) -> "runner.Jail":
     isolation.update(_set_up_filesystem(libc, payload["limits"]["workdir_mb"],
                                         uid if mode == "root" else None))
     isolation["seccomp"] = _load_seccomp_filter(libc, _seccomp_fd(sys.argv[1:]))
+    if not isolation["seccomp"] and "--allow-unfiltered" not in sys.argv[1:]:
+        raise runner.JailError("the namespaces jail has no seccomp filter (no --seccomp-fd); "
+                               "refusing to run")
     # Without the filter a program may connect to a Unix socket in any host directory it can
     # reach (a read-only mount does not stop `connect`).
     isolation["host_unix_sockets_reachable"] = not isolation["seccomp"]

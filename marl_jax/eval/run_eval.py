@@ -378,8 +378,9 @@ def apps_results(config, task, prompt_index, texts, samples_per_prompt):
     tests = [records[i]["input_output"] for i in prompt_index]
     passed, summary = {}, {"num_problems": len(prompt_index) // samples_per_prompt,
                            "samples_per_problem": samples_per_prompt,
-                           "isolation": sandbox.describe_isolation(options["limits"],
-                                                                   options["sandbox"])}
+                           "isolation": sandbox.describe_isolation(
+                               options["limits"], options["sandbox"],
+                               options["allow_unfiltered_jail"])}
     for name, model_texts in texts.items():
         runs = apps.run_solutions([extract_code(t) for t in model_texts], tests, **options)
         per_problem = [runs[i:i + samples_per_prompt]

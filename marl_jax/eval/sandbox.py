@@ -11,8 +11,10 @@ jail (the caller compares). Two jails, both refusing to run rather than run weak
   program sees none of the host's files.
 - `namespaces` (`jail_namespaces`): hand-written namespaces through libc, for machines without
   bubblewrap: network, processes, writes and memory are contained the same way, under the same
-  seccomp filter (`seccomp_filter`, when libseccomp is present), but every host file the
-  worker's uid may read stays readable.
+  seccomp filter (`seccomp_filter`), but every host file the worker's uid may read stays
+  readable. Without libseccomp / pyseccomp it refuses to start, unless the caller allows an
+  unfiltered jail (`allow_unfiltered_jail`, `config.eval.allow_unfiltered_jail`): a program may
+  then reach host Unix sockets, and the isolation report says so.
 
 Inside either jail `sandbox_runner` (standard library only) runs the cases: one forked worker
 per case under RLIMIT_CPU (timeout + 1 s), RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NPROC, RLIMIT_NOFILE
@@ -76,7 +78,7 @@ class ProgramRun:
 def run_program(code: str, cases: Sequence, *, fn_name: Optional[str] = None,
                 limits: SandboxLimits = SandboxLimits(),
                 should_continue: Optional[Callable[[int, CaseRun], bool]] = None,
-                sandbox: str = "bubblewrap") -> ProgramRun:
+                sandbox: str = "bubblewrap", allow_unfiltered_jail: bool = False) -> ProgramRun:
     """Run `code` once per case in the sandbox.
 
     Args:
@@ -90,6 +92,8 @@ def run_program(code: str, cases: Sequence, *, fn_name: Optional[str] = None,
         stops the sandbox, the remaining cases get status `not_run`. Cases still unfinished
         when the overall budget (startup_s + per case timeout_s + 1 s) runs out get `timeout`.
       sandbox: "bubblewrap" (default) or "namespaces" (weaker, see the module docstring).
+      allow_unfiltered_jail: the namespaces jail may run without its seccomp filter when
+        libseccomp / pyseccomp is missing (otherwise it refuses).
     Returns:
       ProgramRun with one CaseRun per case; its `isolation` is the jail's self-report (its
       `sandbox` names the jail). Only a missing or incomplete jail raises (`SandboxError`,
@@ -119,7 +123,7 @@ def run_program(code: str, cases: Sequence, *, fn_name: Optional[str] = None,
 
     start = time.monotonic()
     budget = limits.startup_s + len(cases) * (limits.timeout_s + 1.0)
-    with _command(sandbox, limits) as (argv, pass_fds):
+    with _command(sandbox, limits, allow_unfiltered_jail) as (argv, pass_fds):
         proc = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             start_new_session=True, env=sandbox_env(), cwd="/", close_fds=True,
@@ -168,22 +172,36 @@ def run_program(code: str, cases: Sequence, *, fn_name: Optional[str] = None,
     return ProgramRun(compile_error, results, dict(header["isolation"]), wall, error)
 
 
-def _command(sandbox: str, limits: SandboxLimits):
+def _command(sandbox: str, limits: SandboxLimits, allow_unfiltered_jail: bool = False):
     """Context manager giving (argv, fds to pass) that start the jail's runner."""
     if sandbox == "bubblewrap":
         return jail_bwrap.command(limits)
-    return _namespaces_command()
+    return _namespaces_command(allow_unfiltered_jail)
+
+
+def namespaces_seccomp_program(allow_unfiltered_jail: bool = False) -> Optional[bytes]:
+    """The namespaces jail's compiled seccomp filter; None when libseccomp / pyseccomp is
+    missing and `allow_unfiltered_jail`; else SandboxError, one line naming the missing package,
+    its install command and the setting that allows the unfiltered jail."""
+    try:
+        return seccomp_filter.seccomp_program()
+    except SandboxError as error:
+        if allow_unfiltered_jail:
+            return None
+        raise SandboxError(
+            f"the namespaces jail refuses to run without its seccomp filter: {error}; or set "
+            "config.eval.allow_unfiltered_jail=True to run it unfiltered (programs may then "
+            "reach host Unix sockets)") from None
 
 
 @contextlib.contextmanager
-def _namespaces_command():
-    """The namespaces jail, under the seccomp filter when libseccomp is present (without it the
-    jail runs unfiltered and its isolation report says so: `seccomp` false)."""
+def _namespaces_command(allow_unfiltered_jail: bool = False):
+    """The namespaces jail under the seccomp filter, or (allowed, libseccomp missing) with
+    `--allow-unfiltered`: its isolation report then says `seccomp` false."""
     argv = [sys.executable, "-I", "-B", NAMESPACES_SCRIPT]
-    try:
-        program = seccomp_filter.seccomp_program()
-    except SandboxError:
-        yield argv, ()
+    program = namespaces_seccomp_program(allow_unfiltered_jail)
+    if program is None:
+        yield argv + ["--allow-unfiltered"], ()
         return
     with seccomp_filter.program_fd(program) as fd:
         yield argv + ["--seccomp-fd", str(fd)], (fd,)
@@ -250,10 +268,11 @@ def _kill_group(proc: subprocess.Popen):
 
 
 def describe_isolation(limits: SandboxLimits = SandboxLimits(),
-                       sandbox: str = "bubblewrap") -> dict:
+                       sandbox: str = "bubblewrap", allow_unfiltered_jail: bool = False) -> dict:
     """Start an empty sandbox and report what it contains on this machine (which jail, mode,
     namespaces, seccomp, ...). Raises SandboxError if the jail is missing or incomplete."""
-    return dict(run_program("", [], limits=limits, sandbox=sandbox).isolation)
+    return dict(run_program("", [], limits=limits, sandbox=sandbox,
+                            allow_unfiltered_jail=allow_unfiltered_jail).isolation)
 
 
 def parallel_sandboxes(workers: Optional[int], limits: SandboxLimits,

@@ -68,8 +68,8 @@ def seccomp_program() -> bytes:
     try:
         import pyseccomp
     except ImportError:
-        raise SandboxError(f"pyseccomp not installed: pip install {PYSECCOMP} (the bubblewrap "
-                           "sandbox's seccomp filter)") from None
+        raise SandboxError(f"pyseccomp not installed: pip install {PYSECCOMP} (the jails' "
+                           "seccomp filter)") from None
     except RuntimeError as error:  # pyseccomp raises this when it finds no libseccomp
         raise SandboxError(f"libseccomp not found ({error}): apt-get install libseccomp2") \
             from None

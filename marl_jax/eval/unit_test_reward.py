@@ -15,12 +15,18 @@ from marl_jax.eval import apps, sandbox
 
 
 def check_unit_test_config(config) -> None:
-    """The APPS sandbox settings: a known jail, and as many parallel sandboxes as the host's
+    """The APPS sandbox settings: a known jail (the namespaces jail with its seccomp filter,
+    unless `config.eval.allow_unfiltered_jail`), and as many parallel sandboxes as the host's
     memory holds at the per-program memory limit."""
     t = config.task
     if t.sandbox not in sandbox.SANDBOXES:
         raise ValueError(f"config.task.sandbox={t.sandbox!r}: must be one of {sandbox.SANDBOXES} "
                          "(namespaces is weaker: host files stay readable)")
+    if t.sandbox == "namespaces":
+        try:
+            sandbox.namespaces_seccomp_program(unit_test_options(config)["allow_unfiltered_jail"])
+        except sandbox.SandboxError as error:
+            raise ValueError(f"config.task.sandbox='namespaces': {error}") from None
     if not isinstance(t.unit_test_memory_mb, int) or t.unit_test_memory_mb < 64:
         raise ValueError(f"config.task.unit_test_memory_mb={t.unit_test_memory_mb!r}: must be an "
                          "int >= 64 (MiB of address space per process of a program)")
@@ -36,6 +42,7 @@ def unit_test_options(config) -> dict:
     timeout_s = float(t.unit_test_timeout_s)
     return dict(timeout_s=timeout_s, max_workers=int(t.unit_test_workers) or None,
                 sandbox=t.sandbox,
+                allow_unfiltered_jail=bool(config.eval.get("allow_unfiltered_jail", False)),
                 limits=sandbox.SandboxLimits(timeout_s=timeout_s,
                                              memory_mb=int(t.unit_test_memory_mb)))
 

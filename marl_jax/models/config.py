@@ -135,6 +135,9 @@ class ModelConfig:
     norm_eps: float = 1e-6
     # Gemma stores RMSNorm weights as offsets from one: scale = 1 + w.
     norm_scale_offset: float = 0.0
+    # RMSNorm times its weight in float32, cast once (OLMo-2, as Gemma's 1 + w always is); else
+    # cast to the compute dtype, then times the weight there (Llama).
+    norm_scale_in_float32: bool = False
     activation: str = "silu"
     gated_mlp: bool = True
     position_embedding: str = "rope"
@@ -298,8 +301,9 @@ class ModelConfig:
                                 tie_word_embeddings=True, scale_embeddings=True, sandwich_norms=True,
                                 qk_norm="head"),
             "mistral": dict(norm_type="rmsnorm", norm_eps=1e-6, activation="silu"),
-            "olmo2": dict(norm_type="rmsnorm", norm_eps=1e-6, activation="silu", pre_norms=False,
-                          sandwich_norms=True, qk_norm="projection"),
+            "olmo2": dict(norm_type="rmsnorm", norm_eps=1e-6, norm_scale_in_float32=True,
+                          activation="silu", pre_norms=False, sandwich_norms=True,
+                          qk_norm="projection"),
             "phi3": dict(norm_type="rmsnorm", norm_eps=1e-5, activation="silu"),
         }[family]
         return cls(family=family, **{**defaults, **fields})

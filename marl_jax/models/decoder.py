@@ -98,8 +98,9 @@ class Dense(nn.Module):
 
 
 class Norm(nn.Module):
-    """RMSNorm (Llama: normalise in float32, cast, times w; Gemma: times (1 + w) in float32) or
-    LayerNorm (GPT-2), over the last axis."""
+    """RMSNorm (Llama: normalise in float32, cast, times w; OLMo-2: times w in float32, then
+    cast; Gemma: times (1 + w) in float32, then cast) or LayerNorm (GPT-2), over the last
+    axis."""
 
     config: ModelConfig
 
@@ -118,7 +119,7 @@ class Norm(nn.Module):
             y = (xf - mean) * jax.lax.rsqrt(var + cfg.norm_eps)
             return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(dtype)
         y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + cfg.norm_eps)
-        if cfg.norm_scale_offset:
+        if cfg.norm_scale_offset or cfg.norm_scale_in_float32:
             return (y * (cfg.norm_scale_offset + scale.astype(jnp.float32))).astype(dtype)
         return y.astype(dtype) * scale.astype(dtype)
 

@@ -10,12 +10,16 @@ given a `"dropout"` rng (the training losses); sampling, scoring and evaluation 
 A carries the kernel's logical axes on its input side and B on its output side, their rank
 axis on fsdp where those axes are not, so the adapters shard with the base.
 
-The adapter leaves are optional at apply time: params without them run the projection as the
-plain base, which is how the reference policy (the base with the adapters off) runs on the very
-tree the actor's adapters attach to (`attach`). `merge` folds the adapters into the kernels.
+A model with adapters on (`lora_rank` > 0) needs an adapter for every targeted projection: params
+without one raise, naming the projection (adapters trained on a scanned model and attached to an
+unrolled one, or a base passed where a role's adapters belong, never run as the plain base). The
+base with the adapters off is an explicit switch, `adapters_off(module)`: the model with
+`lora_rank` 0, which applies a base (and ignores any adapter leaves). `attach` lays a role's
+adapters over the one frozen base; `merge` folds the adapters into the kernels.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -53,13 +57,19 @@ def low_rank_update(module: nn.Module, x: jax.Array, y: jax.Array, lora: LoraSet
                     dtype) -> jax.Array:
     """`y + scale * (x . A) . B` for a projection `module` (a `Dense` named after its target)
     contracting the last `contract_dims` axes of `x` (`in_shape`) into `y [..., out...]`; `y`
-    unchanged when the projection is not targeted or its params hold no adapter. With
-    `lora.dropout` > 0 and a `"dropout"` rng in the apply call, `x` reaches A through inverted
-    dropout (each projection draws its own mask)."""
+    unchanged when the projection is not targeted (or adapters are off: `lora` None). A targeted
+    projection whose params hold no adapter raises ValueError naming it. With `lora.dropout` > 0
+    and a `"dropout"` rng in the apply call, `x` reaches A through inverted dropout (each
+    projection draws its own mask)."""
     if lora is None or module.name not in lora.targets:
         return y
-    if not module.is_initializing() and not module.has_variable("params", "lora_a"):
-        return y
+    if not module.is_initializing() and not (module.has_variable("params", "lora_a")
+                                             and module.has_variable("params", "lora_b")):
+        where = "/".join(str(part) for part in module.scope.path)
+        raise ValueError(
+            f"LoRA: the targeted projection {where} has no adapter (lora_a, lora_b) in the "
+            f"params; attach the role's adapters to the base (lora.attach), or apply the base "
+            f"with the adapters off (lora.adapters_off)")
     fan_in = math.prod(in_shape)
     bound = 1.0 / math.sqrt(fan_in)  # PEFT's kaiming_uniform(a=sqrt(5)) bound for A
     out_shape = y.shape[x.ndim - contract_dims:]
@@ -127,6 +137,15 @@ def attach(base, trained) -> dict:
     for key, value in trained.items():
         out[key] = attach(base[key], value) if key in base else value
     return out
+
+
+def adapters_off(module: nn.Module) -> nn.Module:
+    """`module` with its adapters switched off (`lora_rank` 0): the plain base model, for params
+    that are a base (the pretrained model, a merged SFT policy, the reference of a merged
+    run)."""
+    if not module.config.lora_rank:
+        return module
+    return module.clone(config=dataclasses.replace(module.config, lora_rank=0))
 
 
 def fresh_trainable(module: nn.Module, key: jax.Array) -> dict:

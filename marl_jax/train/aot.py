@@ -22,7 +22,7 @@ from marl_jax.models import lora
 from marl_jax.data import tasks
 from marl_jax.train import build, ppo, programs, reward, sft, sharding, supervised
 from marl_jax.train import ppo_core as core
-from marl_jax.train.optim import make_optimizer, stage_schedule
+from marl_jax.train.optim import adapter_weight_decay, make_optimizer, stage_schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +72,10 @@ def _train_state(params, optimizer):
         skipped_updates=jnp.zeros((), jnp.float32)), params)
 
 
-def _supervised(cfg, name: str, module, loss_fn, batch: dict, mesh, weight_fn=None):
+def _supervised(cfg, name: str, module, loss_fn, batch: dict, mesh, weight_fn=None,
+                lora_weight_decay=None):
     sharding.validate_batch(cfg.batch_size, mesh, f"config.{name}.batch_size")
-    optimizer = make_optimizer(cfg, cfg.steps)
+    optimizer = make_optimizer(cfg, cfg.steps, lora_weight_decay=lora_weight_decay)
     params = abstract_params(module)
     # With adapter dropout the step draws its masks as the run's does (the seed changes no shape).
     kwargs = dict(schedule=stage_schedule(cfg, cfg.steps),
@@ -106,7 +107,8 @@ def sft_program(config, policy, mesh, inputs: TaskInputs | None = None):
                  response_mask=_ids(b, r))
     return _supervised(config.sft, "sft", policy,
                        lambda p, x, rngs=None: sft.sft_loss(policy, p, x, rngs), batch, mesh,
-                       weight_fn=lambda x: x["response_mask"].sum())
+                       weight_fn=lambda x: x["response_mask"].sum(),
+                       lora_weight_decay=adapter_weight_decay(config))
 
 
 def rm_program(config, reward_model, mesh, inputs: TaskInputs | None = None):
@@ -134,12 +136,13 @@ def rm_program(config, reward_model, mesh, inputs: TaskInputs | None = None):
                            lambda p, x, rngs=None: reward.grouped_rm_loss(reward_model, p, x,
                                                                           0, rngs),
                            batch, mesh,
-                           weight_fn=lambda x: x["pair_mask"].sum())
+                           weight_fn=lambda x: x["pair_mask"].sum(),
+                           lora_weight_decay=adapter_weight_decay(config))
     batch = dict(prompt_ids=_ids(b, p), prompt_mask=_ids(b, p), chosen_ids=_ids(b, r),
                  chosen_mask=_ids(b, r), rejected_ids=_ids(b, r), rejected_mask=_ids(b, r))
     return _supervised(config.rm, "rm", reward_model,
                        lambda p, x, rngs=None: reward.rm_loss(reward_model, p, x, rngs), batch,
-                       mesh)
+                       mesh, lora_weight_decay=adapter_weight_decay(config))
 
 
 def ppo_programs(config, tokenizer, policy, critic, reward_model, mesh,
@@ -161,13 +164,15 @@ def ppo_programs(config, tokenizer, policy, critic, reward_model, mesh,
     actor, critic_params, rm_params = (abstract_params(m) for m in (policy, critic, reward_model))
     if not ppo.uses_critic(p):
         critic_params = {}
-    base = None
+    base = ref_adapters = None
     if static.lora:
+        if static.reference_adapters:  # the SFT adapter, kept apart from the base
+            ref_adapters = lora.adapters(actor)
         base, actor, rm_params = (lora.frozen_base(actor), lora.trainable(actor),
                                   lora.trainable(rm_params))
         critic_params = lora.trainable(critic_params) if critic_params else {}
     state_sh = ppo.state_shardings(mods, mesh, actor, critic_params)
-    frozen_sh = programs.frozen_shardings(mods, mesh, state_sh, rm_params, base)
+    frozen_sh = programs.frozen_shardings(mods, mesh, state_sh, rm_params, base, ref_adapters)
     rep, batch_sh = sharding.replicated(mesh), sharding.batch_sharding(mesh)
 
     state = with_shardings(jax.eval_shape(
@@ -175,8 +180,8 @@ def ppo_programs(config, tokenizer, policy, critic, reward_model, mesh,
         state_sh)
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
     frozen = with_shardings(core.Frozen(ref_params=actor if base is None else base,
-                                        rm_params=rm_params,
-                                        reward_mean=scalar, reward_std=scalar), frozen_sh)
+                                        rm_params=rm_params, reward_mean=scalar,
+                                        reward_std=scalar, ref_adapters=ref_adapters), frozen_sh)
     hparams = with_shardings(build.abstract(ppo.hparams_from_config(p)), rep)
     prompts = with_shardings((_ids(static.prompts_per_step, inputs.prompt_length),) * 2, batch_sh)
     documents = None if inputs.documents_width is None else with_shardings(

@@ -30,29 +30,61 @@ def learning_rate_schedule(cfg, total_steps: int) -> optax.Schedule:
 # Parameters without weight decay, by leaf name: norm scales and biases (as DeepSpeed-Chat's
 # `no_decay` list), whatever their rank (scanned layers stack them into [L, D]).
 NO_DECAY_NAMES = ("scale", "bias")
+# LoRA's adapter leaves (`models.lora.ADAPTER_NAMES`): their own weight decay.
+ADAPTER_NAMES = ("lora_a", "lora_b")
+
+
+def _leaf_name(path):
+    last = path[-1]
+    return getattr(last, "key", getattr(last, "name", None))
 
 
 def weight_decay_mask(params):
-    """A pytree of bools like `params`: True where AdamW applies weight decay."""
-    def decays(path, _):
-        last = path[-1]
-        name = getattr(last, "key", getattr(last, "name", None))
-        return name not in NO_DECAY_NAMES
-    return jax.tree_util.tree_map_with_path(decays, params)
+    """A pytree of bools like `params`: True where AdamW applies the stage's weight decay
+    (matrices; not norm scales, biases or LoRA adapters)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: _leaf_name(path) not in NO_DECAY_NAMES + ADAPTER_NAMES, params)
 
 
-def make_optimizer(cfg, total_updates: int, learning_rate: float | None = None):
+def adapter_mask(params):
+    """A pytree of bools like `params`: True on LoRA's adapter leaves."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: _leaf_name(path) in ADAPTER_NAMES,
+                                            params)
+
+
+def adapter_weight_decay(config) -> float | None:
+    """The weight decay of LoRA's adapters, `config.model.lora.weight_decay` (PEFT / TRL LoRA
+    recipes: 0), for a LoRA run; None for full fine-tuning."""
+    lo = config.model.get("lora", None)
+    if lo is None or not lo.rank:
+        return None
+    return float(lo.get("weight_decay", 0.0))
+
+
+def make_optimizer(cfg, total_updates: int, learning_rate: float | None = None,
+                   lora_weight_decay: float | None = None):
     """AdamW (b1, b2, weight_decay on matrices only) after global-norm clipping, on the stage's
     schedule over `total_updates` optimizer updates.
+
+    `lora_weight_decay` (a LoRA stage: `adapter_weight_decay(config)`) is the decay of the
+    adapter leaves; the stage's `weight_decay` stays that of the other matrices (the heads).
 
     With `cfg.num_layers_unfrozen` = n >= 0 (trlx's knob) only the top n decoder layers, the
     final norm and the heads train (`trainable_mask`): the other leaves get no update and no
     optimizer state."""
+    schedule = stage_schedule(cfg, total_updates, learning_rate)
+    if lora_weight_decay is None:
+        update = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
+                             mask=weight_decay_mask)
+    else:  # optax.adamw's chain, with the adapters' decay beside the stage's
+        update = optax.chain(
+            optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2),
+            optax.add_decayed_weights(cfg.weight_decay, mask=weight_decay_mask),
+            optax.add_decayed_weights(lora_weight_decay, mask=adapter_mask),
+            optax.scale_by_learning_rate(schedule))
     adamw = optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity(),
-        optax.adamw(stage_schedule(cfg, total_updates, learning_rate), b1=cfg.b1, b2=cfg.b2,
-                    weight_decay=cfg.weight_decay, mask=weight_decay_mask),
-    )
+        update)
     n = int(cfg.get("num_layers_unfrozen", -1))
     if n < 0:
         return adamw

@@ -20,7 +20,7 @@ from marl_jax.data import batches
 from marl_jax.models import lora
 from marl_jax.train import build, checkpoint, loop, programs, sharding
 from marl_jax.train import ppo_core as core
-from marl_jax.train.optim import make_optimizer, stage_schedule
+from marl_jax.train.optim import adapter_weight_decay, make_optimizer, stage_schedule
 
 
 def static_from_config(config, tokenizer, variants=None) -> core.PPOStatic:
@@ -54,6 +54,8 @@ def static_from_config(config, tokenizer, variants=None) -> core.PPOStatic:
         num_layers_unfrozen=int(p.get("num_layers_unfrozen", -1)),
         decode_slots=int(p.get("decode_slots", 0)),
         lora=bool(config.model.get("lora", {}).get("rank", 0)),
+        reference_adapters=bool(config.model.get("lora", {}).get("rank", 0))
+        and not config.model.lora.get("merge_sft", True),
         rollout_chunks=int(p.get("rollout_chunks", 1)))
 
 
@@ -68,20 +70,24 @@ def loss_aggregation(ppo_config) -> str:
     """`ppo.loss_aggregation`, "auto" resolved to the estimator's published one."""
     chosen = ppo_config.get("loss_aggregation", "auto")
     if chosen == "auto":
-        return estimators.DEFAULT_LOSS_AGGREGATION[ppo_config.get("estimator", "gae")]
+        return estimators.ESTIMATORS[ppo_config.get("estimator", "gae")].loss_aggregation
     return chosen
 
 
 def lora_roles(policy, critic, sft_params, rm_params, critic_params, key):
-    """With LoRA, the four roles on one base: (base, actor, reward model, critic) where the base
-    is the SFT model's frozen part (the reference), the actor its adapters (fresh ones, B = 0,
-    when SFT merged its adapter into the base), the reward model and the critic their adapters
-    and heads. The reward model was trained on the same base (`rm.init_from=sft`)."""
+    """With LoRA, the roles on one base: (base, reference adapters, actor, reward model,
+    critic). The base is the SFT model's frozen part. When SFT merged its adapter into the base,
+    the reference is the base with the adapters off (no reference adapters: None) and the actor
+    starts from fresh adapters (B = 0); otherwise the reference is the base with the SFT
+    adapter attached, frozen, and the actor starts from a copy of that adapter. The reward
+    model and the critic are their adapters and heads; the reward model was trained on the same
+    base (`rm.init_from=sft`)."""
     base = lora.frozen_base(sft_params)
+    reference = lora.adapters(sft_params) or None
     actor = lora.trainable(lora.with_adapters(policy, sft_params, jax.random.fold_in(key, 2)))
     critic_params = lora.trainable(lora.with_adapters(
         critic, critic_params, jax.random.fold_in(key, 3))) if critic_params else {}
-    return base, actor, lora.trainable(rm_params), critic_params
+    return base, reference, actor, lora.trainable(rm_params), critic_params
 
 
 def with_shared_trunk(static: core.PPOStatic, num_layers: int, actor_params, rm_params,
@@ -127,17 +133,19 @@ def make_models(config, policy, critic, reward_model, gold_fn=None) -> core.Mode
         raise ValueError("config.ppo.reward_source='gold' needs a task with a gold reward "
                          "(the synthetic task)")
     updates = ppo_updates(p)
+    decay = adapter_weight_decay(config)
     return core.Models(
         policy=policy, critic=critic, reward=reward_model,
-        actor_optimizer=make_optimizer(p, updates),
-        critic_optimizer=make_optimizer(p, updates, learning_rate=p.critic_learning_rate),
+        actor_optimizer=make_optimizer(p, updates, lora_weight_decay=decay),
+        critic_optimizer=make_optimizer(p, updates, learning_rate=p.critic_learning_rate,
+                                        lora_weight_decay=decay),
         gold_fn=gold_fn, actor_schedule=stage_schedule(p, updates),
         critic_schedule=stage_schedule(p, updates, learning_rate=p.critic_learning_rate))
 
 
 def uses_critic(p) -> bool:
     """Whether `config.ppo` trains a critic (macro GAE) or estimates advantages without one."""
-    return p.get("estimator", "gae") == "gae"
+    return estimators.ESTIMATORS[p.get("estimator", "gae")].needs_critic
 
 
 def ppo_updates(p) -> int:
@@ -214,7 +222,8 @@ def evaluate(static: core.PPOStatic, mods: core.Models, actor_params, frozen: co
     (scoring is the costly part: one sample per prompt keeps it at E sequences).
     """
     m = int(samples_per_prompt)
-    actor_params = core.with_base(static, actor_params, frozen)
+    actor_params = core.role_params(static, "actor", frozen, actor_params)
+    ref_params = core.role_params(static, "reference", frozen)
     sample = sampling.generate(
         mods.policy, actor_params, prompt_ids, prompt_mask, key=key,
         max_new_tokens=static.response_length, temperature=static.temperature,
@@ -223,16 +232,16 @@ def evaluate(static: core.PPOStatic, mods: core.Models, actor_params, frozen: co
     all_ids, all_mask = sample.tokens, sample.mask.astype(jnp.int32)
     ids, mask = all_ids[::m], all_mask[::m]  # the first sample of every prompt
     args = (prompt_ids, prompt_mask, ids, mask)
-    trunk = core.shared_trunk(static, mods, frozen.ref_params, *args)
+    trunk = core.shared_trunk(static, mods, ref_params, *args)
     if core.sampler_logprobs_are_exact(static):
         logp = sample.logprobs[::m] * mask
     else:
         logp, _ = core.token_logprobs(mods.policy, actor_params, *args, static.temperature,
                                       trunk)
-    ref, _ = core.token_logprobs(mods.policy, frozen.ref_params, *args, static.temperature,
-                                 trunk)
+    ref, _ = core.token_logprobs(core.role_model(static, mods, "reference"), ref_params, *args,
+                                 static.temperature, trunk)
     kl = ((logp - ref) * mask).sum(axis=1)
-    score = core.sequence_scores(mods.reward, frozen.rm_params, *args,
+    score = core.sequence_scores(mods.reward, core.role_params(static, "reward", frozen), *args,
                                  trunk if static.reward_source == "rm" else None)
     if static.normalize_reward:
         score = (score - frozen.reward_mean) / frozen.reward_std
@@ -284,20 +293,21 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
                                           jax.random.fold_in(key, 1), reward_stats)
     static = with_shared_trunk(static, policy.config.num_layers, sft_params, rm_params,
                                [critic_params])
-    ref_params, metadata = sft_params, dict(stage="ppo", config=config.to_dict())
+    ref_params, ref_adapters = sft_params, None
+    metadata = dict(stage="ppo", config=config.to_dict())
     if static.lora:
-        ref_params, sft_params, rm_params, critic_params = lora_roles(
+        ref_params, ref_adapters, sft_params, rm_params, critic_params = lora_roles(
             policy, critic, sft_params, rm_params, critic_params, key)
     state_sh = state_shardings(mods, mesh, sft_params, critic_params)
     frozen_sh = programs.frozen_shardings(mods, mesh, state_sh, rm_params,
-                                          ref_params if static.lora else None)
+                                          ref_params if static.lora else None, ref_adapters)
     rep, batch_sh = sharding.replicated(mesh), sharding.batch_sharding(mesh)
     hparams = jax.device_put(hparams_from_config(p), rep)
 
     frozen = jax.device_put(core.Frozen(
         ref_params=ref_params, rm_params=rm_params,
         reward_mean=jnp.float32(reward_stats["mean"]),
-        reward_std=jnp.float32(reward_stats["std"])), frozen_sh)
+        reward_std=jnp.float32(reward_stats["std"]), ref_adapters=ref_adapters), frozen_sh)
     if static.lora:
         metadata["base"] = checkpoint.lora_identity(frozen.ref_params)
     # The actor and critic are updated in place (donated), so they must not share buffers with

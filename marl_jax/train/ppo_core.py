@@ -92,20 +92,23 @@ class PPOStatic:
     # holds that many rows instead of the batch's); 0: one static batch.
     decode_slots: int = 0
     # LoRA: actor, critic and reward-model params are adapters (and heads) on the one frozen
-    # base, `Frozen.ref_params`, which is also the reference (the base with the adapters off).
+    # base, `Frozen.ref_params`. The reference is the SFT policy: the base with the adapters off
+    # when SFT merged its adapter into the base, else (`reference_adapters`) the base with the
+    # SFT adapter, `Frozen.ref_adapters`, attached.
     lora: bool = False
+    reference_adapters: bool = False
     # Prompts are sampled and scored in this many sequential chunks (`in_row_chunks`): the KV
     # cache and the scoring pass's activations hold one chunk's rows.
     rollout_chunks: int = 1
 
     @property
     def uses_critic(self) -> bool:
-        return self.estimator == "gae"
+        return estimators.ESTIMATORS[self.estimator].needs_critic
 
     @property
     def kl_in_loss(self) -> bool:
-        """The KL to the reference is a loss term (the group estimators), not a reward."""
-        return self.estimator in estimators.KL_IN_LOSS
+        """The KL to the reference is a loss term (GRPO, Dr. GRPO), not in the reward."""
+        return estimators.ESTIMATORS[self.estimator].kl_in_loss
 
     @property
     def reuses_sampler_logprobs(self) -> bool:
@@ -151,12 +154,15 @@ class PPOState:
 @flax.struct.dataclass
 class Frozen:
     """What a PPO run reads but never updates. With LoRA `ref_params` is the base every role's
-    adapters attach to (`with_base`) and `rm_params` the reward model's adapters and head."""
+    adapters attach to (`role_params`), `rm_params` the reward model's adapters and head, and
+    `ref_adapters` the SFT adapter the reference applies when it was not merged into the base
+    (`PPOStatic.reference_adapters`; None otherwise)."""
 
     ref_params: Any
     rm_params: Any
     reward_mean: jax.Array
     reward_std: jax.Array
+    ref_adapters: Any = None
 
 
 @flax.struct.dataclass
@@ -192,10 +198,41 @@ class Models:
     critic_schedule: Any = None
 
 
-def with_base(static: PPOStatic, params, frozen: Frozen):
-    """A role's params as its model applies them: with LoRA its adapters (and head) attached
-    to the frozen base (a tree of the same arrays, no copy), else `params` themselves."""
+# The models a PPO step applies: the actor and the critic (params in the state), the reward
+# model and the reference (params in `Frozen`).
+ROLES = ("actor", "critic", "reward", "reference")
+
+
+def role_params(static: PPOStatic, role: str, frozen: Frozen, params=None):
+    """The params the model of `role` (`role_model`) applies: the actor's and the critic's
+    `params` (the state's), the reward model's and the reference's from `frozen`. With LoRA a
+    role's adapters (and head) are attached to the one frozen base (a tree of the same arrays, no
+    copy); the reference is the base, with the SFT adapter attached when
+    `static.reference_adapters`. Every call site of a role takes its params from here."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    if role == "reference":
+        if static.lora and static.reference_adapters:
+            return lora.attach(frozen.ref_params, frozen.ref_adapters)
+        return frozen.ref_params
+    if role == "reward":
+        params = frozen.rm_params
     return lora.attach(frozen.ref_params, params) if static.lora else params
+
+
+def role_model(static: PPOStatic, models: Models, role: str):
+    """The module that applies `role_params(static, role, ...)`: the policy for the actor and
+    the reference, the critic, the reward model. A LoRA reference without adapters is the policy
+    with its adapters switched off (`lora.adapters_off`)."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    if role == "critic":
+        return models.critic
+    if role == "reward":
+        return models.reward
+    if role == "reference" and static.lora and not static.reference_adapters:
+        return lora.adapters_off(models.policy)
+    return models.policy
 
 
 def in_row_chunks(n: int, fn, *rows):
@@ -280,7 +317,7 @@ def generate_responses(static: PPOStatic, models: Models, state: PPOState, promp
     current actor (each prompt prefilled once): `SampleOutput` with tokens, logprobs, mask and
     entropy `[B, R]`, the samples of a prompt in adjacent rows."""
     groups = {} if static.group_size == 1 else {"num_samples": static.group_size}
-    actor = with_base(static, state.actor_params, frozen)
+    actor = role_params(static, "actor", frozen, state.actor_params)
     k, n = static.group_size, static.rollout_chunks
 
     def sample(ids, mask, chunk_key):
@@ -337,7 +374,7 @@ def sequence_score(static: PPOStatic, models: Models, frozen: Frozen, prompt_ids
     if static.reward_source == "gold":
         scores = models.gold_fn(documents, response_ids, response_mask)
         return scores, scores
-    raw = sequence_scores(models.reward, with_base(static, frozen.rm_params, frozen), prompt_ids,
+    raw = sequence_scores(models.reward, role_params(static, "reward", frozen), prompt_ids,
                           prompt_mask, response_ids, response_mask, trunk)
     if static.normalize_reward:
         return (raw - frozen.reward_mean) / frozen.reward_std, raw
@@ -370,14 +407,14 @@ def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, pr
     predicate turns `lax.cond` into a select that runs both branches at every step).
     """
     args = (prompt_ids, prompt_mask, response_ids, response_mask)
-    trunk = shared_trunk(static, models, frozen.ref_params, *args)
+    trunk = shared_trunk(static, models, role_params(static, "reference", frozen), *args)
     # A shared trunk's states cover the whole batch; the config keeps it and chunks apart.
     n = static.rollout_chunks if trunk is None else 1
     entropies = None if sampled_entropy is None else sampled_entropy * response_mask
     sampler = None if sampled_logprobs is None else sampled_logprobs * response_mask
     trainer_pass = lambda: in_row_chunks(n, lambda *a: token_logprobs(
-        models.policy, with_base(static, state.actor_params, frozen), *a, static.temperature,
-        trunk), *args)
+        models.policy, role_params(static, "actor", frozen, state.actor_params), *a,
+        static.temperature, trunk), *args)
     if sampler is not None and static.reuses_sampler_logprobs:
         old_logprobs = sampler
         trainer = None
@@ -390,12 +427,14 @@ def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, pr
         trainer = old_logprobs
         entropies = actor_entropy if entropies is None else entropies
     ref = in_row_chunks(n, lambda *a: continuation_scores(
-        models.policy, frozen.ref_params, *a, static.temperature, trunk), *args)
+        role_model(static, models, "reference"), role_params(static, "reference", frozen), *a,
+        static.temperature, trunk), *args)
     if entropies is None:
         entropies = jnp.zeros_like(old_logprobs)
     if static.uses_critic:
         values, final_values = in_row_chunks(n, lambda *a: critic_outputs(
-            models.critic, with_base(static, state.critic_params, frozen), *a, trunk), *args)
+            models.critic, role_params(static, "critic", frozen, state.critic_params), *a, trunk),
+            *args)
     else:
         values = final_values = None
     scores, raw_scores = in_row_chunks(n, lambda *a: sequence_score(
@@ -410,7 +449,7 @@ def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, pr
                      jnp.zeros_like(old_logprobs) if values is None else values, scores, rewards,
                      ended_with_eos, entropies,
                      # Only Monte Carlo branches score again (with the gold function).
-                     documents if static.estimator == "macro_mc" else None,
+                     documents if estimators.ESTIMATORS[static.estimator].branches else None,
                      None if trunk is None else trunk[0],
                      sampler if static.rollout_correction != "none" else None)
     seq_kl = (losses.kl_per_token(old_logprobs, ref.logprobs, "k1") * response_mask).sum(axis=1)
@@ -480,7 +519,7 @@ def advantages_and_returns(static: PPOStatic, hparams: RunHparams, exp: Experien
     """Macro GAE for the run's variant; `segments` maps termination name -> `[B, R]` ids."""
     results = []
     for term, weighting, aggregation in static.variants:
-        results.append(advantage.macro_gae(
+        results.append(estimators.ESTIMATORS["gae"].advantages(
             exp.values, exp.rewards, exp.response_mask, segments[term], gamma=hparams.gamma,
             lam=hparams.lam, value_weighting=weighting, reward_aggregation=aggregation))
     if len(results) == 1:
@@ -502,43 +541,36 @@ def variant_segments(static: PPOStatic, segments: dict, variant):
     return jnp.stack([segments[n] for n in names])[variant]
 
 
-def kl_rewards(static: PPOStatic, exp: Experience, kl_coef):
-    """The per-token KL part of the rewards `[B, R]`: -kl_coef * kl_t (no score)."""
-    kl = losses.kl_per_token(exp.old_logprobs, exp.ref_logprobs, static.kl_estimator)
-    return jnp.where(exp.response_mask != 0, -kl_coef * kl, 0.0)
-
-
 def critic_free_advantages(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen,
                            hparams: RunHparams, exp: Experience, segments: dict, key):
-    """Per-token advantages `[B, R]` without a critic: (advantages, metrics, extra budget).
+    """Per-token advantages `[B, R]` without a critic: (advantages, metrics, extra budget), from
+    the estimator's record (`estimators.ESTIMATORS`).
 
-    grpo / dr_grpo / rloo: the sequence's terminal reward (clipped score, missing-EOS penalty)
-    normalised within each group of `group_size` samples, on every token; the KL to the
-    reference is a loss term of its own (`update`), so equal scores give zero advantages.
-    reinforce_pp: the return-to-go of the per-token rewards, normalised over the batch.
-    macro_mc: Monte Carlo values at branch points (macro starts) from `mc_rollouts`
-    continuations each, sampled by the current policy; see `estimators.macro_mc_advantages`.
+    The record's advantage function reads the responses' terminal rewards (clipped score,
+    missing-EOS penalty), their per-token KL estimates to the reference at `state.kl_coef`, and
+    the per-token rewards (`estimators.AdvantageInputs`). An estimator that branches (macro_mc)
+    first samples `mc_rollouts` continuations from up to `mc_branch_points` macro starts of
+    the run variant's segments with the current policy, whose mean returns are the values of
+    those states (`monte_carlo_returns`).
     """
+    estimator = estimators.ESTIMATORS[static.estimator]
     mask = exp.response_mask
-    if static.estimator in estimators.GROUP_METHODS:
-        returns = jnp.where(mask.sum(axis=1) > 0,
-                            terminal_reward(static, exp.scores, exp.ended_with_eos), 0.0)
-        seq = estimators.group_advantages(returns, static.group_size, method=static.estimator)
-        return estimators.sequence_advantages_to_tokens(seq, mask), {}, {}
-    if static.estimator == "reinforce_pp":
-        return estimators.reinforce_pp_advantages(exp.rewards, mask), {}, {}
-    if static.estimator != "macro_mc":
-        raise ValueError(f"unknown estimator {static.estimator!r}")
+    kl = losses.kl_per_token(exp.old_logprobs, exp.ref_logprobs, static.kl_estimator)
+    inputs = estimators.AdvantageInputs(
+        scores=jnp.where(mask.sum(axis=1) > 0,
+                         terminal_reward(static, exp.scores, exp.ended_with_eos), 0.0),
+        kl=jnp.where(mask != 0, kl, 0.0), kl_coef=state.kl_coef, rewards=exp.rewards,
+        response_mask=mask, group_size=static.group_size)
+    if not estimator.branches:
+        return estimator.advantages(inputs), {}, {}
     k_points, k_rollouts = jax.random.split(key)
     seg = variant_segments(static, segments, hparams.variant)
     starts, valid = estimators.choose_branch_points(k_points, seg, mask, static.mc_branch_points)
-    returns, budget = monte_carlo_returns(static, models,
-                                          with_base(static, state.actor_params, frozen), frozen,
-                                          exp, starts, valid, k_rollouts, state.kl_coef)
+    actor = role_params(static, "actor", frozen, state.actor_params)
+    returns, budget = monte_carlo_returns(static, models, actor, frozen, exp, starts, valid,
+                                          k_rollouts, state.kl_coef)
     values = returns.mean(axis=-1)
-    per_token_kl = kl_rewards(static, exp, state.kl_coef)
-    terminal = ((exp.rewards - per_token_kl) * mask).sum(axis=1)
-    adv = estimators.macro_mc_advantages(starts, valid, values, terminal, per_token_kl, mask)
+    adv = estimator.advantages(inputs._replace(branches=(starts, valid, values)))
     metrics = {"mc/branch_points_avg": valid.sum(axis=1).astype(jnp.float32).mean(),
                "mc/value_at_start": values[:, 0].mean(),
                "mc/value_std_avg": returns.std(axis=-1).mean()}
@@ -575,7 +607,9 @@ def monte_carlo_returns(static: PPOStatic, models: Models, actor_params, frozen:
                               _ended_with_eos(cont.tokens, cont_mask, static.eos_id))
     sampled = cont_mask * (jnp.arange(cont_mask.shape[1])[None] >= jnp.repeat(prefix, m)[:, None])
     cont_args = (prompt_ids, prompt_mask, cont.tokens, cont_mask)
-    ref = continuation_scores(models.policy, frozen.ref_params, *cont_args, static.temperature)
+    ref = continuation_scores(role_model(static, models, "reference"),
+                              role_params(static, "reference", frozen), *cont_args,
+                              static.temperature)
     if static.reuses_sampler_logprobs:
         actor_logprobs = cont.logprobs
     else:
@@ -608,9 +642,9 @@ def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, 
     """`ppo_epochs` x `num_minibatches` actor and critic updates from advantages and returns
     `[B, R]` (every token carrying its macro's A and G); the actor alone for the critic-free
     estimators (`ret` unused). `is_weights [B, R]`: rollout-correction weights of each token's
-    policy-gradient term (None: 1). The group estimators add beta x the k3 KL to the reference,
-    per token, aggregated as the policy loss. With LoRA the gradients are those of the adapters
-    and heads alone, attached to `frozen`'s base."""
+    policy-gradient term (None: 1). The estimators whose KL is a loss term (GRPO, Dr. GRPO) add
+    beta x the k3 KL to the reference, per token, aggregated as the policy loss. With LoRA the
+    gradients are those of the adapters and heads alone, attached to `frozen`'s base."""
     b = static.batch_size
     mb = b // static.num_minibatches
     data = dict(prompt_ids=exp.prompt_ids, prompt_mask=exp.prompt_mask,
@@ -635,10 +669,9 @@ def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, 
     # Each loss casts its weights to the compute dtype once per micro-batch, not per layer call.
     def actor_loss(params, batch, rngs=None):
         logprobs, entropy = token_logprobs(
-            models.policy, compute_weights(with_base(static, params, frozen), models.policy.config),
-            batch["prompt_ids"], batch["prompt_mask"],
-            batch["response_ids"], batch["response_mask"], static.temperature, trunk_of(batch),
-            rngs)
+            models.policy, compute_weights(role_params(static, "actor", frozen, params), models.policy.config),
+            batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"], batch["response_mask"],
+            static.temperature, trunk_of(batch), rngs)
         loss, m = losses.ppo_policy_loss(logprobs, batch["old_logprobs"], batch["advantages"],
                                          batch["response_mask"], cliprange=static.cliprange,
                                          aggregation=static.loss_aggregation,
@@ -653,7 +686,7 @@ def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience, 
 
     def critic_loss(params, batch, rngs=None):
         values = response_values(models.critic,
-                                 compute_weights(with_base(static, params, frozen), models.critic.config),
+                                 compute_weights(role_params(static, "critic", frozen, params), models.critic.config),
                                  batch["prompt_ids"], batch["prompt_mask"],
                                  batch["response_ids"], batch["response_mask"], trunk_of(batch),
                                  rngs)

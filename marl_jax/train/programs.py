@@ -59,16 +59,19 @@ def supervised_program(train_step: Callable, state_shardings, mesh, base_shardin
 
 
 def frozen_shardings(mods: core.Models, mesh, state_sh: core.PPOState, rm_params,
-                     ref_params=None) -> core.Frozen:
+                     ref_params=None, ref_adapters=None) -> core.Frozen:
     """The reference policy shares the actor's shardings (with LoRA, `ref_params`, the base,
-    gets the whole policy's); the reward model gets its own."""
+    gets the whole policy's, and the reference's SFT adapter, when it has one, the adapters');
+    the reward model gets its own."""
     rep = sharding.replicated(mesh)
     ref_sh = state_sh.actor_params if ref_params is None else build.param_shardings(
         mods.policy, mesh, build.abstract(ref_params))
+    adapters_sh = None if ref_adapters is None else build.param_shardings(
+        mods.policy, mesh, build.abstract(ref_adapters))
     return core.Frozen(ref_params=ref_sh,
                        rm_params=build.param_shardings(mods.reward, mesh,
                                                        build.abstract(rm_params)),
-                       reward_mean=rep, reward_std=rep)
+                       reward_mean=rep, reward_std=rep, ref_adapters=adapters_sh)
 
 
 def ppo_step_program(static: core.PPOStatic, mods: core.Models, state_sh: core.PPOState,

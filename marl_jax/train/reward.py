@@ -18,6 +18,7 @@ from marl_jax import distributed, losses
 from marl_jax.models import last_token_score
 from marl_jax.models.heads import backbone_hidden, scalar_outputs, trunk_states
 from marl_jax.train import sharding, supervised
+from marl_jax.train.optim import adapter_weight_decay
 
 
 def pair_scores(reward_model, params, batch, rngs=None):
@@ -382,4 +383,5 @@ def run_rm(config, task, reward_model, init_params, *, mesh, writer, workdir, tr
         writer=writer, workdir=workdir, checkpoint_every=config.checkpoint_every,
         log_every=config.log_every, max_to_keep=config.max_to_keep,
         metadata=dict(stage="rm", config=config.to_dict()), progress_keys=("loss", "accuracy"),
-        weight_fn=weight_fn, tokens_per_example=tokens)
+        weight_fn=weight_fn, tokens_per_example=tokens,
+        lora_weight_decay=adapter_weight_decay(config) or 0.0)

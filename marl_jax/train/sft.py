@@ -4,6 +4,7 @@ from __future__ import annotations
 from marl_jax import losses
 from marl_jax.models.heads import continuation_scores
 from marl_jax.train import supervised
+from marl_jax.train.optim import adapter_weight_decay
 
 
 def sft_loss(policy, params, batch, rngs=None):
@@ -24,4 +25,5 @@ def run_sft(config, task, policy, init_params, *, mesh, writer, workdir):
         writer=writer, workdir=workdir, checkpoint_every=config.checkpoint_every,
         log_every=config.log_every, max_to_keep=config.max_to_keep,
         metadata=dict(stage="sft", config=config.to_dict()), progress_keys=("loss",),
-        weight_fn=lambda batch: batch["response_mask"].sum())
+        weight_fn=lambda batch: batch["response_mask"].sum(),
+        lora_weight_decay=adapter_weight_decay(config) or 0.0)

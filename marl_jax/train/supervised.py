@@ -84,7 +84,7 @@ def make_lora_train_step(loss_fn: Callable, optimizer, **kwargs):
 def train(*, name: str, cfg, seed: int, module, init_params, loss_fn: Callable, data: dict,
           mesh, writer, workdir: str, checkpoint_every: int, log_every: int, max_to_keep: int,
           metadata: dict, progress_keys=(), weight_fn: Callable | None = None,
-          tokens_per_example: int | None = None) -> Any:
+          tokens_per_example: int | None = None, lora_weight_decay: float = 0.0) -> Any:
     """Trains `module` from `init_params` for `cfg.steps` steps; returns the final params.
 
     Args:
@@ -95,6 +95,7 @@ def train(*, name: str, cfg, seed: int, module, init_params, loss_fn: Callable, 
       weight_fn: a micro-batch's weight in gradient accumulation (see `make_train_step`).
       tokens_per_example: tokens a row of `data` stands for, for the tokens/s metric (default:
         the widths of its `*ids` arrays).
+      lora_weight_decay: the AdamW weight decay of the adapters (`model.lora.weight_decay`).
 
     With LoRA (`module.config.lora_rank`) the stage trains the adapters of `init_params` (fresh
     ones when it has none) and its head, on the rest of it, the frozen base: an argument of the
@@ -108,7 +109,8 @@ def train(*, name: str, cfg, seed: int, module, init_params, loss_fn: Callable, 
         init_params = lora.with_adapters(module, init_params, jax.random.key(seed))
         base, init_params = lora.frozen_base(init_params), lora.trainable(init_params)
     sharding.validate_batch(cfg.batch_size, mesh, f"config.{name}.batch_size")
-    optimizer = make_optimizer(cfg, cfg.steps)
+    optimizer = make_optimizer(cfg, cfg.steps,
+                               lora_weight_decay=lora_weight_decay if base is not None else None)
     shardings = build.train_state_shardings(module, optimizer, mesh, init_params)
     batch_sh = sharding.batch_sharding(mesh)
     step_kwargs = dict(schedule=stage_schedule(cfg, cfg.steps),

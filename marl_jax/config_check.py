@@ -1,0 +1,298 @@
+"""The config check: `validate_config` raises one line naming the first bad field of a config
+(`marl_jax.config`) before anything compiles.
+
+It reads the rules of the algorithms from their modules: each estimator's record
+(`estimators.ESTIMATORS`: samples per prompt, what it scores on), the loss aggregations and
+rollout corrections of `losses`, the macro value weightings and reward aggregations of
+`macro.advantage`, LoRA's targets of `models.lora`. `marl_jax.config` itself only builds and
+edits configs.
+"""
+from __future__ import annotations
+
+import importlib.util
+import netrc
+import os
+import re
+import sys
+from urllib.parse import urlparse
+
+import ml_collections
+
+from marl_jax.config import (
+    REVIEW_TASK_FIELDS,
+    SYNTHETIC_TASK_FIELDS,
+    TASK_CONFIGS,
+    base_config,
+    get_field,
+    remat_policy,
+)
+from marl_jax.estimators import ESTIMATORS
+from marl_jax.losses import KL_ESTIMATORS, POLICY_AGGREGATIONS, ROLLOUT_CORRECTIONS
+from marl_jax.macro.advantage import REWARD_AGGREGATIONS, VALUE_WEIGHTINGS
+from marl_jax.models import lora
+
+STAGES = ("sft", "rm", "ppo", "all", "experiment", "eval")
+TERMINATIONS = ("fixed", "randomized", "perplexity", "entropy", "parsing")
+SCHEDULES = ("constant", "linear", "cosine")
+CRITIC_INITS = ("rm", "sft", "random")
+DTYPES = ("float32", "bfloat16", "float16")
+# The model's numerics knobs (marl_jax/models/config.py has their meaning).
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+ATTENTION_IMPLEMENTATIONS = ("auto", "reference", "xla", "cudnn", "splash")
+MATMUL_PRECISIONS = ("default", "high", "highest")
+OLD_LOGPROBS = ("auto", "trainer", "sampler")
+WANDB_MODES = ("online", "offline", "disabled")
+WANDB_INSTALL = "pip install -e \".[wandb]\" (or pip install wandb==0.31.0)"
+
+
+def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> None:
+    """Raises ValueError naming the first bad field; call before anything compiles.
+
+    `config_file` (the file `c` came from) only makes messages more specific.
+    """
+    def check(cond, field, msg):
+        if not cond:
+            raise ValueError(f"config.{field}={get_field(c, field)!r}: {msg}")
+
+    check(c.stage in STAGES, "stage", f"must be one of {STAGES}")
+    _check_task_fields(c, config_file)
+    check(isinstance(c.tpu_topology, str) and re.fullmatch(r"([a-z0-9]+-[0-9]+)?", c.tpu_topology),
+          "tpu_topology", "must be empty or a Cloud TPU slice like v4-16, v5litepod-8, v5p-32")
+    check(c.model.dtype in ("auto",) + DTYPES, "model.dtype", f"must be auto or one of {DTYPES}")
+    check(c.model.param_dtype in DTYPES, "model.param_dtype", f"must be one of {DTYPES}")
+    check(remat_policy(c.model.remat) in REMAT_POLICIES, "model.remat",
+          f"must be one of {REMAT_POLICIES} (True means full, False none)")
+    check(c.model.get("attention", "auto") in ATTENTION_IMPLEMENTATIONS, "model.attention",
+          f"must be one of {ATTENTION_IMPLEMENTATIONS}")
+    check(c.model.get("matmul_precision", "auto") in ("auto",) + MATMUL_PRECISIONS, "model.matmul_precision",
+          f"must be one of {('auto',) + MATMUL_PRECISIONS}")
+    check(not (c.model.get("attention") == "cudnn" and c.model.dtype == "float32"), "model.attention",
+          "cuDNN's flash attention computes in bfloat16 or float16 only: set model.dtype=bfloat16, "
+          "or use attention=auto")
+    _check_lora(c, check)
+    p = c.ppo
+    check(p.termination in TERMINATIONS, "ppo.termination", f"must be one of {TERMINATIONS}")
+    check(isinstance(p.ngram, int) and p.ngram >= 1, "ppo.ngram", "must be an integer >= 1")
+    check(p.value_weighting in VALUE_WEIGHTINGS, "ppo.value_weighting",
+          f"must be one of {VALUE_WEIGHTINGS}")
+    check(p.reward_aggregation in REWARD_AGGREGATIONS, "ppo.reward_aggregation",
+          f"must be one of {REWARD_AGGREGATIONS}")
+    check(p.kl_estimator in KL_ESTIMATORS, "ppo.kl_estimator", f"must be one of {KL_ESTIMATORS}")
+    check(p.critic_init in CRITIC_INITS, "ppo.critic_init", f"must be one of {CRITIC_INITS}")
+    check(p.reward_source in ("rm", "gold", "host"), "ppo.reward_source",
+          "must be rm, gold or host")
+    check(p.loss_aggregation in ("auto",) + POLICY_AGGREGATIONS, "ppo.loss_aggregation",
+          f"must be one of {('auto',) + POLICY_AGGREGATIONS}")
+    check(p.old_logprobs in OLD_LOGPROBS, "ppo.old_logprobs", f"must be one of {OLD_LOGPROBS}")
+    check(p.rollout_correction in ROLLOUT_CORRECTIONS, "ppo.rollout_correction",
+          f"must be one of {ROLLOUT_CORRECTIONS}")
+    check(isinstance(p.rollout_is_cap, (int, float)) and p.rollout_is_cap >= 1,
+          "ppo.rollout_is_cap", "must be a number >= 1 (the largest importance weight)")
+    check(p.rollout_correction == "none" or p.old_logprobs != "sampler", "ppo.old_logprobs",
+          f"ppo.rollout_correction={p.rollout_correction!r} weighs the trainer's old logprobs "
+          "against the sampler's: use trainer or auto")
+    check(len(p.randomized_lengths) > 0 and all(int(x) >= 1 for x in p.randomized_lengths),
+          "ppo.randomized_lengths", "must be a non-empty tuple of integers >= 1")
+    check(p.randomized_repeats >= 1, "ppo.randomized_repeats", "must be >= 1")
+    check(0 < p.entropy_quantile <= 1, "ppo.entropy_quantile", "must be in (0, 1]")
+    check(p.temperature >= 0, "ppo.temperature", "must be >= 0")
+    check(0 < p.top_p <= 1, "ppo.top_p", "must be in (0, 1]")
+    check(p.top_k >= 0, "ppo.top_k", "must be >= 0 (0 disables top-k)")
+    check(isinstance(p.decode_slots, int) and p.decode_slots >= 0, "ppo.decode_slots",
+          "must be an integer >= 0 (0: one static batch)")
+    check(0 <= p.lam <= 1, "ppo.lam", "must be in [0, 1]")
+    check(0 <= p.gamma <= 1, "ppo.gamma", "must be in [0, 1]")
+    check(p.kl_coef >= 0, "ppo.kl_coef", "must be >= 0")
+    check(p.cliprange > 0, "ppo.cliprange", "must be > 0")
+    check(p.cliprange_value > 0, "ppo.cliprange_value", "must be > 0")
+    check(p.response_length >= 1, "ppo.response_length", "must be >= 1")
+    check(p.ppo_epochs >= 1, "ppo.ppo_epochs", "must be >= 1")
+    check(isinstance(p.eval_samples_per_prompt, int) and p.eval_samples_per_prompt >= 1,
+          "ppo.eval_samples_per_prompt", "must be an integer >= 1")
+    check(p.num_minibatches >= 1 and p.batch_size % p.num_minibatches == 0,
+          "ppo.num_minibatches", f"must divide ppo.batch_size={p.batch_size}")
+    for stage in ("sft", "rm", "ppo"):
+        s = c[stage]
+        check(s.steps >= 0, f"{stage}.steps", "must be >= 0")
+        check(s.batch_size >= 1, f"{stage}.batch_size", "must be >= 1")
+        check(isinstance(s.grad_accum_steps, int) and s.grad_accum_steps >= 1,
+              f"{stage}.grad_accum_steps", "must be an integer >= 1")
+        check(s.learning_rate > 0, f"{stage}.learning_rate", "must be > 0")
+        check(s.schedule in SCHEDULES, f"{stage}.schedule", f"must be one of {SCHEDULES}")
+        check(0 <= s.warmup_ratio < 1, f"{stage}.warmup_ratio", "must be in [0, 1)")
+        n = s.get("num_layers_unfrozen", -1)
+        check(isinstance(n, int) and n >= -1, f"{stage}.num_layers_unfrozen",
+              "must be an int >= 0 (layers trained from the top) or -1 (every parameter)")
+        check(n < 0 or not c.model.get("scan_layers", False), f"{stage}.num_layers_unfrozen",
+              "needs unrolled decoder layers: set config.model.scan_layers=False")
+    check(isinstance(c.rm.get("group_by_prompt", False), bool), "rm.group_by_prompt",
+          "must be True or False")
+    for stage in ("sft", "rm"):
+        s = c[stage]
+        check(s.batch_size % s.grad_accum_steps == 0, f"{stage}.grad_accum_steps",
+              f"must divide {stage}.batch_size={s.batch_size}")
+    # PPO splits each of its minibatches into the micro-batches.
+    check(p.batch_size % (p.num_minibatches * p.grad_accum_steps) == 0, "ppo.grad_accum_steps",
+          f"ppo.num_minibatches * ppo.grad_accum_steps = {p.num_minibatches} * "
+          f"{p.grad_accum_steps} must divide ppo.batch_size={p.batch_size}")
+    chunks = p.get("rollout_chunks", 1)
+    check(isinstance(chunks, int) and chunks >= 1 and p.batch_size % (chunks * p.group_size) == 0,
+          "ppo.rollout_chunks", "must be an integer >= 1 dividing ppo.batch_size / "
+          "ppo.group_size (prompts per step)")
+    if isinstance(chunks, int) and chunks >= 1 and isinstance(p.decode_slots, int):
+        chunk_rows = p.batch_size // chunks
+        check(p.decode_slots < chunk_rows or p.decode_slots == 0, "ppo.decode_slots",
+              f"must be below the {chunk_rows} responses of one rollout chunk (ppo.batch_size="
+              f"{p.batch_size} / ppo.rollout_chunks={chunks}) to refill slots; use at most "
+              f"{chunk_rows // 2} or 0 (one static batch)")
+    check(chunks == 1 or p.get("num_layers_unfrozen", -1) < 0, "ppo.rollout_chunks",
+          "scores the whole batch at once when a frozen trunk is shared (num_layers_unfrozen): "
+          "use 1")
+    check(p.estimator in ESTIMATORS, "ppo.estimator", f"must be one of {tuple(ESTIMATORS)}")
+    check(isinstance(p.group_size, int) and p.group_size >= 1 and p.batch_size % p.group_size == 0,
+          "ppo.group_size", f"must be an integer >= 1 dividing ppo.batch_size={p.batch_size}")
+    least = ESTIMATORS[p.estimator].min_group_size
+    check(p.group_size >= least, "ppo.group_size",
+          f"ppo.estimator={p.estimator!r} compares each response with the other samples of its "
+          f"prompt: set ppo.group_size >= {least} (and ppo.batch_size a multiple of it)")
+    check(isinstance(p.mc_rollouts, int) and p.mc_rollouts >= 1, "ppo.mc_rollouts",
+          "must be an integer >= 1")
+    check(isinstance(p.mc_branch_points, int) and p.mc_branch_points >= 0,
+          "ppo.mc_branch_points", "must be an integer >= 0 (0: every macro start)")
+    check(not ESTIMATORS[p.estimator].branches or p.reward_source in ("rm", "gold"),
+          "ppo.reward_source", f"{p.estimator} scores its branches on device: use rm or gold")
+    _warn_once(rollout_correction_warning(p))
+    check(c.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
+    if "eval" in c:
+        check(isinstance(c.eval.get("allow_unfiltered_jail", False), bool),
+              "eval.allow_unfiltered_jail", "must be True or False")
+    if "logging" in c:
+        _check_logging(c.logging)
+    for axis in ("data", "fsdp", "tensor"):
+        v = c.mesh[axis]
+        check(isinstance(v, int) and (v >= 1 or v == -1), f"mesh.{axis}",
+              "must be a positive integer or -1 (all remaining devices)")
+    check(sum(c.mesh[a] == -1 for a in ("data", "fsdp", "tensor")) <= 1, "mesh",
+          "at most one mesh axis may be -1")
+
+
+# Longest macro (tokens) above which macro-level correction weights under top-k / top-p warn.
+LONG_MACRO = 32
+# The kept probability mass per token that `rollout_correction_warning` illustrates with.
+KEPT_MASS = 0.99
+_warned: set = set()
+
+
+def rollout_correction_warning(p) -> str | None:
+    """One line when `config.ppo`'s rollout correction multiplies many tokens' weights under
+    top-k / top-p, else None.
+
+    The sampler renormalises its probabilities over the tokens top-k / top-p keep, so each
+    token's ratio pi_trainer / pi_sampler is at most 1 (the kept mass) and a product over L
+    tokens shrinks geometrically: "sequence" multiplies a whole response's, "macro" a macro's
+    (fixed n-grams of n tokens; randomized lengths up to the rest of the response after the
+    list). Terminations whose macro lengths depend on the samples are not bounded here.
+    """
+    if p.rollout_correction not in ("sequence", "macro") or (p.top_k == 0 and p.top_p >= 1):
+        return None
+    length = int(p.response_length)
+    if p.rollout_correction == "macro":
+        if p.termination == "fixed":
+            length = min(int(p.ngram), length)
+        elif p.termination == "randomized":
+            listed = [int(x) for x in p.randomized_lengths] * int(p.randomized_repeats)
+            length = min(max(max(listed), length - sum(listed)), length)
+        else:
+            return None
+        if length <= LONG_MACRO:
+            return None
+    unit = "response" if p.rollout_correction == "sequence" else "macro"
+    return (f"warning: config.ppo.rollout_correction={p.rollout_correction!r} under "
+            f"top_k={p.top_k}, top_p={p.top_p}: the sampler renormalises over the kept tokens, "
+            f"so every token's weight is at most 1 and a {unit}'s weight, their product over "
+            f"up to {length} tokens, shrinks geometrically ({KEPT_MASS} kept per token gives "
+            f"{KEPT_MASS ** length:.2g}); use token, or macro with macros of at most "
+            f"{LONG_MACRO} tokens")
+
+
+def _warn_once(line: str | None) -> None:
+    """`line` on stderr, once per process (the config is checked again by later stages)."""
+    if line is not None and line not in _warned:
+        _warned.add(line)
+        print(line, file=sys.stderr, flush=True)
+
+
+def _check_lora(c, check):
+    """The LoRA fields that need no model; `marl_jax.models.lora.check` checks the rank against
+    the projections once the architecture is known (before anything compiles)."""
+    if "lora" not in c.model:
+        return
+    lo = c.model.lora
+    check(isinstance(lo.rank, int) and lo.rank >= 0, "model.lora.rank",
+          "must be an integer >= 0 (0 = full fine-tuning)")
+    check(lo.alpha > 0, "model.lora.alpha", "must be > 0")
+    check(0.0 <= lo.dropout < 1.0, "model.lora.dropout",
+          "must be in [0, 1): the probability of dropping an input of the adapters")
+    check(isinstance(lo.get("weight_decay", 0.0), (int, float))
+          and lo.get("weight_decay", 0.0) >= 0, "model.lora.weight_decay",
+          "must be a number >= 0 (the adapters' AdamW weight decay; PEFT / TRL use 0)")
+    if lo.rank:
+        lora.check(lo.rank, tuple(lo.targets) or lora.TARGETS, None)
+        for stage in ("sft", "rm", "ppo"):
+            check(c[stage].get("num_layers_unfrozen", -1) < 0, f"{stage}.num_layers_unfrozen",
+                  "LoRA trains adapters on every layer: use -1 with model.lora.rank > 0")
+        check(c.rm.init_from == "sft", "rm.init_from",
+              "LoRA trains the reward model's adapters on the SFT base: use sft")
+        check(c.ppo.critic_init in ("rm", "sft"), "ppo.critic_init",
+              "LoRA trains the critic's adapters on the shared base: use rm or sft")
+        check(c.stage != "experiment", "stage",
+              "experiments (arms vmapped over seeds) run full fine-tuning: set model.lora.rank=0")
+
+
+def _check_logging(logging_cfg) -> None:
+    """W&B fields, the package and its credentials: a run that would fail at its first metrics
+    row fails here instead, before anything compiles."""
+    if not isinstance(logging_cfg.wandb, bool):
+        raise ValueError(f"config.logging.wandb={logging_cfg.wandb!r}: must be True or False")
+    mode = logging_cfg.wandb_mode
+    if mode not in WANDB_MODES:
+        raise ValueError(f"config.logging.wandb_mode={mode!r}: must be one of {WANDB_MODES}")
+    if not logging_cfg.wandb:
+        return
+    if not logging_cfg.wandb_project:
+        raise ValueError("config.logging.wandb_project='': name the W&B project")
+    if importlib.util.find_spec("wandb") is None:
+        raise ValueError(f"config.logging.wandb=True needs the wandb package: {WANDB_INSTALL}")
+    if mode == "online" and not _wandb_credentials():
+        raise ValueError("config.logging.wandb_mode='online' needs W&B credentials: run "
+                         "`wandb login` (or set WANDB_API_KEY), or choose "
+                         "--config.logging.wandb_mode=offline")
+
+
+def _wandb_credentials() -> bool:
+    """Whether W&B finds credentials without asking: WANDB_API_KEY, an identity token file, or
+    a netrc entry for its host (where `wandb login` writes the key)."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
+    try:
+        return netrc.netrc(path).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def _check_task_fields(c, config_file):
+    """A task name whose section lacks the fields its task reads fails here, naming them and the
+    config file that serves the task, rather than deep inside data loading."""
+    name = c.task.name
+    if name not in TASK_CONFIGS:
+        raise ValueError(f"config.task.name={name!r}: must be one of {tuple(TASK_CONFIGS)}")
+    needed = {"synthetic": SYNTHETIC_TASK_FIELDS, "reviews": REVIEW_TASK_FIELDS}.get(
+        name, tuple(base_config().task))
+    missing = [f for f in needed if f not in c.task]
+    if missing:
+        kind = {"synthetic": "synthetic", "reviews": "review"}.get(name, "real-dataset")
+        raise ValueError(
+            f"config.task.name={name!r} needs the {kind} task fields ({', '.join(missing)}) that "
+            f"{config_file or 'this config'} does not have; use --config={TASK_CONFIGS[name]}")
