@@ -18,6 +18,8 @@ random weights (nothing to download), each number beside its bound, the last lin
   train_smollm2_8x1024_before        the same at remat full with the reference attention and
                                      the weights cast at every layer call (the step before the
                                      fused attention and the one cast per step);
+  train_smollm2_8x1024_percast       remat full, the fused attention, the weights cast at every
+                                     layer call (what the one cast per step saves);
   train_smollm2_8x1024_xla           remat full with jax.nn.dot_product_attention's XLA path;
   train_smollm2_max_{full,none}      at the largest per-device batch that fits (the memory a
                                      compile at 8 rows reports, scaled; powers of two, <= 64);
@@ -64,7 +66,7 @@ PRESETS = {
 }
 
 SUITE_ROWS = ("train_smollm2_8x1024_full", "train_smollm2_8x1024_none", "train_smollm2_8x1024_before",
-              "train_smollm2_8x1024_xla",
+              "train_smollm2_8x1024_percast", "train_smollm2_8x1024_xla",
               "train_smollm2_max_full", "train_smollm2_max_none", "train_gemma2b_4x2048", "decode_b32",
               "decode_b256", "slots_chat_b32_s8", "slots_chat_b256_s64", "mismatch_f32")
 
@@ -246,6 +248,9 @@ class Suite:
 
     def train_smollm2_8x1024_none(self):
         return self._train("smollm2", 8, 1024, "none")
+
+    def train_smollm2_8x1024_percast(self):
+        return self._train("smollm2", 8, 1024, "full", cast=False)
 
     def train_smollm2_8x1024_xla(self):
         return self._train("smollm2", 8, 1024, "full", attention="xla")
