@@ -6,7 +6,7 @@ measures one train step and the sampler:
   train step   tokens/s of one jitted SFT step (forward, backward and AdamW update of the
                policy, `marl_jax.train.supervised.make_train_step`) on `[batch, length]` tokens,
                and MFU = 6 * params * tokens/s / peak FLOP/s of all devices;
-  sampler      new tokens/s of `marl_jax.sampling.generate` (KV-cache decoding, top-k 50).
+  sampler      new tokens/s of `marl_jax.rollout.generate` (KV-cache decoding, top-k 50).
 Sizes: on GPUs and TPUs the SmolLM2-135M shape with rematerialisation; on CPUs a 4-layer
 width-256 model; `--small` a 2-layer width-64 model (smoke test).
 
@@ -154,7 +154,7 @@ def bench_sampler(module, params, mesh, batch: int, prompt: int, new: int, repea
     """(seconds of the best `generate` of `new` tokens after `[batch, prompt]` prompts, new tokens
     decoded, seconds of the compile and first call). `fixed_lengths`: every row decodes `new`
     tokens (no early stop)."""
-    from marl_jax import distributed, sampling
+    from marl_jax import distributed, rollout
     from marl_jax.train import build, sharding
 
     rng = np.random.default_rng(1)
@@ -163,7 +163,7 @@ def bench_sampler(module, params, mesh, batch: int, prompt: int, new: int, repea
     params = jax.device_put(params, build.param_shardings(module, mesh, build.abstract(params)))
     top_k = min(50, module.config.vocab_size)
     lengths = jnp.full((batch,), new, jnp.int32) if fixed_lengths else None
-    generate = jax.jit(lambda p, i, m, k: sampling.generate(
+    generate = jax.jit(lambda p, i, m, k: rollout.generate(
         module, p, i, m, key=jax.random.wrap_key_data(k), max_new_tokens=new, temperature=0.8,
         top_k=top_k, eos_id=module.config.eos_token_id, pad_id=module.config.pad_token_id,
         max_lengths=lengths))
@@ -332,7 +332,7 @@ class Suite:
         return self._slots(256, 64)
 
     def mismatch_f32(self):
-        from marl_jax import sampling
+        from marl_jax import rollout
         from marl_jax.train import ppo_core as core
 
         batch, prompt, new = (4, 16, 16) if self.small else (16, 64, 64)
@@ -340,7 +340,7 @@ class Suite:
         rng = np.random.default_rng(2)
         ids = jnp.asarray(rng.integers(3, module.config.vocab_size, (batch, prompt)), jnp.int32)
         mask = jnp.ones_like(ids)
-        out = jax.jit(lambda p: sampling.generate(
+        out = jax.jit(lambda p: rollout.generate(
             module, p, ids, mask, key=jax.random.key(3), max_new_tokens=new, temperature=0.8, top_k=0,
             eos_id=module.config.eos_token_id, pad_id=module.config.pad_token_id))(params)
         response_mask = out.mask.astype(jnp.int32)

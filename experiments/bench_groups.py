@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench_timing import median_ratio, paired_times, ratio_line
-from marl_jax import models, sampling
+from marl_jax import models, rollout
 
 TEMPERATURE = 1.0
 TOP_K = 50
@@ -58,8 +58,8 @@ def main(argv):
     key = jax.random.key(1)
     repeated_ids, repeated_mask = jnp.repeat(ids, args.k, axis=0), jnp.repeat(mask, args.k, axis=0)
     runners = {
-        "grouped": lambda: sampling.generate(model, params, ids, mask, key=key, num_samples=args.k, **settings),
-        "repeated": lambda: sampling.generate(model, params, repeated_ids, repeated_mask, key=key, **settings),
+        "grouped": lambda: rollout.generate(model, params, ids, mask, key=key, num_samples=args.k, **settings),
+        "repeated": lambda: rollout.generate(model, params, repeated_ids, repeated_mask, key=key, **settings),
     }
     outputs = {}
     for name, run in runners.items():

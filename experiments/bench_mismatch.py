@@ -4,7 +4,7 @@
         [--top_k=50] [--temperature=0.8] [--seed=0] [--synthetic] [--one_jit]
 
 For float32 and bfloat16 compute, without and with top-k: samples `response` tokens for each of
-`prompts` real prompts (`sampling.generate`, the KV-cache decode loop), scores the same tokens
+`prompts` real prompts (`rollout.generate`, the KV-cache decode loop), scores the same tokens
 with `ppo_core.token_logprobs` (the one forward pass PPO trains through) from the same float32
 params, and prints the three numbers PPO logs every step (`ppo_core.rollout_mismatch`): the mean
 and max |trainer - sampler| over response tokens, and the share of tokens whose
@@ -61,11 +61,11 @@ def measure(policy, params, prompt_ids, prompt_mask, *, top_k, key, eos_id, pad_
     import jax
     import jax.numpy as jnp
 
-    from marl_jax import sampling
+    from marl_jax import rollout
     from marl_jax.train import ppo_core as core
 
     def generate(p, i, m, k):
-        return sampling.generate(policy, p, i, m, key=k, max_new_tokens=FLAGS.response,
+        return rollout.generate(policy, p, i, m, key=k, max_new_tokens=FLAGS.response,
                                  temperature=FLAGS.temperature, top_k=top_k, top_p=1.0,
                                  eos_id=eos_id, pad_id=pad_id)
 

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from marl_jax import models, sampling
+from marl_jax import models, rollout
 
 from bench_sampler import TOP_K, _smollm2_gguf
 
@@ -71,7 +71,7 @@ def chat_batch(tokenizer, batch: int):
     return jnp.asarray(encoded["input_ids"], jnp.int32), jnp.asarray(encoded["attention_mask"], jnp.int32)
 
 
-def agreement(a: sampling.SampleOutput, b: sampling.SampleOutput):
+def agreement(a: rollout.SampleOutput, b: rollout.SampleOutput):
     """(share of positions valid in either output where token and mask agree, largest logprob
     difference over the agreeing valid positions)."""
     valid = (np.asarray(a.mask) + np.asarray(b.mask)) > 0
@@ -129,7 +129,7 @@ def compare_rollouts(model, params, ids, mask, *, slots: int, new: int, key, tem
     batch = ids.shape[0]
 
     def call(p, batch_ids, batch_mask, decode_slots, call_key, lengths):
-        return sampling.generate(model, p, batch_ids, batch_mask, key=call_key, max_new_tokens=new,
+        return rollout.generate(model, p, batch_ids, batch_mask, key=call_key, max_new_tokens=new,
                                  temperature=temperature, top_k=top_k, eos_id=eos, pad_id=pad,
                                  decode_slots=decode_slots, max_lengths=lengths)
 
@@ -176,7 +176,7 @@ def vmap_ratio(model, params, ids, mask, *, slots: int, new: int, key, temperatu
     keys = jax.random.split(key, runs)
 
     def call(p, run_key):
-        return sampling.generate(model, p, ids, mask, key=run_key, max_new_tokens=new, temperature=temperature,
+        return rollout.generate(model, p, ids, mask, key=run_key, max_new_tokens=new, temperature=temperature,
                                  top_k=top_k, eos_id=eos, pad_id=pad, decode_slots=slots, max_lengths=max_lengths)
 
     single = jax.jit(call)

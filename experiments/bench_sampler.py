@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from marl_jax import losses, models, sampling
+from marl_jax import losses, models, rollout
 
 from bench_timing import best_time
 
@@ -64,7 +64,7 @@ def ours_sampler(model, params, prompt_ids, prompt_mask, args, eos_id, pad_id):
     seeds = iter(range(1_000_000))
 
     def run():
-        out = sampling.generate(model, params, prompt_ids, prompt_mask, key=jax.random.key(next(seeds)),
+        out = rollout.generate(model, params, prompt_ids, prompt_mask, key=jax.random.key(next(seeds)),
                                 max_new_tokens=args.new, temperature=TEMPERATURE, top_k=TOP_K,
                                 eos_id=eos_id, pad_id=pad_id)
         steps = int(np.asarray(jax.block_until_ready(out).mask).sum(axis=1).max())

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from marl_jax import config_check
-from marl_jax import models, sampling
+from marl_jax import models, rollout
 from marl_jax.models import attention, splash
 from marl_jax.models.config import ModelConfig
 from marl_jax.train import ppo_core as core
@@ -198,7 +198,7 @@ def _programs(model, params):
     mask = jnp.ones_like(ids)
     cfg = model.config
     yield "forward_logits", jax.jit(functools.partial(models.forward_logits, model)).lower(params, ids, mask)
-    sample = functools.partial(sampling.generate, model, max_new_tokens=4, temperature=0.8, eos_id=1, pad_id=0)
+    sample = functools.partial(rollout.generate, model, max_new_tokens=4, temperature=0.8, eos_id=1, pad_id=0)
     yield "sampler", jax.jit(lambda p, i, m: sample(p, i, m, key=jax.random.key(0))).lower(params, ids, mask)
     score = lambda p: core.token_logprobs(model, p, ids, mask, ids, mask, 0.8)[0]
     yield "token_logprobs", jax.jit(score).lower(params)

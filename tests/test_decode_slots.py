@@ -13,9 +13,9 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import marl_jax.models as M
-from marl_jax.batch_draws import categorical_rows
+from marl_jax.rollout.draws import categorical_rows
 from marl_jax.config_check import validate_config
-from marl_jax.sampling import continue_responses, generate
+from marl_jax.rollout import continue_responses, generate
 from marl_jax.train import ppo as ppo_lib
 from marl_jax.train import ppo_core as core
 from marl_jax.train import sharding

@@ -8,7 +8,7 @@ import torch
 
 import marl_jax.models as M
 from marl_jax.models.heads import token_scores
-from marl_jax.sampling import generate
+from marl_jax.rollout import generate
 import models_util
 from models_util import hf_logits
 

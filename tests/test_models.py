@@ -380,11 +380,11 @@ import sys
 sys.modules["torch"] = None
 import jax, jax.numpy as jnp
 import marl_jax.models as M
-from marl_jax import sampling
+from marl_jax import rollout
 model, params = M.load_pretrained({str(tmp_path / 'ckpt')!r})
 ids = jnp.ones((1, 4), jnp.int32)
 M.forward_logits(model, params, ids, ids)
-sampling.generate(model, params, ids, ids, key=jax.random.key(0), max_new_tokens=2, temperature=1.0,
+rollout.generate(model, params, ids, ids, key=jax.random.key(0), max_new_tokens=2, temperature=1.0,
                   eos_id=1, pad_id=0)
 M.save_pretrained(model, params, {str(tmp_path / 'saved')!r})
 tokenizer = M.load_tokenizer({str(smollm2_gguf)!r})

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from marl_jax import decode_slots as slot_engine
-from marl_jax import models, sampling, xla_flags
+from marl_jax.rollout import engine, slots as slot_engine
+from marl_jax import models, rollout, xla_flags
 from marl_jax.models.config import ModelConfig
 from marl_jax.train import ppo_core as core
 
@@ -39,9 +39,9 @@ def _prompts(rows=4, width=10):
 
 def test_read_widths_cover_each_step_and_no_more():
     # Steps [1, 40) in blocks of 16 after a 10-slot prompt: step s attends to slots [0, 10 + s).
-    assert sampling.read_widths(10, 40, 16) == [(16, 26), (32, 42), (40, 50)]
-    assert sampling.read_widths(10, 16, 16) == [(16, 26)]
-    assert sampling.read_widths(10, 5, 128) == [(5, 15)]
+    assert rollout.read_widths(10, 40, 16) == [(16, 26), (32, 42), (40, 50)]
+    assert rollout.read_widths(10, 16, 16) == [(16, 26)]
+    assert rollout.read_widths(10, 5, 128) == [(5, 15)]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
@@ -50,7 +50,7 @@ def test_blocked_decode_reads_give_the_full_budget_tokens(temperature, scan_laye
     model = _model(scan_layers=scan_layers)
     params = models.init_params(model, jax.random.key(0))
     ids, mask = _prompts()
-    run = functools.partial(sampling.generate, model, params, ids, mask, key=jax.random.key(2), max_new_tokens=70,
+    run = functools.partial(rollout.generate, model, params, ids, mask, key=jax.random.key(2), max_new_tokens=70,
                             temperature=temperature, eos_id=1, pad_id=0)
     full, blocked = run(decode_block=70), run(decode_block=8)
     np.testing.assert_array_equal(blocked.tokens, full.tokens)
@@ -66,7 +66,7 @@ def test_the_sampler_casts_bfloat16_weights_once_not_per_step():
     model = _model(dtype="bfloat16")
     params = _params()
     ids, mask = _prompts()
-    sample = lambda p: sampling.generate(model, p, ids, mask, key=jax.random.key(2), max_new_tokens=12,
+    sample = lambda p: rollout.generate(model, p, ids, mask, key=jax.random.key(2), max_new_tokens=12,
                                          temperature=0.8, eos_id=1, pad_id=0)
     jaxpr = jax.make_jaxpr(sample)(params)
     kernel_shapes = {tuple(x.shape) for x in jax.tree.leaves(params) if x.ndim >= 2}
@@ -83,7 +83,7 @@ def test_the_sampler_casts_bfloat16_weights_once_not_per_step():
 
     assert casts_of_weights(jaxpr.jaxpr.eqns, False) == 0
     out = sample(params)
-    fp32 = sampling.generate(_model(), params, ids, mask, key=jax.random.key(2), max_new_tokens=12,
+    fp32 = rollout.generate(_model(), params, ids, mask, key=jax.random.key(2), max_new_tokens=12,
                              temperature=0.8, eos_id=1, pad_id=0)
     columns_alike = (np.asarray(out.tokens) == np.asarray(fp32.tokens)).all(0)
     first_difference = columns_alike.size if columns_alike.all() else int(np.argmin(columns_alike))
@@ -98,14 +98,14 @@ def test_max_lengths_stop_each_row_where_prescribed_in_both_engines():
     ids, mask = _prompts()
     lengths = jnp.asarray([5, 1, 17, 9], jnp.int32)
     for slots in (None, 2):
-        out = sampling.generate(model, params, ids, mask, key=jax.random.key(3), max_new_tokens=20,
+        out = rollout.generate(model, params, ids, mask, key=jax.random.key(3), max_new_tokens=20,
                                 temperature=0.8, eos_id=1, pad_id=0,
                                 decode_slots=slots, max_lengths=lengths)
         got = np.asarray(out.mask).sum(1)
         ended = np.asarray(out.tokens)[np.arange(4), got - 1] == 1
         assert np.all((got == np.asarray(lengths)) | ended), (slots, got)
     with pytest.raises(ValueError, match=r"max_lengths must be in \[1, max_new_tokens=20\]; rows \[1\]"):
-        sampling.generate(model, params, ids, mask, key=jax.random.key(3), max_new_tokens=20, temperature=0.8,
+        rollout.generate(model, params, ids, mask, key=jax.random.key(3), max_new_tokens=20, temperature=0.8,
                           eos_id=1, pad_id=0, max_lengths=jnp.asarray([5, 0, 3, 3]))
 
 
@@ -135,13 +135,13 @@ def test_refill_prefills_under_vmap_only_when_some_run_needs_them():
 
         def prefill(unit_ids):
             jax.debug.callback(lambda: calls.append(1))
-            return sampling._prefill(model, sampling._decoder(model, params), jnp.take(ids, unit_ids, 0),
+            return engine._prefill(model, engine._decoder(model, params), jnp.take(ids, unit_ids, 0),
                                      jnp.take(mask, unit_ids, 0), 16)
 
-        choose = functools.partial(sampling._choose, temperature=jnp.float32(0.8), top_p=jnp.float32(1.0), top_k=0,
+        choose = functools.partial(engine._choose, temperature=jnp.float32(0.8), top_p=jnp.float32(1.0), top_k=0,
                                    greedy=False, dynamic_temperature=False, use_top_p=False)
         return slot_engine.sample(
-            prefill, sampling._decoder(model, params), choose, sampling._slot_draws(key, None), units=4, samples=1,
+            prefill, engine._decoder(model, params), choose, engine._slot_draws(key, None), units=4, samples=1,
             slots=2, steps=16, context_width=10, eos_ids=(1,), pad_id=0, unit_order=jnp.arange(4, dtype=jnp.int32),
             live_units=4, offsets=jnp.zeros((4,), jnp.int32), remaining=jnp.full((4,), 16, jnp.int32), batch_axis=0,
             logits_width=VOCAB)
@@ -207,7 +207,7 @@ def test_unrolling_the_layer_scan_changes_no_token():
     model = _model(scan_layers=True)
     params = models.init_params(model, jax.random.key(0))
     ids, mask = _prompts()
-    run = lambda m: sampling.generate(m, params, ids, mask, key=jax.random.key(2), max_new_tokens=20,
+    run = lambda m: rollout.generate(m, params, ids, mask, key=jax.random.key(2), max_new_tokens=20,
                                       temperature=0.8, eos_id=1, pad_id=0)
     base, unrolled = run(model), run(_model(scan_layers=True, scan_unroll=2))
     np.testing.assert_array_equal(unrolled.tokens, base.tokens)

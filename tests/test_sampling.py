@@ -9,7 +9,7 @@ import torch
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import marl_jax.models as M
-from marl_jax.sampling import SampleOutput, generate
+from marl_jax.rollout import SampleOutput, generate
 import models_util
 from models_util import padded_batch, random_hf_model, write_checkpoint
 

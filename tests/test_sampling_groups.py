@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import marl_jax.models as M
-from marl_jax.sampling import SampleOutput, continue_responses, generate
+from marl_jax.rollout import SampleOutput, continue_responses, generate
 import test_sampling
 from test_sampling import _filtered_reference
 

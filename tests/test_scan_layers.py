@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import marl_jax.models as M
 from marl_jax.models.heads import CausalLM
-from marl_jax.sampling import generate
+from marl_jax.rollout import generate
 from marl_jax.train import sharding
 import models_util
 from models_util import CASES, hf_logits, padded_batch, random_hf_model, write_checkpoint, write_gguf

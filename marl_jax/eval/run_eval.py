@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from marl_jax import models, sampling
+from marl_jax import models, rollout
 from marl_jax.data import batches
 from marl_jax.data.real_tasks import decode_responses, extract_code
 from marl_jax.eval import judges, scores
@@ -80,11 +80,11 @@ def evaluate_workdir(pipeline) -> Optional[dict]:
                                                                       len(task.eval["ids"]))
     samples_per_prompt = int(e.num_samples) if apps else 1
     prompt_index = np.repeat(np.arange(num_prompts), samples_per_prompt)
-    rollout = Rollout(pipeline, rm_params)
+    rollouts = Rollout(pipeline, rm_params)
     results = {}
     for i, name in enumerate(MODELS):
         key = jax.random.fold_in(jax.random.key(config.seed), 7919 + i)
-        results[name] = rollout(params[name], params["sft"], prompt_index, key)
+        results[name] = rollouts(params[name], params["sft"], prompt_index, key)
     if jax.process_index() != 0:
         return None
 
@@ -95,7 +95,7 @@ def evaluate_workdir(pipeline) -> Optional[dict]:
     prompts = [prompt_text(task, i) for i in prompt_index]
     summary = dict(task=config.task.name, workdir=os.path.abspath(pipeline.workdir),
                    num_prompts=num_prompts, samples_per_prompt=samples_per_prompt,
-                   sampler=dataclasses.asdict(rollout.sampler), models={})
+                   sampler=dataclasses.asdict(rollouts.sampler), models={})
     for name, r in results.items():
         summary["models"][name] = model_summary(r, reward_stats, e.histogram_bins)
     out_dir = os.path.join(pipeline.workdir, EVAL_DIR)
@@ -223,7 +223,7 @@ def rollout_batch(sampler: Sampler, policy, reward_model, gold_fn, params, ref_p
     the response), length, rm_score (raw reward-model output; absent without `rm_params`), gold
     (absent without `gold_fn`).
     """
-    sample = sampling.generate(
+    sample = rollout.generate(
         policy, params, prompt_ids, prompt_mask, key=jax.random.wrap_key_data(key_data),
         max_new_tokens=sampler.response_length,
         temperature=sampler.temperature, top_k=sampler.top_k, top_p=sampler.top_p,

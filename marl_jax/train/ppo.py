@@ -15,7 +15,7 @@ import numpy as np
 
 from marl_jax import distributed, estimators
 from marl_jax import models as models_lib
-from marl_jax import sampling
+from marl_jax import rollout
 from marl_jax.data import batches
 from marl_jax.models import lora
 from marl_jax.train import build, checkpoint, loop, programs, sharding
@@ -224,7 +224,7 @@ def evaluate(static: core.PPOStatic, mods: core.Models, actor_params, frozen: co
     m = int(samples_per_prompt)
     actor_params = core.role_params(static, "actor", frozen, actor_params)
     ref_params = core.role_params(static, "reference", frozen)
-    sample = sampling.generate(
+    sample = rollout.generate(
         mods.policy, actor_params, prompt_ids, prompt_mask, key=key,
         max_new_tokens=static.response_length, temperature=static.temperature,
         top_k=static.top_k, top_p=static.top_p, eos_id=static.eos_id, pad_id=static.pad_id,

@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from marl_jax import estimators, losses, sampling
+from marl_jax import estimators, losses
+from marl_jax import rollout as rollout_engine
 from marl_jax.macro import advantage, termination
 from marl_jax.models import compute_weights, last_token_score, lora
 from marl_jax.models.heads import (backbone_hidden, continuation_scores, scalar_outputs,
@@ -321,7 +322,7 @@ def generate_responses(static: PPOStatic, models: Models, state: PPOState, promp
     k, n = static.group_size, static.rollout_chunks
 
     def sample(ids, mask, chunk_key):
-        out = sampling.generate(
+        out = rollout_engine.generate(
             models.policy, actor, ids, mask, key=chunk_key,
             max_new_tokens=static.response_length, temperature=static.temperature,
             top_k=static.top_k, top_p=static.top_p, eos_id=static.eos_id, pad_id=static.pad_id,
@@ -591,7 +592,7 @@ def monte_carlo_returns(static: PPOStatic, models: Models, actor_params, frozen:
     """
     rows, prefix, flat_valid = estimators.flatten_branches(starts, valid)
     m = static.mc_rollouts
-    cont = sampling.continue_responses(
+    cont = rollout_engine.continue_responses(
         models.policy, actor_params, exp.prompt_ids[rows], exp.prompt_mask[rows],
         exp.response_ids[rows], exp.response_mask[rows], prefix,
         row_keys=jax.random.split(key, rows.shape[0] * m), num_samples=m,

@@ -309,17 +309,17 @@ def sample_policy_pairs(policy, params, prompts: dict, label_pairs, *, key, samp
 
     Args:
       prompts: `ids` / `mask` `[K, P]` and `documents` `[K, D]` (host arrays).
-      sampler: `sampling.generate` settings (max_new_tokens, temperature, top_k, top_p, eos_id,
+      sampler: `rollout.generate` settings (max_new_tokens, temperature, top_k, top_p, eos_id,
         pad_id).
     Returns the `TaskData.rm` arrays of the K pairs (prompts, chosen and rejected `[K, R]`).
     """
-    from marl_jax import sampling
+    from marl_jax import rollout
 
     mesh = mesh_of(params)
 
     @jax.jit
     def generate(p, ids, mask, k):
-        out = sampling.generate(policy, p, ids, mask, key=k, **sampler)
+        out = rollout.generate(policy, p, ids, mask, key=k, **sampler)
         return out.tokens, out.mask
 
     n = len(prompts["ids"])

@@ -34,7 +34,7 @@ def sample_responses(policy, params, prompts: dict, *, num_samples: int, key, sa
 
     Args:
       prompts: `ids` / `mask` `[N, P]` host arrays (left-padded).
-      sampler: `sampling.generate` settings (max_new_tokens, temperature, top_k, top_p, eos_id,
+      sampler: `rollout.generate` settings (max_new_tokens, temperature, top_k, top_p, eos_id,
         pad_id).
       batch_size: prompts per call (the last batch is padded with its final prompt, so every
         call has one compiled shape).
@@ -42,14 +42,14 @@ def sample_responses(policy, params, prompts: dict, *, num_samples: int, key, sa
     """
     from marl_jax.train.metrics import ProgressBar
 
-    from marl_jax import sampling
+    from marl_jax import rollout
     from marl_jax.train.reward import mesh_of
 
     mesh = mesh_of(params)
 
     @jax.jit
     def generate(p, ids, mask, k):
-        out = sampling.generate(policy, p, ids, mask, key=k, num_samples=num_samples, **sampler)
+        out = rollout.generate(policy, p, ids, mask, key=k, num_samples=num_samples, **sampler)
         return out.tokens, out.mask.astype(np.int32)
 
     n = len(prompts["ids"])

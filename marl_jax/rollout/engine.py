@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from marl_jax import batch_draws, decode_slots as slot_engine
+from marl_jax.rollout import draws, slots as slot_engine
 from marl_jax.models.decoder import init_cache, positions_from_mask
 from marl_jax.models.params import compute_weights
 from marl_jax.models.heads import CausalLM, check_tokens
@@ -151,7 +151,7 @@ def _slot_draws(key, row_keys):
     if row_keys is None:
         def batch_rows(candidates, rows, positions):
             step_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, positions)
-            return batch_draws.categorical_rows(step_keys, candidates, rows)
+            return draws.categorical_rows(step_keys, candidates, rows)
 
         return batch_rows
     return lambda candidates, rows, positions: jax.vmap(_draw_row)(jnp.take(row_keys, rows), positions, candidates)
@@ -265,7 +265,7 @@ def _prefill(model: CausalLM, decode, ids, mask, steps: int):
 def _over_slots(model: CausalLM, decode, choose, draw, ids, mask, *, slots, samples, steps, eos_ids, pad_id,
                 unit_order=None, live_units=None, offsets=None, remaining=None):
     """Continuous batching of `samples` rows per context `ids, mask [U, W]` over `slots` decode
-    slots (marl_jax.decode_slots); `[U * samples, steps]` outputs as `_sample_loop` gives them."""
+    slots (marl_jax.rollout.slots); `[U * samples, steps]` outputs as `_sample_loop` gives them."""
     units, width = ids.shape
     rows = units * samples
     out = slot_engine.sample(
@@ -374,7 +374,7 @@ def _check_decode_slots(decode_slots, rows: int, key, candidates: int) -> int:
         raise ValueError(f"decode_slots={decode_slots} is not divisible by the {shards} data-parallel shards of the "
                          "mesh")
     if key is not None:
-        batch_draws.check_supported(key, rows, candidates)
+        draws.check_supported(key, rows, candidates)
     return int(decode_slots)
 
 
@@ -415,7 +415,7 @@ def generate(model: CausalLM, params, prompt_ids, prompt_mask, *, key=None, row_
     independently of the other rows). temperature and top_p may be traced; model, max_new_tokens,
     top_k, eos_id, pad_id, num_samples and decode_slots are static.
 
-    `decode_slots` S (None or 0: one static batch): continuous batching (marl_jax.decode_slots):
+    `decode_slots` S (None or 0: one static batch): continuous batching (marl_jax.rollout.slots):
     S rows decode at once and a finished row's slot takes the next waiting one, so a batch of
     uneven responses costs about sum(lengths) / S decode steps instead of max(length) and its
     KV cache holds S (plus a prefill stage) rows instead of B * k. The draws of a row depend on its

@@ -1,0 +1,13 @@
+"""The rollout engine: the sampler (`engine`: jitted prefill and KV-cache decode loop), continuous
+batching over decode slots (`slots`: JetStream's prefill / insert / generate) and the row-wise
+draws that let a row sample the same in any slot (`draws`)."""
+from marl_jax.rollout.engine import (
+    DECODE_BLOCK,
+    SampleOutput,
+    continue_responses,
+    filtered_logits,
+    generate,
+    read_widths,
+)
+
+__all__ = ["DECODE_BLOCK", "SampleOutput", "continue_responses", "filtered_logits", "generate", "read_widths"]
