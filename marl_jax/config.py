@@ -31,7 +31,7 @@ CRITIC_INITS = ("rm", "sft", "random")
 DTYPES = ("float32", "bfloat16", "float16")
 OLD_LOGPROBS = ("auto", "trainer", "sampler")
 WANDB_MODES = ("online", "offline", "disabled")
-WANDB_INSTALL = "pip install -e \".[wandb]\" (or pip install wandb==0.31.0)"
+WANDB_INSTALL = "pip install -e \".[wandb]\" -c requirements/lock.txt"
 # The config file that serves each task name: real datasets need the task fields of
 # `base_config()`, which configs/synthetic.py replaces with the synthetic world's.
 TASK_CONFIGS = {
