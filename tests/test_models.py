@@ -331,6 +331,18 @@ def smollm2_reference_tokenizer(smollm2_gguf):
     return AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
 
 
+def test_gguf_tokenizer_metadata_reads_as_the_gguf_package_reads_it(smollm2_gguf):
+    import gguf
+
+    from marl_jax.models.tokenizer import _gguf_metadata
+
+    fields = gguf.GGUFReader(str(smollm2_gguf)).fields
+    want = {key: field.contents() for key, field in fields.items()
+            if key.startswith("tokenizer.") or key == "general.architecture"}
+    assert len(want["tokenizer.ggml.tokens"]) == 49152 and "tokenizer.chat_template" in want
+    assert _gguf_metadata(smollm2_gguf) == want
+
+
 def test_gguf_tokenizer_matches_transformers(smollm2, smollm2_reference_tokenizer):
     """Ours (built with the `tokenizers` library) against transformers' own GGUF tokenizer of the
     same file, on 1,000 strings; the chat template and special tokens as the file gives them."""
