@@ -70,3 +70,39 @@ def test_run_goes_on_past_a_newer_tqdm(tmp_path):
     assert result.stderr.splitlines() == [
         f"warning: tqdm 99.0 is newer than the supported range {tqdm_range}; untested, continuing",
         "error: config.ppo.ngram=0: must be an integer >= 1"]
+
+
+# What CI's smoke run holds at both ends of the ranges (README, Installing beside your own stack).
+SMOKE_SET = {
+    # the sampler: its distribution under temperature / top-k / top-p, its row-wise draws
+    "tests/test_sampling.py::test_first_token_distribution",
+    "tests/test_decode_slots.py::test_row_draws_equal_the_batch_categorical_bit_for_bit",
+    # one PPO step
+    "tests/test_train.py::test_macro_update_with_n1_equals_token_update",
+    # the GGUF and transformers-directory loaders with their tokenizers
+    "tests/test_models.py::test_smollm2_gguf_and_its_hf_export_load_with_their_tokenizers_without_torch",
+    # the macro core
+    "tests/test_termination.py::test_fixed_ngram_hand_cases",
+    "tests/test_advantage.py::test_hand_computed_macro_gae",
+    "tests/test_advantage.py::test_one_token_macros_equal_token_gae_exactly",
+    # the command line's errors
+    "tests/test_cli.py::test_a_bad_field_is_one_line_and_status_2",
+    "tests/test_cli.py::test_an_unknown_field_is_one_line_naming_the_nearest_field",
+    "tests/test_cli.py::test_flag_syntax_errors_stay_as_absl_prints_them",
+    "tests/test_cli.py::test_transformers_import_notices_are_silenced_and_its_modules_warnings_are_not",
+    "tests/test_cli.py::test_which_errors_count_as_input_errors",
+    # the version check, and no private module of a dependency
+    "tests/test_dependencies.py::test_each_package_outside_its_range_is_one_line",
+    "tests/test_dependencies.py::test_this_environment_meets_every_range",
+    "tests/test_dependencies.py::test_run_stops_on_an_older_transformers_with_one_line",
+    "tests/test_dependencies.py::test_run_goes_on_past_a_newer_tqdm",
+    "tests/test_layering.py::test_no_private_module_of_a_dependency_is_imported",
+}
+
+
+def test_the_smoke_marker_selects_the_smoke_set():
+    result = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "smoke",
+                             "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert {line.split("[")[0] for line in result.stdout.splitlines() if "::" in line} == SMOKE_SET
