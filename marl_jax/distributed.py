@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import pathlib
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
@@ -120,11 +121,24 @@ def parse_settings(distributed_config: Any = None) -> DistributedSettings:
     return DistributedSettings(coordinator, num_processes, process_id)
 
 
-def _local_tpu_chip_count() -> int:
-    # The same PCI scan jax uses to decide that it runs on a Cloud TPU VM, so both agree.
-    from jax._src import hardware_utils
+# Cloud TPU chips on the PCI bus: Google's vendor id and the device ids of TPU v2/v3, v4, v5p, v5e,
+# v6e and TPU7x (the table JAX's TPU backend scans to decide that it runs on a TPU VM), so that a
+# Google network card (gVNIC) is not taken for a TPU.
+_GOOGLE_PCI_VENDOR_ID = "0x1ae0"
+_TPU_PCI_DEVICE_IDS = frozenset({"0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076"})
 
-    return hardware_utils.num_available_tpu_chips_and_device_id()[0]
+
+def _local_tpu_chip_count(pci_devices: str = "/sys/bus/pci/devices") -> int:
+    """TPU chips attached to this machine, counted on the PCI bus (0 where there is none)."""
+    count = 0
+    for device in pathlib.Path(pci_devices).glob("*"):
+        try:
+            vendor = (device / "vendor").read_text().strip()
+            device_id = (device / "device").read_text().strip()
+        except OSError:
+            continue
+        count += vendor == _GOOGLE_PCI_VENDOR_ID and device_id in _TPU_PCI_DEVICE_IDS
+    return count
 
 
 def _read_gce_metadata(key: str) -> str | None:

@@ -3,6 +3,7 @@ with transformers' own `save_pretrained`, and reference logits from the torch mo
 from __future__ import annotations
 
 import functools
+import random
 
 import numpy as np
 
@@ -11,7 +12,9 @@ VOCAB = 96
 
 def use_one_torch_thread():
     """Reference models run on one torch thread: on a shared 2-core CI machine, torch's spinning
-    OpenMP workers slow down by 10x or more whenever another process holds a core."""
+    OpenMP workers slow down by 10x or more whenever another process holds a core. The helpers
+    below that build or run torch models call it, so a module that uses only them imports
+    without torch (the smoke set's virtualenvs have none)."""
     import torch
 
     torch.set_num_threads(1)
@@ -99,6 +102,7 @@ def random_hf_model(case: str, *, seed: int = 0, head: str = "lm", **overrides):
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    use_one_torch_thread()
     torch.manual_seed(seed)
     config = hf_config(case, **overrides)
     config._attn_implementation = "eager"
@@ -134,6 +138,7 @@ def hf_logits(model, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """Reference logits of a torch CausalLM with positions cumsum(mask) - 1, float32 numpy."""
     import torch
 
+    use_one_torch_thread()
     positions = np.maximum(np.cumsum(mask, axis=-1) - 1, 0)
     with torch.no_grad():
         out = model(input_ids=torch.as_tensor(ids, dtype=torch.long),
@@ -150,6 +155,7 @@ def smollm2(path):
 
     import marl_jax.models as M
 
+    use_one_torch_thread()
     model, params = M.load_pretrained(path)
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, attn_implementation="eager").eval()
     return model, params, hf, M.load_tokenizer(path)
@@ -252,3 +258,41 @@ def write_gguf(model, path) -> str:
     writer.write_tensors_to_file()
     writer.close()
     return str(path)
+
+
+_PROBE_PIECES = [
+    "the", " quick", "Brown", "FOX", "jumps", "over", " lazy", "dog.", "don't", "'s", "'ll", "I'm",
+    "12345", "3.14159", "2024-06-01", "e=mc^2", "x_1+y_2", " ", "  ", "   ", "\t", "\n", "\n\n",
+    "\r\n", "\u00a0", "\u200b", "ünïcödé", "Ελληνικά", "русский", "العربية", "한국어", "日本語",
+    "你好", "世界", "🙂", "👍🏽", "ﬁ", "Ⅻ", "€", "—", "…", "«quoted»", "<|im_start|>", "<|im_end|>",
+    "<|endoftext|>", "<bos>", "<eos>", "<pad>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>",
+    "def f(x):", "    return x * 2", "{", "}", "[1, 2]", "https://example.org/a?b=c&d=e", "#", "@user",
+    "```", "<div>", "</s>", "<s>", "a" * 40, "!!!", "???", "...",
+]
+
+
+def tokenizer_probe_texts(count: int = 1000, seed: int = 0) -> list[str]:
+    """`count` strings of 1-12 pieces (words, digits, runs of spaces / tabs / newlines, accented,
+    Greek, Cyrillic, Arabic, Korean, Japanese and Chinese text, emoji, code, the special tokens'
+    text) and random code points, drawn with `random.Random(seed)`."""
+    rng = random.Random(seed)
+
+    def piece():
+        if rng.random() < 0.15:
+            return chr(rng.choice([rng.randint(0x20, 0x7E), rng.randint(0xA0, 0x2FFF),
+                                   rng.randint(0x3000, 0x9FFF), rng.randint(0x1F300, 0x1FAFF)]))
+        return rng.choice(_PROBE_PIECES)
+
+    return ["".join(piece() for _ in range(rng.randint(1, 12))) for _ in range(count)]
+
+
+def assert_same_tokenizer(ours, reference, texts: list[str]) -> None:
+    """Equal ids for every text (with the special tokens each adds), equal special tokens, and
+    equal decodes of every id sequence, with and without special tokens."""
+    assert (ours.bos_token, ours.eos_token, ours.unk_token, ours.add_bos_token) == (
+        reference.bos_token, reference.eos_token, reference.unk_token, reference.add_bos_token)
+    ids = ours(texts)["input_ids"]
+    assert ids == reference(texts)["input_ids"]
+    for skip in (False, True):
+        assert ours.batch_decode(ids, skip_special_tokens=skip) == reference.batch_decode(
+            ids, skip_special_tokens=skip)

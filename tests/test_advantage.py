@@ -53,6 +53,7 @@ HAND_REWARDS = np.array([[.1, .2, .3, .4, .5, 1.], [.5, -.5, 2., 0, 0, 0], [0] *
 HAND_MASK = mask_from_lengths([6, 3, 0], 6)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("weighting,aggregation", COMBINATIONS)
 def test_hand_computed_macro_gae(weighting, aggregation):
     ids = fixed_ngram(HAND_MASK, 2)
@@ -143,6 +144,7 @@ def _inputs(lengths, seed):
     return values, rewards, mask
 
 
+@pytest.mark.smoke
 @settings(max_examples=15, deadline=None)
 @given(lengths=lengths_strategy, seed=st.integers(0, 2**16))
 def test_one_token_macros_equal_token_gae_exactly(lengths, seed):

@@ -161,7 +161,7 @@ def test_refuses_without_bubblewrap(tmp_path, monkeypatch):
 def test_refuses_without_pyseccomp(monkeypatch, fresh_seccomp):
     monkeypatch.setitem(sys.modules, "pyseccomp", None)  # `import pyseccomp` raises ImportError
     with pytest.raises(sandbox.SandboxError,
-                       match=r"^pyseccomp not installed: pip install pyseccomp==0\.1\.2"):
+                       match=r"^pyseccomp not installed: pip install pyseccomp -c requirements/lock\.txt"):
         apps.run_solution(ADD, STDIN_IO, 2.0)
 
 

@@ -40,6 +40,7 @@ def _sample(model, params, ids, mask, **kwargs):
     return generate(model, params, ids, mask, **{"eos_id": EOS, "pad_id": 0, "max_new_tokens": STEPS, **kwargs})
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("batch,width,seed", [(4, 96, 0), (7, 12, 1), (3, 49152, 2)])
 def test_row_draws_equal_the_batch_categorical_bit_for_bit(batch, width, seed):
     step_key = jax.random.fold_in(jax.random.key(seed), 5)

@@ -252,6 +252,22 @@ def test_tpu_process_count(environ, chips, metadata, expected):
     assert distributed.tpu_process_count(environ, tpu_chips=chips, metadata=metadata) == expected
 
 
+def test_tpu_chips_are_counted_on_the_pci_bus(tmp_path):
+    """Four v4 chips and a v5e chip count; a Google network card, another vendor's device with
+    a TPU's device id, and a device whose files cannot be read do not."""
+    devices = {"0000:00:04.0": ("0x1ae0", "0x005e"), "0000:00:05.0": ("0x1ae0", "0x005e"),
+               "0000:00:06.0": ("0x1ae0", "0x005e"), "0000:00:07.0": ("0x1ae0", "0x005e"),
+               "0000:00:08.0": ("0x1ae0", "0x0063"), "0000:00:03.0": ("0x1ae0", "0x0042"),
+               "0000:00:09.0": ("0x10de", "0x005e")}
+    for name, (vendor, device) in devices.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "vendor").write_text(vendor + "\n")
+        (tmp_path / name / "device").write_text(device + "\n")
+    (tmp_path / "0000:00:0a.0").mkdir()
+    assert distributed._local_tpu_chip_count(str(tmp_path)) == 5
+    assert distributed._local_tpu_chip_count(str(tmp_path / "absent")) == 0
+
+
 @pytest.fixture(scope="module")
 def mesh8():
     return jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"))

@@ -1,11 +1,18 @@
 """The import graph of marl_jax/, drawn from its source with `ast` (module-level imports and those
-inside functions alike): no circle, and data/ imports nothing from eval/ or train/."""
+inside functions alike): no circle, data/ imports nothing from eval/ or train/, and no module of
+marl_jax/, configs/ or experiments/ imports a private module of a dependency."""
 import ast
+import json
 import pathlib
+
+import pytest
 
 import marl_jax
 
 PACKAGE = pathlib.Path(marl_jax.__file__).resolve().parent
+ROOT = PACKAGE.parent
+# Internals that change without notice between the releases setup.cfg admits.
+PRIVATE_MODULES = ("jax._src", "transformers.integrations")
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -87,3 +94,59 @@ def test_the_config_imports_no_algorithm_module():
     graph = import_graph()
     assert graph["marl_jax.config"] == set()
     assert "marl_jax.estimators" in graph["marl_jax.config_check"]
+
+
+def private_imports(source: str, filename: str) -> list[str]:
+    """`file:line: module` for each import of a PRIVATE_MODULES module in `source`: `import`,
+    `from ... import` (of a module or of a name) and `importlib.import_module` / `__import__`
+    of a constant name."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and (getattr(node.func, "attr", None) == "import_module"
+                   or getattr(node.func, "id", None) in ("import_module", "__import__"))):
+            names = [node.args[0].value]
+        else:
+            continue
+        found += [f"{filename}:{node.lineno}: {name}" for name in names
+                  if any(name == p or name.startswith(p + ".") for p in PRIVATE_MODULES)]
+    return found
+
+
+def _sources():
+    for folder in ("marl_jax", "configs", "experiments"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            yield str(path.relative_to(ROOT)), path.read_text()
+        for path in sorted((ROOT / folder).rglob("*.ipynb")):
+            cells = json.loads(path.read_text())["cells"]
+            code = "\n".join("".join(cell["source"]) for cell in cells if cell["cell_type"] == "code")
+            # Shell and magic lines (`!pip ...`, `%cd`) are not Python.
+            yield str(path.relative_to(ROOT)), "\n".join(
+                "" if line.lstrip().startswith(("!", "%")) else line for line in code.splitlines())
+
+
+@pytest.mark.smoke
+def test_no_private_module_of_a_dependency_is_imported():
+    planted = """
+import jax._src.hardware_utils
+from jax._src import traceback_util
+from jax import _src
+from transformers.integrations.gguf import convert_gguf_tokenizer
+import importlib
+importlib.import_module("transformers.integrations.gguf.gguf_tokenizer_mapping")
+__import__("jax._src.config")
+import jax.extend.random, transformers.utils.logging
+"""
+    assert [line.split(": ", 1)[1] for line in private_imports(planted, "planted.py")] == [
+        "jax._src.hardware_utils", "jax._src", "jax._src.traceback_util", "jax._src",
+        "transformers.integrations.gguf", "transformers.integrations.gguf.convert_gguf_tokenizer",
+        "transformers.integrations.gguf.gguf_tokenizer_mapping", "jax._src.config"]
+    sources = dict(_sources())
+    assert {"marl_jax/models/tokenizer.py", "experiments/run.py", "marl_jax/distributed.py",
+            "experiments/colab_tpu_demo.ipynb"} <= set(sources)
+    assert [hit for name, source in sources.items() for hit in private_imports(source, name)] == []

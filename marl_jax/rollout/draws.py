@@ -7,6 +7,15 @@ of the key and the flat index `r * C + c` alone. `categorical_rows` computes exa
 any set of rows, each with its own key, so rows decoding at different steps (continuous batching)
 draw what the batch draw gives them. `check_supported` names the JAX settings this relies on; the
 tests compare the result with `jax.random.categorical` bit for bit.
+
+What this relies on: the public `jax.extend.random.threefry2x32_p` (the threefry hash itself),
+and the way JAX releases turn its bits into a categorical draw, which no public API states: the
+partitionable counter layout (entry `r * C + c` hashed with counter words `(0, r * C + c)`),
+uniform floats from the top 23 bits with `minval = tiny`, and Gumbel noise `-log(-log(u))` added
+to the logits before an argmax. JAX 0.10.2 and 0.11.2, the two ends of setup.cfg's range, both do
+this: tests/test_decode_slots.py compares the draws with `jax.random.categorical` bit for bit,
+and CI runs that test (`pytest -m smoke`) at both ends. A JAX release that changes any of it
+fails that test; the static sampler's draws (`jax.random.categorical`) are not affected.
 """
 from __future__ import annotations
 

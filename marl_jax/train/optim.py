@@ -147,11 +147,11 @@ def applied_updates(opt_state) -> jax.Array:
     learning-rate schedule (`optax.scale_by_schedule`), which a skipped non-finite update
     (`apply_if_finite`) leaves where it was. The schedule's learning rate of the next update is
     `schedule(applied_updates(opt_state))`."""
-    is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
-    counts = [s.count for s in jax.tree.leaves(opt_state, is_leaf=is_schedule) if is_schedule(s)]
-    if not counts:
+    of_schedule = lambda path, _: getattr(path[-1], "tuple_name", None) == "ScaleByScheduleState"  # noqa: E731
+    count = optax.tree_utils.tree_get(opt_state, "count", filtering=of_schedule)
+    if count is None:
         raise ValueError("the optimizer state holds no learning-rate schedule")
-    return counts[0]
+    return count
 
 
 def stage_schedule(cfg, total_updates: int, learning_rate: float | None = None):
