@@ -186,7 +186,8 @@ def test_namespaces_without_libseccomp_refuses_unless_allowed(monkeypatch, fresh
     itself refuses to start without a filter it was not told to do without."""
     monkeypatch.setitem(sys.modules, "pyseccomp", None)
     refusal = (r"the namespaces jail refuses to run without its seccomp filter: pyseccomp not "
-               r"installed: pip install pyseccomp==0\.1\.2 \(the jails' seccomp filter\); or set "
+               r"installed: pip install pyseccomp -c requirements/lock\.txt \(the jails' seccomp filter\); "
+               r"or set "
                r"config\.eval\.allow_unfiltered_jail=True to run it unfiltered")
     config = _apps_config(sandbox="namespaces")
     prefix = r"^config\.task\.sandbox='namespaces': "

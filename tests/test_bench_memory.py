@@ -22,7 +22,9 @@ sys.path.insert(0, str(ROOT / "experiments"))
 import bench_memory  # noqa: E402
 from configs import synthetic as synthetic_config  # noqa: E402
 
-FINAL_LINE = re.compile(r"devices=(\d+) peak_gib=([\d.]+) capacity_gib=([\d.]+) fits=(True|False)")
+FINAL_LINE = re.compile(r"devices=(\d+) peak_gib=([\d.]+) capacity_gib=([\d.]+) fits=(True|False)"
+                        r"(?: flops=([\d.e+-]+) hbm_bytes=([\d.e+-]+)"
+                        r"(?: roofline_step_s=([\d.e+-]+) roofline_mfu=([\d.e+-]+))?)?")
 GIB = 2 ** 30
 
 
@@ -354,6 +356,13 @@ def test_real_text_accelerator_size_compiles_as_run_py_runs_it_and_fits_a_v5e_8(
     bound = (2 * 2 * 12 * n + 2 * 4 * n) / 8  # 2 runs x (actor, critic) x 12 bytes; 2 frozen
     assert bound <= row["weights"] <= 1.1 * bound
     assert row["peak"] >= row["weights"] and peak_gib * GIB == pytest.approx(row["peak"], rel=1e-3)
+    # The roofline of the compiled step on a v5e chip (197 TFLOP/s bf16, 819 GB/s HBM): the
+    # slower of its FLOPs at peak and its bytes at bandwidth, and the MFU that bound allows.
+    match = FINAL_LINE.fullmatch(stdout.strip().splitlines()[-1])
+    flops, hbm_bytes, step_s, mfu = (float(match.group(i)) for i in (5, 6, 7, 8))
+    assert flops == pytest.approx(row["flops"], rel=1e-3) and hbm_bytes == pytest.approx(row["hbm_bytes"], rel=1e-3)
+    assert step_s == pytest.approx(max(flops / 197e12, hbm_bytes / 0.819e12), rel=1e-3)
+    assert mfu == pytest.approx(flops / 197e12 / step_s, rel=1e-3) and 0 < mfu <= 1
 
 
 def test_config_errors_of_the_memory_bench_are_one_line_and_exit_2():

@@ -112,6 +112,7 @@ def test_rmsnorm_in_bfloat16_rounds_as_transformers_does():
     casts the normalised input, then multiplies in bfloat16. Each equals its transformers
     module bit for bit (the OLMo-2 q/k norms and post norms are this module too), and OLMo-2
     computed the Llama way is off by a bfloat16 rounding on a share of the outputs."""
+    import torch
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
     from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
