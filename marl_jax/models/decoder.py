@@ -187,11 +187,12 @@ class Attention(nn.Module):
                  window=None, prefill=False):
         """x `[B, T, D]`; rotary (cos, sin) or None; mask bool `[B, T, S]`; cache: this layer's
         `{"k", "v"}: [B, K, S, H]`, or with `layer` (traced index) the stacked `[L, B, K, S, H]`.
-        Without a cache, or with `prefill` (a fresh cache written from slot 0), the queries attend
-        to this call's own keys through `attention.attend` (valid `[B, T]`: the tokens that are
-        not padding; window: the sliding window the mask holds (static), window_active: a traced
-        flag saying whether it does, in a scan over mixed layers); a decode step attends to the
-        cache with the reference einsums. Returns (`[B, T, D]`, updated cache or None)."""
+        Without a cache, or with `prefill` (a fresh cache written from slot 0) under a fused
+        kernel, the queries attend to this call's own keys through `attention.attend` (valid
+        `[B, T]`: the tokens that are not padding; window: the sliding window the mask holds
+        (static), window_active: a traced flag saying whether it does, in a scan over mixed
+        layers); a decode step, and a prefill under the reference einsums, attend to the cache.
+        Returns (`[B, T, D]`, updated cache or None)."""
         cfg = self.config
         dense = dict(dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype, init_std=cfg.initializer_range,
                      lora=lora_lib.settings(cfg))
@@ -214,7 +215,9 @@ class Attention(nn.Module):
             k = apply_rotary(k, *rotary)
         q = q * jnp.asarray((cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5, q.dtype)
         new_cache = None
-        if cache is None or prefill:
+        # A prefill through a fused kernel attends to its own keys; the reference einsums read
+        # the cache as a decode step does (the numbers of every earlier version).
+        if cache is None or (prefill and attention_lib.resolve(cfg) != "reference"):
             if cache is not None:
                 length = x.shape[1]
                 (_, new_k), (_, new_v) = (_update_cache(cache[name], new.transpose(0, 2, 1, 3), 0, layer)
