@@ -26,9 +26,15 @@ random weights (nothing to download), each number beside its bound, the last lin
   train_gemma2b_4x2048               the Gemma-2B shape (18 layers, width 2048, vocabulary
                                      256000), remat full;
   decode_b32, decode_b256            new tokens/s of the sampler (bfloat16 on accelerators, 128
-                                     prompt + 128 new tokens) and the share of the bound that
+                                     prompt + 128 new tokens) in the fused layout (layers
+                                     unrolled, q / k / v and gate / up one matmul each:
+                                     `models.decode_layout`) and the share of the bound that
                                      reading the weights and the live KV cache once per step
-                                     at HBM bandwidth sets; the sampler's compile time;
+                                     at HBM bandwidth sets; the compiled ops of one decode
+                                     step (about the kernels it launches on a GPU); the
+                                     sampler's compile time;
+  decode_b32_unrolled                the same, layers unrolled, projections separate;
+  decode_b32_scan, decode_b256_scan  the same in the training layout (layers in one scan);
   slots_chat_b32_s8, slots_chat_b256_s64
                                      the static sampler in B / S calls of S rows (the same
                                      KV-cache memory) against S decode slots, rows stopping at
@@ -44,6 +50,7 @@ Peaks and bandwidths come from `bench_hardware` (timed for CPUs).
 import argparse
 import json
 import math
+import re
 import time
 
 import jax
@@ -68,7 +75,7 @@ PRESETS = {
 SUITE_ROWS = ("train_smollm2_8x1024_full", "train_smollm2_8x1024_none", "train_smollm2_8x1024_before",
               "train_smollm2_8x1024_percast", "train_smollm2_8x1024_xla",
               "train_smollm2_max_full", "train_smollm2_max_none", "train_gemma2b_4x2048", "decode_b32",
-              "decode_b256", "slots_chat_b32_s8", "slots_chat_b256_s64", "mismatch_f32")
+              "decode_b32_unrolled", "decode_b32_scan", "decode_b256", "decode_b256_scan", "slots_chat_b32_s8", "slots_chat_b256_s64", "mismatch_f32")
 
 
 def table_peak(device_kind: str):
@@ -184,6 +191,69 @@ def bench_sampler(module, params, mesh, batch: int, prompt: int, new: int, repea
     return best, tokens, first
 
 
+# Instructions that launch no work of their own.
+_FREE_OPS = frozenset({"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all",
+                       "opt-barrier", "partition-id", "replica-id"})
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.-]+)\s.*\{$")
+_OPCODE = re.compile(r"=\s.*?\b([a-z][a-z0-9-]*)\(")
+
+
+def compiled_ops(hlo_text: str) -> int:
+    """Work-launching instructions one run of a compiled program executes: those of its entry
+    computation, a `while` counted as its body's times its known trip count (a `conditional` as
+    its largest branch), calls inlined; fusions and library calls count one each. On a GPU that
+    is about the kernels a step launches."""
+    computations, name, entry = {}, None, None
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header and not line.startswith(" "):
+            name = header.group(1)
+            computations[name] = []
+            entry = name if line.startswith("ENTRY") else entry
+        elif line.startswith("}"):
+            name = None
+        elif name is not None and " = " in line:
+            computations[name].append(line)
+
+    def count(computation: str) -> int:
+        total = 0
+        for line in computations.get(computation, ()):
+            opcode = _OPCODE.search(line.split(", metadata=")[0])
+            op = opcode.group(1) if opcode else ""
+            if op in _FREE_OPS:
+                continue
+            if op == "while":
+                body = re.search(r"body=%?([\w.-]+)", line).group(1)
+                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                total += count(body) * (int(trips.group(1)) if trips else 1)
+            elif op == "conditional":
+                branches = re.findall(r"%([\w.-]+)", line.split("branch_computations={")[-1].split("}")[0])
+                total += 1 + max((count(b) for b in branches), default=0)
+            elif op == "call":
+                total += count(re.search(r"to_apply=%?([\w.-]+)", line).group(1))
+            else:
+                total += 1
+        return total
+
+    return count(entry)
+
+
+def decode_step_ops(module, params, batch: int, width: int) -> int:
+    """`compiled_ops` of one decode step of the sampler's layout (`models.decode_layout`), the
+    weights prepared as the sampler prepares them once per rollout: one token per row against a
+    cache of `width` slots."""
+    from marl_jax import models
+    from marl_jax.models import decode_layout
+
+    config, prepared = decode_layout.for_decoding(module.config, params)
+    sampler = models.CausalLM(config)
+    cache = models.init_cache(config, batch, width)
+    step = jax.jit(lambda p, c, tokens: sampler.apply(
+        {"params": p}, tokens, jnp.ones((batch, width), jnp.int32), jnp.full((batch, 1), width - 1, jnp.int32), c,
+        jnp.int32(width - 1), method=models.CausalLM.decode))
+    return compiled_ops(step.lower(prepared, cache, jnp.zeros((batch, 1), jnp.int32)).compile().as_text())
+
+
 def decode_bytes(cfg, batch: int, prompt: int, new: int) -> float:
     """Bytes one `generate` must read at least: every weight once per decode step in the compute
     dtype (the tied or untied LM head included) and, per step, the keys and values of the
@@ -278,27 +348,38 @@ class Suite:
     def train_gemma2b_4x2048(self):
         return self._train("gemma2b", 4, 2048, "full")
 
-    def _decode(self, batch):
+    def _decode(self, batch, layout):
         prompt, new = (16, 32) if self.small else (128, 128)
         batch = min(batch, 8) if self.small else batch
-        _, module, params, _ = self._policy("smollm2")
+        _, module, params, _ = self._policy("smollm2", sampler_layout=layout)
         seconds, tokens, first = bench_sampler(module, params, self.mesh, batch * self.devices, prompt, new,
                                                self.repeats, fixed_lengths=True)
         steps = tokens // (batch * self.devices)
         bound_s = decode_bytes(module.config, batch, prompt, steps) / self.bounds["bandwidth"]
-        return dict(batch=batch, prompt=prompt, new=steps, seconds=seconds, tokens_per_s=tokens / seconds,
-                    ms_per_step=1e3 * seconds / steps, bound_s=bound_s, share_of_bound=bound_s / seconds,
-                    compile_and_first_s=first,
-                    text=f"{tokens / seconds:,.0f} new tokens/s, {1e3 * seconds / steps:.2f} ms per step, "
+        ops = decode_step_ops(module, params, batch, prompt + new)
+        return dict(batch=batch, prompt=prompt, new=steps, layout=layout, seconds=seconds,
+                    tokens_per_s=tokens / seconds, ms_per_step=1e3 * seconds / steps, bound_s=bound_s,
+                    share_of_bound=bound_s / seconds, compile_and_first_s=first, ops_per_step=ops,
+                    text=f"{layout} layout: {tokens / seconds:,.0f} new tokens/s, {1e3 * seconds / steps:.2f} ms per "
+                         f"step ({ops} compiled ops per step), "
                          f"{100 * bound_s / seconds:.1f}% of the weight + KV read bound "
                          f"({1e3 * bound_s / steps:.3f} ms per step at "
                          f"{self.bounds['bandwidth'] / 1e12:.2f} TB/s); compile + first call {first:.1f} s")
 
     def decode_b32(self):
-        return self._decode(32)
+        return self._decode(32, "fused")
+
+    def decode_b32_unrolled(self):
+        return self._decode(32, "unrolled")
+
+    def decode_b32_scan(self):
+        return self._decode(32, "train")
 
     def decode_b256(self):
-        return self._decode(256)
+        return self._decode(256, "fused")
+
+    def decode_b256_scan(self):
+        return self._decode(256, "train")
 
     def _slots(self, batch, slots):
         from bench_rollout import chat_lengths, compare_rollouts

@@ -253,7 +253,8 @@ def resolve_model(config, platform: str):
     cfg = build.with_lora(cfg.replace(dtype=dtype, param_dtype=m.param_dtype, remat=config_lib.remat_policy(m.remat),
                                       scan_layers=bool(m.get("scan_layers", False)),
                                       attention=m.get("attention", "auto"),
-                                      matmul_precision=None if precision == "auto" else precision), config)
+                                      matmul_precision=None if precision == "auto" else precision,
+                                      sampler_layout=m.get("sampler_layout", "auto")), config)
     if not cfg.eos_token_id:
         raise SystemExit(f"{source}: the model has no eos_token_id; the sampler needs one")
     eos = cfg.eos_token_id[0]
@@ -553,7 +554,7 @@ def main(argv):
         _rerun_with_cpu_devices(cpus)
 
     from marl_jax import config as config_lib, config_check
-    from marl_jax.models import attention
+    from marl_jax.models import attention, decode_layout
     from marl_jax.train import build, sharding
 
     target = cpu_target(cpus, FLAGS.capacity_gib) if cpus is not None else tpu_target(topology)
@@ -580,7 +581,7 @@ def main(argv):
 
     rows = []
     with attention.target_platform(target.platform):
-        print(attention.describe(cfg), flush=True)
+        print(f"{attention.describe(cfg)}; sampler layout {decode_layout.resolve(cfg)}", flush=True)
         entries = stage_programs(config, cfg, token_ids, mesh, set(wanted))
     with sharding.mesh_context(mesh, sharding.logical_rules(mesh, build.model_dims(cfg))), \
             attention.target_platform(target.platform):

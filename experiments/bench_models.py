@@ -36,12 +36,13 @@ class Vocabulary:
 
 
 # ModelConfig fields a run sets itself (numerics, token ids, adapters), not the architecture's.
-_RUN_FIELDS = ("dtype", "param_dtype", "remat", "scan_layers", "scan_unroll", "attention", "matmul_precision", "bos_token_id",
+_RUN_FIELDS = ("dtype", "param_dtype", "remat", "scan_layers", "scan_unroll", "attention", "matmul_precision", "sampler_layout",
+               "fused_projections", "bos_token_id",
                "eos_token_id", "pad_token_id", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
 
 
 def model_settings(shape: str, dtype: str, *, remat="none", scan_layers: bool = True, attention: str = "auto",
-                   matmul_precision: str = "auto"):
+                   matmul_precision: str = "auto", sampler_layout: str = "auto"):
     """The run config (`config.base_config()`) of a random policy of `shape`, its architecture
     fields those of the shape's family (`ModelConfig.for_family`)."""
     from marl_jax.config import base_config
@@ -52,7 +53,7 @@ def model_settings(shape: str, dtype: str, *, remat="none", scan_layers: bool = 
     config = base_config()
     config.model.config.update({k: v for k, v in arch.items() if k not in _RUN_FIELDS})
     config.model.update(dtype=dtype, remat=remat, scan_layers=scan_layers, attention=attention,
-                        matmul_precision=matmul_precision)
+                        matmul_precision=matmul_precision, sampler_layout=sampler_layout)
     return config
 
 

@@ -119,6 +119,10 @@ def base_config() -> ml_collections.ConfigDict:
         # Precision of every dot and einsum of every role, sampling and scoring alike: auto
         # (highest in float32, default in bfloat16) | default | high | highest.
         matmul_precision="auto",
+        # The layout the sampler decodes with (marl_jax/models/decode_layout.py): auto | train |
+        # unrolled | fused; auto = fused (layers unrolled, q / k / v and gate / up one matmul each)
+        # on NVIDIA GPUs, unrolled there with LoRA adapters, the training layout elsewhere.
+        sampler_layout="auto",
         config=ml_collections.ConfigDict(),
         # LoRA (marl_jax/models/lora.py): rank 0 = full fine-tuning. With rank r > 0 every stage
         # trains float32 adapters (and its heads) on one frozen base, scaled by alpha / r, on the

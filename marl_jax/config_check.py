@@ -40,6 +40,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ATTENTION_IMPLEMENTATIONS = ("auto", "reference", "xla", "cudnn", "splash")
 MATMUL_PRECISIONS = ("default", "high", "highest")
+SAMPLER_LAYOUTS = ("auto", "train", "unrolled", "fused")
 OLD_LOGPROBS = ("auto", "trainer", "sampler")
 WANDB_MODES = ("online", "offline", "disabled")
 WANDB_INSTALL = "pip install -e \".[wandb]\" -c requirements/lock.txt"
@@ -66,6 +67,11 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
           f"must be one of {ATTENTION_IMPLEMENTATIONS}")
     check(c.model.get("matmul_precision", "auto") in ("auto",) + MATMUL_PRECISIONS, "model.matmul_precision",
           f"must be one of {('auto',) + MATMUL_PRECISIONS}")
+    check(c.model.get("sampler_layout", "auto") in SAMPLER_LAYOUTS, "model.sampler_layout",
+          f"must be one of {SAMPLER_LAYOUTS}")
+    check(not (c.model.get("sampler_layout") == "fused" and c.model.get("lora", {}).get("rank", 0)),
+          "model.sampler_layout", "fused projections take no LoRA adapters: use unrolled (or auto) with "
+          "model.lora.rank > 0")
     check(not (c.model.get("attention") == "cudnn" and c.model.dtype == "float32"), "model.attention",
           "cuDNN's flash attention computes in bfloat16 or float16 only: set model.dtype=bfloat16, "
           "or use attention=auto")

@@ -17,7 +17,7 @@ from marl_jax.config_check import validate_config
 from marl_jax.data.real_tasks import decode_responses
 from marl_jax.data.tasks import build_task
 from marl_jax.eval.unit_test_reward import attach_unit_test_reward
-from marl_jax.models import attention, lora
+from marl_jax.models import attention, decode_layout, lora
 from marl_jax.train import build, exports, metrics as metrics_lib, reward, sharding
 from marl_jax.train import ppo as ppo_lib
 from marl_jax.train.ppo import run_ppo
@@ -50,7 +50,7 @@ class Pipeline:
                 f"(config.model.path={config.model.path!r}) only {cfg.vocab_size}; use the "
                 "model's own tokenizer (config.task.tokenizer)")
         if jax.process_index() == 0:
-            print(attention.describe(cfg), flush=True)
+            print(f"{attention.describe(cfg)}; sampler layout {decode_layout.resolve(cfg)}", flush=True)
         self.policy = build.policy_module(cfg)
         self.reward_model = build.reward_module(cfg)
         self.critic = build.critic_module(cfg)

@@ -316,10 +316,15 @@ def test_bench_device_suite_small_on_cpu():
     assert result["rows"]["train_smollm2_8x1024_before"]["attention"] == "reference"
     assert not result["rows"]["train_smollm2_8x1024_percast"]["weights_cast_once"]
     assert result["rows"]["train_smollm2_8x1024_xla"]["attention"] == "xla"
-    for name in ("decode_b32", "decode_b256"):
-        row = result["rows"][name]
+    decode = {name: result["rows"][name] for name in bench_device.SUITE_ROWS if name.startswith("decode_")}
+    assert {name: row["layout"] for name, row in decode.items()} == {
+        "decode_b32": "fused", "decode_b32_unrolled": "unrolled", "decode_b32_scan": "train", "decode_b256": "fused",
+        "decode_b256_scan": "train"}
+    for row in decode.values():
         assert row["new"] == 32  # prescribed lengths: every row decodes the whole budget
         assert 0 < row["share_of_bound"] == pytest.approx(row["bound_s"] / row["seconds"])
+    # Fusing q / k / v and gate / up leaves fewer ops in a decode step.
+    assert 0 < decode["decode_b32"]["ops_per_step"] < decode["decode_b32_unrolled"]["ops_per_step"]
     for name in ("slots_chat_b32_s8", "slots_chat_b256_s64"):
         row = result["rows"][name]
         # On a CPU the slots draw the static batch's tokens exactly.

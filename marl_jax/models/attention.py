@@ -35,7 +35,8 @@ MASKED = float(np.finfo(np.float32).min)
 _TARGET_PLATFORM: list[str] = []
 
 
-def _backend() -> str:
+def traced_platform() -> str:
+    """The platform programs are traced for: `target_platform`'s, else JAX's default backend."""
     return _TARGET_PLATFORM[-1] if _TARGET_PLATFORM else jax.default_backend()
 
 
@@ -93,7 +94,7 @@ def xla_problem(config, backend: str) -> str | None:
 def resolve(config, backend: str | None = None) -> str:
     """The concrete implementation `config.attention` selects on `backend` (default: JAX's).
     Raises ValueError, naming the field, when a kernel asked for by name cannot run here."""
-    backend = backend or _backend()
+    backend = backend or traced_platform()
     choice = config.attention
     if choice == "reference":
         return choice
@@ -113,7 +114,7 @@ def resolve(config, backend: str | None = None) -> str:
 
 def describe(config, backend: str | None = None) -> str:
     """One line naming the attention path a model takes here (the run's first log lines)."""
-    backend = backend or _backend()
+    backend = backend or traced_platform()
     chosen = resolve(config, backend)
     if config.attention != "auto" or chosen != "reference":
         reason = "as asked" if config.attention != "auto" else f"auto on {backend}, {config.dtype}"

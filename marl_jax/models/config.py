@@ -34,6 +34,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 # (checkpoint_dots_with_no_batch_dims).
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ATTENTION_IMPLEMENTATIONS = ("auto", "reference", "xla", "cudnn", "splash")
+# The layout the sampler decodes with (`marl_jax.models.decode_layout`).
+SAMPLER_LAYOUTS = ("auto", "train", "unrolled", "fused")
 # JAX's names for the precision of every dot and einsum: default (TF32 on NVIDIA GPUs for
 # float32, one bfloat16 pass on TPUs), high (bfloat16_3x on TPUs), highest (true float32).
 MATMUL_PRECISIONS = ("default", "high", "highest")
@@ -117,7 +119,9 @@ class ModelConfig:
     `backbone/layers_{i}/...`, KV cache stacked too). Neither changes the numbers.
     `attention` picks the implementation of whole-sequence attention (`marl_jax.models.attention`);
     `matmul_precision` the precision of every dot (None: highest in float32, default otherwise;
-    `precision` resolves it).
+    `precision` resolves it). `sampler_layout` is the layout the sampler decodes with
+    (`marl_jax.models.decode_layout`); `fused_projections` says that this model's params hold
+    q / k / v as one `qkv` and gate / up as one `gate_up` projection (the fused layout builds it).
     Direct construction defaults to Llama-style fields; `for_family` fills in a family's defaults
     and `from_hf` reads a transformers config.
     """
@@ -177,6 +181,8 @@ class ModelConfig:
     scan_unroll: int = 1
     attention: str = "auto"
     matmul_precision: str | None = None
+    sampler_layout: str = "auto"
+    fused_projections: bool = False
     # LoRA (`marl_jax.models.lora`): rank 0 = off; adapters on the projections named in
     # `lora_targets`, scaled by lora_alpha / lora_rank. Not part of the HF config.
     lora_rank: int = 0
@@ -205,6 +211,15 @@ class ModelConfig:
         if self.matmul_precision not in (None, *MATMUL_PRECISIONS):
             raise ValueError(f"ModelConfig.matmul_precision: {self.matmul_precision!r} is not one of "
                              f"{MATMUL_PRECISIONS} (or None: highest in float32, default otherwise)")
+        if self.sampler_layout not in SAMPLER_LAYOUTS:
+            raise ValueError(f"ModelConfig.sampler_layout: {self.sampler_layout!r} is not one of {SAMPLER_LAYOUTS}")
+        if self.lora_rank and (self.sampler_layout == "fused" or self.fused_projections):
+            raise ValueError("ModelConfig.sampler_layout: fused projections take no LoRA adapters (they run beside "
+                             "separate q / k / v / gate / up projections); with lora_rank > 0 use sampler_layout="
+                             "unrolled, train or auto")
+        if self.fused_projections and self.scan_layers:
+            raise ValueError("ModelConfig.fused_projections is a decoding layout of unrolled layers "
+                             "(scan_layers=False)")
         if self.family not in FAMILIES:
             raise ValueError(f"ModelConfig.family: {self.family!r} is not supported; supported families: {FAMILIES}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

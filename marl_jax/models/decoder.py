@@ -196,12 +196,21 @@ class Attention(nn.Module):
         cfg = self.config
         dense = dict(dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype, init_std=cfg.initializer_range,
                      lora=lora_lib.settings(cfg))
-        q = Dense((cfg.num_heads, cfg.head_dim), ("embed", "heads", "head_dim"), use_bias=cfg.qkv_bias,
-                  name="q", **dense)(x)
-        k = Dense((cfg.num_kv_heads, cfg.head_dim), ("embed", "kv_heads", "head_dim"), use_bias=cfg.qkv_bias,
-                  name="k", **dense)(x)
-        v = Dense((cfg.num_kv_heads, cfg.head_dim), ("embed", "kv_heads", "head_dim"), use_bias=cfg.qkv_bias,
-                  name="v", **dense)(x)
+        if cfg.fused_projections:
+            # One matmul: per KV head its G query heads, then its key and its value
+            # (`params.fuse_projections`), so a split over KV heads keeps each group whole.
+            groups = cfg.num_heads // cfg.num_kv_heads
+            qkv = Dense((cfg.num_kv_heads, groups + 2, cfg.head_dim), ("embed", "kv_heads", None, "head_dim"),
+                        use_bias=cfg.qkv_bias, name="qkv", **dense)(x)
+            q = qkv[..., :groups, :].reshape(*qkv.shape[:2], cfg.num_heads, cfg.head_dim)
+            k, v = qkv[..., groups, :], qkv[..., groups + 1, :]
+        else:
+            q = Dense((cfg.num_heads, cfg.head_dim), ("embed", "heads", "head_dim"), use_bias=cfg.qkv_bias,
+                      name="q", **dense)(x)
+            k = Dense((cfg.num_kv_heads, cfg.head_dim), ("embed", "kv_heads", "head_dim"), use_bias=cfg.qkv_bias,
+                      name="k", **dense)(x)
+            v = Dense((cfg.num_kv_heads, cfg.head_dim), ("embed", "kv_heads", "head_dim"), use_bias=cfg.qkv_bias,
+                      name="v", **dense)(x)
         q = nn.with_logical_constraint(q, ("activation_batch", "activation_length", "activation_heads", None))
         k = nn.with_logical_constraint(k, ("activation_batch", "activation_length", "activation_kv_heads", None))
         v = nn.with_logical_constraint(v, ("activation_batch", "activation_length", "activation_kv_heads", None))
@@ -249,10 +258,15 @@ class MLP(nn.Module):
         cfg = self.config
         dense = dict(dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype, init_std=cfg.initializer_range,
                      use_bias=cfg.mlp_bias, lora=lora_lib.settings(cfg))
-        hidden = _activation(cfg.activation, Dense((cfg.intermediate_size,), ("embed", "mlp"), name=(
-            "gate" if cfg.gated_mlp else "up"), **dense)(x))
-        if cfg.gated_mlp:
-            hidden = hidden * Dense((cfg.intermediate_size,), ("embed", "mlp"), name="up", **dense)(x)
+        if cfg.fused_projections and cfg.gated_mlp:
+            # One matmul for both halves (`params.fuse_projections`): [..., 2, F], gate first.
+            both = Dense((2, cfg.intermediate_size), ("embed", None, "mlp"), name="gate_up", **dense)(x)
+            hidden = _activation(cfg.activation, both[..., 0, :]) * both[..., 1, :]
+        else:
+            hidden = _activation(cfg.activation, Dense((cfg.intermediate_size,), ("embed", "mlp"), name=(
+                "gate" if cfg.gated_mlp else "up"), **dense)(x))
+            if cfg.gated_mlp:
+                hidden = hidden * Dense((cfg.intermediate_size,), ("embed", "mlp"), name="up", **dense)(x)
         hidden = nn.with_logical_constraint(hidden, ("activation_batch", "activation_length", "activation_mlp"))
         return Dense((cfg.hidden_size,), ("mlp", "embed"), name="down", **dense)(hidden)
 

@@ -86,3 +86,47 @@ def compute_weights(params, config) -> dict:
         return leaf
 
     return jax.tree_util.tree_map_with_path(cast, params)
+
+
+def _fuse_attention(attn: dict, groups: int) -> dict:
+    """`q`, `k`, `v` of one attention block (kernels `[..., D, N, H]`, `[..., D, K, H]`; biases
+    `[..., N, H]`, `[..., K, H]`) -> one `qkv` (kernel `[..., D, K, G + 2, H]`, bias
+    `[..., K, G + 2, H]`): per KV head its G query heads, then its key and value."""
+    attn = dict(attn)
+    q, k, v = (attn.pop(name) for name in ("q", "k", "v"))
+    def fuse(leaf):  # [..., N, H], [..., K, H], [..., K, H] -> [..., K, G + 2, H]
+        grouped = q[leaf].reshape(*q[leaf].shape[:-2], -1, groups, q[leaf].shape[-1])
+        return jnp.concatenate([grouped, k[leaf][..., None, :], v[leaf][..., None, :]], axis=-2)
+
+    attn["qkv"] = {leaf: fuse(leaf) for leaf in q}
+    return attn
+
+
+def _fuse_mlp(mlp: dict) -> dict:
+    """`gate`, `up` (kernels `[..., D, F]`, biases `[..., F]`) -> one `gate_up` (`[..., D, 2, F]`,
+    `[..., 2, F]`, gate first)."""
+    mlp = dict(mlp)
+    gate, up = mlp.pop("gate"), mlp.pop("up")
+    mlp["gate_up"] = {leaf: jnp.stack([gate[leaf], up[leaf]], axis=-2) for leaf in gate}
+    return mlp
+
+
+def fuse_projections(params: dict, config) -> dict:
+    """Params of `config` (unrolled or scanned layers, no LoRA adapters) -> the params of
+    `config.replace(fused_projections=True)`: each layer's q / k / v kernels (and biases) in one
+    `attn/qkv` and, in a gated MLP, gate / up in one `mlp/gate_up`, so a forward runs one matmul
+    where it ran three and two. The same numbers up to the matmuls' rounding. Jittable."""
+    if config.lora_rank:
+        raise ValueError("fuse_projections: the params hold LoRA adapters; fused projections take none")
+    groups = config.num_heads // config.num_kv_heads
+    backbone = _backbone(params)
+    for name, layer in backbone.items():
+        if name != "layers" and not _LAYER_KEY.match(name):
+            continue
+        if "qkv" in layer["attn"]:
+            raise ValueError(f"fuse_projections: params['backbone'][{name!r}] is fused already")
+        layer = {**layer, "attn": _fuse_attention(layer["attn"], groups)}
+        if config.gated_mlp:
+            layer["mlp"] = _fuse_mlp(layer["mlp"])
+        backbone[name] = layer
+    return {**params, "backbone": backbone}

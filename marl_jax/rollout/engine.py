@@ -34,7 +34,7 @@ from flax import linen as nn
 
 from marl_jax.rollout import draws, slots as slot_engine
 from marl_jax.models.decoder import init_cache, positions_from_mask
-from marl_jax.models.params import compute_weights
+from marl_jax.models import decode_layout
 from marl_jax.models.heads import CausalLM, check_tokens
 
 
@@ -240,6 +240,13 @@ def _sample_loop(decode, choose, draw_at, logits, cache, kv_mask, lengths, start
     return SampleOutput(tokens, logprobs, mask, entropies)
 
 
+def _sampling_model(model: CausalLM, params) -> tuple[CausalLM, dict]:
+    """The model and params the sampler decodes with: the weights cast once to the compute dtype
+    and laid out as `decode_layout.resolve` says (built once per call)."""
+    config, params = decode_layout.for_decoding(model.config, params)
+    return (model if config is model.config else CausalLM(config)), params
+
+
 def _decoder(model: CausalLM, params):
     def decode(tokens, kv_mask, positions, cache, index):
         return model.apply({"params": params}, tokens, kv_mask, positions, cache, index, method=CausalLM.decode)
@@ -288,7 +295,8 @@ def _generate(model: CausalLM, params, prompt_ids, prompt_mask, key, row_keys, t
     steps = max_new_tokens
     choose = functools.partial(_choose, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy,
                                dynamic_temperature=dynamic_temperature, use_top_p=use_top_p)
-    decode = _decoder(model, compute_weights(params, model.config))
+    model, params = _sampling_model(model, params)
+    decode = _decoder(model, params)
     if decode_slots:
         return _over_slots(model, decode, choose, _slot_draws(key, row_keys), prompt_ids, prompt_mask,
                            slots=decode_slots, samples=num_samples, steps=steps, eos_ids=eos_ids, pad_id=pad_id,
@@ -431,7 +439,9 @@ def generate(model: CausalLM, params, prompt_ids, prompt_mask, *, key=None, row_
     `decode_block` columns only (one `while_loop` per block); the tokens do not depend on it.
 
     With bfloat16 compute and float32 parameters, the weights are cast to bfloat16 once per call
-    (`models.compute_weights`), not at every decode step; the numbers are the same.
+    (`models.compute_weights`), not at every decode step; the numbers are the same. The decode
+    step runs the layout `model.config.sampler_layout` names (`models.decode_layout`: on a GPU by
+    default unrolled layers with fused q / k / v and gate / up projections), built once per call.
     """
     _check_model(model, "generate")
     cfg = model.config
@@ -505,7 +515,8 @@ def _continue(model: CausalLM, params, prompt_ids, prompt_mask, response_ids, pr
     width = prompt_ids.shape[1] + response_len
     choose = functools.partial(_choose, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy,
                                dynamic_temperature=dynamic_temperature, use_top_p=use_top_p)
-    decode = _decoder(model, compute_weights(params, model.config))
+    model, params = _sampling_model(model, params)
+    decode = _decoder(model, params)
     prefix_lengths = prefix_lengths.astype(jnp.int32)
     ids, mask = _context(prompt_ids, prompt_mask, response_ids, prefix_lengths)
     last = jnp.take_along_axis(response_ids, jnp.maximum(prefix_lengths - 1, 0)[:, None], axis=1)[:, 0]

@@ -126,7 +126,8 @@ def model_config(config, tokenizer) -> models.ModelConfig:
     cfg = dataclasses.replace(cfg, dtype=compute_dtype(config), param_dtype=m.param_dtype,
                               remat=config_lib.remat_policy(m.remat),
                               scan_layers=m.get("scan_layers", False), attention=m.get("attention", "auto"),
-                              matmul_precision=None if precision == "auto" else precision)
+                              matmul_precision=None if precision == "auto" else precision,
+                              sampler_layout=m.get("sampler_layout", "auto"))
     attention.resolve(cfg)  # a kernel asked for by name that cannot run here: one line, now
     return with_lora(cfg, config)
 
