@@ -35,6 +35,10 @@ random weights (nothing to download), each number beside its bound, the last lin
                                      sampler's compile time;
   decode_b32_unrolled                the same, layers unrolled, projections separate;
   decode_b32_scan, decode_b256_scan  the same in the training layout (layers in one scan);
+  decode_parts_b256                  the decode loop's halves alone, ms per step at batch 256:
+                                     the model's step (fused layout) and choosing the tokens
+                                     with top-k 50, top-k 16 (XLA's GPU top-k kernel takes k
+                                     <= 16; above, a sort of the vocabulary) and no filter;
   slots_chat_b32_s8, slots_chat_b256_s64
                                      the static sampler in B / S calls of S rows (the same
                                      KV-cache memory) against S decode slots, rows stopping at
@@ -75,7 +79,7 @@ PRESETS = {
 SUITE_ROWS = ("train_smollm2_8x1024_full", "train_smollm2_8x1024_none", "train_smollm2_8x1024_before",
               "train_smollm2_8x1024_percast", "train_smollm2_8x1024_xla",
               "train_smollm2_max_full", "train_smollm2_max_none", "train_gemma2b_4x2048", "decode_b32",
-              "decode_b32_unrolled", "decode_b32_scan", "decode_b256", "decode_b256_scan", "slots_chat_b32_s8", "slots_chat_b256_s64", "mismatch_f32")
+              "decode_b32_unrolled", "decode_b32_scan", "decode_b256", "decode_b256_scan", "decode_parts_b256", "slots_chat_b32_s8", "slots_chat_b256_s64", "mismatch_f32")
 
 
 def table_peak(device_kind: str):
@@ -254,6 +258,56 @@ def decode_step_ops(module, params, batch: int, width: int) -> int:
     return compiled_ops(step.lower(prepared, cache, jnp.zeros((batch, 1), jnp.int32)).compile().as_text())
 
 
+def bench_decode_parts(module, params, batch: int, prompt: int, new: int, repeats: int) -> dict:
+    """Milliseconds per step of the decode loop's two halves, each alone in a jitted loop of `new`
+    steps: `model` the sampler's decode step (its layout, `models.decode_layout`; one token per
+    row against a cache of prompt + new columns, all read, then an argmax to feed the next), and
+    choosing tokens from `[batch, V]` float32 logits at temperature 0.8 with `top_k_50` (the
+    decode rows' setting), `top_k_16` and `no_filter` (the whole vocabulary)."""
+    from marl_jax import models
+    from marl_jax.models import decode_layout
+    from marl_jax.rollout import engine
+
+    config, prepared = decode_layout.for_decoding(module.config, params)
+    sampler = models.CausalLM(config)
+    width = prompt + new
+
+    @jax.jit
+    def model_steps(p):
+        def body(i, carry):
+            tokens, cache = carry
+            logits, cache = sampler.apply({"params": p}, tokens, jnp.ones((batch, width), jnp.int32),
+                                          jnp.full((batch, 1), prompt, jnp.int32) + i, cache, prompt + i,
+                                          method=models.CausalLM.decode)
+            return jnp.argmax(logits, axis=-1)[:, None].astype(jnp.int32), cache
+
+        start = (jnp.zeros((batch, 1), jnp.int32), models.init_cache(config, batch, width))
+        return jax.lax.fori_loop(0, new, body, start)[0]
+
+    logits = jax.random.normal(jax.random.key(0), (batch, config.vocab_size), jnp.float32)
+
+    def choose_steps(top_k):
+        @jax.jit
+        def run(logits):
+            def body(i, total):
+                step_key = jax.random.fold_in(jax.random.key(1), i)
+                token, _, _ = engine._choose(logits + i.astype(jnp.float32),
+                                             lambda c: jax.random.categorical(step_key, c, axis=-1),
+                                             jnp.float32(0.8), jnp.float32(1.0), top_k=top_k, greedy=False,
+                                             dynamic_temperature=False, use_top_p=False)
+                return total + token.sum()
+
+            return jax.lax.fori_loop(0, new, body, jnp.int32(0))
+
+        return run
+
+    parts = {"model": lambda: model_steps(prepared)}
+    for name, top_k in (("top_k_50", 50), ("top_k_16", 16), ("no_filter", 0)):
+        run = choose_steps(min(top_k, config.vocab_size))
+        parts[name] = lambda run=run: run(logits)
+    return {name: 1e3 * best_time(fn, repeats) / new for name, fn in parts.items()}
+
+
 def decode_bytes(cfg, batch: int, prompt: int, new: int) -> float:
     """Bytes one `generate` must read at least: every weight once per decode step in the compute
     dtype (the tied or untied LM head included) and, per step, the keys and values of the
@@ -380,6 +434,14 @@ class Suite:
 
     def decode_b256_scan(self):
         return self._decode(256, "train")
+
+    def decode_parts_b256(self):
+        prompt, new = (16, 32) if self.small else (128, 128)
+        batch = 8 if self.small else 256
+        _, module, params, _ = self._policy("smollm2", sampler_layout="fused")
+        parts = bench_decode_parts(module, params, batch * self.devices, prompt, new, self.repeats)
+        return dict(batch=batch, prompt=prompt, new=new, ms_per_step=parts,
+                    text="ms per step alone: " + ", ".join(f"{name} {ms:.3f}" for name, ms in parts.items()))
 
     def _slots(self, batch, slots):
         from bench_rollout import chat_lengths, compare_rollouts

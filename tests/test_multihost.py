@@ -316,7 +316,10 @@ def test_bench_device_suite_small_on_cpu():
     assert result["rows"]["train_smollm2_8x1024_before"]["attention"] == "reference"
     assert not result["rows"]["train_smollm2_8x1024_percast"]["weights_cast_once"]
     assert result["rows"]["train_smollm2_8x1024_xla"]["attention"] == "xla"
-    decode = {name: result["rows"][name] for name in bench_device.SUITE_ROWS if name.startswith("decode_")}
+    parts = result["rows"]["decode_parts_b256"]["ms_per_step"]
+    assert set(parts) == {"model", "top_k_50", "top_k_16", "no_filter"} and min(parts.values()) > 0
+    decode = {name: result["rows"][name] for name in bench_device.SUITE_ROWS
+              if name.startswith("decode_b")}
     assert {name: row["layout"] for name, row in decode.items()} == {
         "decode_b32": "fused", "decode_b32_unrolled": "unrolled", "decode_b32_scan": "train", "decode_b256": "fused",
         "decode_b256_scan": "train"}
