@@ -39,6 +39,10 @@ random weights (nothing to download), each number beside its bound, the last lin
                                      the model's step (fused layout) and choosing the tokens
                                      with top-k 50, top-k 16 (XLA's GPU top-k kernel takes k
                                      <= 16; above, a sort of the vocabulary) and no filter;
+  sampler_compile                    seconds to lower and compile `generate` in the training
+                                     and the fused layout at 128, 512 and 1,024 new tokens
+                                     (the fused program holds its layers once per decode
+                                     block), the persistent compilation cache off;
   slots_chat_b32_s8, slots_chat_b256_s64
                                      the static sampler in B / S calls of S rows (the same
                                      KV-cache memory) against S decode slots, rows stopping at
@@ -79,7 +83,7 @@ PRESETS = {
 SUITE_ROWS = ("train_smollm2_8x1024_full", "train_smollm2_8x1024_none", "train_smollm2_8x1024_before",
               "train_smollm2_8x1024_percast", "train_smollm2_8x1024_xla",
               "train_smollm2_max_full", "train_smollm2_max_none", "train_gemma2b_4x2048", "decode_b32",
-              "decode_b32_unrolled", "decode_b32_scan", "decode_b256", "decode_b256_scan", "decode_parts_b256", "slots_chat_b32_s8", "slots_chat_b256_s64", "mismatch_f32")
+              "decode_b32_unrolled", "decode_b32_scan", "decode_b256", "decode_b256_scan", "decode_parts_b256", "sampler_compile", "slots_chat_b32_s8", "slots_chat_b256_s64", "mismatch_f32")
 
 
 def table_peak(device_kind: str):
@@ -434,6 +438,34 @@ class Suite:
 
     def decode_b256_scan(self):
         return self._decode(256, "train")
+
+    def sampler_compile(self):
+        """Seconds to lower and compile `generate` (8 x 64 prompt tokens, top-k 50) in the training
+        and the fused layout, per decode budget, with the persistent compilation cache off."""
+        from marl_jax import models, rollout
+
+        budgets = (16, 64) if self.small else (128, 512, 1024)
+        seconds = {}
+        previous = jax.config.jax_enable_compilation_cache
+        jax.config.update("jax_enable_compilation_cache", False)
+        try:
+            for layout in ("train", "fused"):
+                _, module, _, _ = self._policy("smollm2", sampler_layout=layout)
+                params = jax.eval_shape(lambda: models.init_params(module, jax.random.key(0)))
+                for new in budgets:
+                    program = jax.jit(lambda p, ids, module=module, new=new: rollout.generate(
+                        module, p, ids, jnp.ones_like(ids), key=jax.random.key(0), max_new_tokens=new,
+                        temperature=0.8, top_k=min(50, module.config.vocab_size), eos_id=module.config.eos_token_id,
+                        pad_id=module.config.pad_token_id))
+                    start = time.perf_counter()
+                    program.lower(params, jax.ShapeDtypeStruct((8, 64), jnp.int32)).compile()
+                    seconds[f"{layout}_{new}"] = time.perf_counter() - start
+        finally:
+            jax.config.update("jax_enable_compilation_cache", previous)
+        return dict(budgets=list(budgets), compile_s=seconds,
+                    text="lower + compile of generate, 8 x 64 prompt tokens: " + ", ".join(
+                        f"{new} new tokens {seconds[f'train_{new}']:.1f} s (train) / {seconds[f'fused_{new}']:.1f} s "
+                        "(fused)" for new in budgets))
 
     def decode_parts_b256(self):
         prompt, new = (16, 32) if self.small else (128, 128)

@@ -316,6 +316,9 @@ def test_bench_device_suite_small_on_cpu():
     assert result["rows"]["train_smollm2_8x1024_before"]["attention"] == "reference"
     assert not result["rows"]["train_smollm2_8x1024_percast"]["weights_cast_once"]
     assert result["rows"]["train_smollm2_8x1024_xla"]["attention"] == "xla"
+    compile_s = result["rows"]["sampler_compile"]["compile_s"]
+    assert set(compile_s) == {f"{layout}_{new}" for layout in ("train", "fused") for new in (16, 64)}
+    assert min(compile_s.values()) > 0
     parts = result["rows"]["decode_parts_b256"]["ms_per_step"]
     assert set(parts) == {"model", "top_k_50", "top_k_16", "no_filter"} and min(parts.values()) > 0
     decode = {name: result["rows"][name] for name in bench_device.SUITE_ROWS
