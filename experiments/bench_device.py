@@ -40,7 +40,7 @@ random weights (nothing to download), each number beside its bound, the last lin
                                      with top-k 50, top-k 16 (XLA's GPU top-k kernel takes k
                                      <= 16; above, a sort of the vocabulary) and no filter;
   sampler_compile                    seconds to lower and compile `generate` in the training
-                                     and the fused layout at 128, 512 and 1,024 new tokens
+                                     and the fused layout at 128 and 512 new tokens
                                      (the fused program holds its layers once per decode
                                      block), the persistent compilation cache off;
   slots_chat_b32_s8, slots_chat_b256_s64
@@ -444,7 +444,7 @@ class Suite:
         and the fused layout, per decode budget, with the persistent compilation cache off."""
         from marl_jax import models, rollout
 
-        budgets = (16, 64) if self.small else (128, 512, 1024)
+        budgets = (16, 64) if self.small else (128, 512)
         seconds = {}
         previous = jax.config.jax_enable_compilation_cache
         jax.config.update("jax_enable_compilation_cache", False)
