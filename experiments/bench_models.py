@@ -36,9 +36,9 @@ class Vocabulary:
 
 
 # ModelConfig fields a run sets itself (numerics, token ids, adapters), not the architecture's.
-_RUN_FIELDS = ("dtype", "param_dtype", "remat", "scan_layers", "scan_unroll", "attention", "matmul_precision", "sampler_layout",
-               "fused_projections", "bos_token_id",
-               "eos_token_id", "pad_token_id", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
+_RUN_FIELDS = ("dtype", "param_dtype", "remat", "scan_layers", "scan_unroll", "attention", "matmul_precision",
+               "sampler_layout", "fused_projections", "bos_token_id", "eos_token_id", "pad_token_id", "lora_rank",
+               "lora_alpha", "lora_dropout", "lora_targets")
 
 
 def model_settings(shape: str, dtype: str, *, remat="none", scan_layers: bool = True, attention: str = "auto",

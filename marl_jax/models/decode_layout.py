@@ -7,8 +7,8 @@ another layout of the same weights than the one the trainer keeps, built once pe
 - `unrolled`: the layers unrolled (no loop over layers inside the decode step, no dynamic slice
   of the stacked weights per layer);
 - `fused`: unrolled, and q / k / v as one projection and gate / up as one
-  (`params.fuse_projections`): four matmuls per layer instead of seven. No LoRA adapters
-  (merged ones are kernels and fuse);
+  (`params.fuse_projections`): four matmuls per layer instead of seven; refused with LoRA
+  adapters on (`lora_rank` > 0), which run beside separate projections;
 - `auto`: `fused` on an NVIDIA GPU (`unrolled` with LoRA adapters), `train` elsewhere (CPUs,
   where it changes nothing measurable, and TPUs until measured there).
 The tokens are the same up to the matmuls' rounding: on a CPU in float32 the logprobs agree to
@@ -33,7 +33,7 @@ def resolve(config) -> str:
 
 def for_decoding(config, params):
     """(config, params) the sampler decodes with: `params` of a CausalLM with the weights cast to
-    the compute dtype once (`compute_weights`), relaid for `resolve(config)`. Jittable; inside a
+    the compute dtype once (`compute_weights`), relaid for `resolve(config)`. Callable inside `jax.jit`: in a
     jitted rollout the relaid weights are built once per call."""
     params = compute_weights(params, config)
     layout = resolve(config)

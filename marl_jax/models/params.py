@@ -94,6 +94,7 @@ def _fuse_attention(attn: dict, groups: int) -> dict:
     `[..., K, G + 2, H]`): per KV head its G query heads, then its key and value."""
     attn = dict(attn)
     q, k, v = (attn.pop(name) for name in ("q", "k", "v"))
+
     def fuse(leaf):  # [..., N, H], [..., K, H], [..., K, H] -> [..., K, G + 2, H]
         grouped = q[leaf].reshape(*q[leaf].shape[:-2], -1, groups, q[leaf].shape[-1])
         return jnp.concatenate([grouped, k[leaf][..., None, :], v[leaf][..., None, :]], axis=-2)
