@@ -296,3 +296,30 @@ def assert_same_tokenizer(ours, reference, texts: list[str]) -> None:
     for skip in (False, True):
         assert ours.batch_decode(ids, skip_special_tokens=skip) == reference.batch_decode(
             ids, skip_special_tokens=skip)
+
+
+# Logical rules of the model's activation constraints on a ("data", "fsdp", "tensor") mesh.
+ACTIVATION_RULES = (("activation_batch", "data"), ("activation_heads", "tensor"), ("activation_kv_heads", "tensor"),
+                    ("activation_mlp", "tensor"), ("activation_vocab", "tensor"), ("activation_length", None),
+                    ("activation_embed", None))
+
+
+def sharded_on_2x2x2(model, params):
+    """(mesh of 8 devices as data x fsdp x tensor = 2 x 2 x 2, `params` placed on it by their
+    logical axes: embed on fsdp, vocab / heads / kv_heads / mlp on tensor where the dimension
+    splits in two, replicated elsewhere)."""
+    import jax
+    from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+    import marl_jax.models as M
+
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 2, 2), ("data", "fsdp", "tensor"),
+                axis_types=(AxisType.Auto,) * 3)
+    rules = {"embed": "fsdp", "vocab": "tensor", "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor"}
+
+    def place(spec, leaf):
+        axes = [rules.get(name) if name in rules and leaf.shape[i] % 2 == 0 else None for i, name in enumerate(spec)]
+        return NamedSharding(mesh, PartitionSpec(*axes))
+
+    shardings = jax.tree.map(place, M.logical_axes(model), params, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return mesh, jax.device_put(params, shardings)

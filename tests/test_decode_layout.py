@@ -14,6 +14,7 @@ from marl_jax import models, rollout
 from marl_jax.models import attention, decode_layout, params as params_lib
 from marl_jax.models.config import SAMPLER_LAYOUTS, ModelConfig
 
+import models_util
 from train_util import tiny_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
@@ -203,32 +204,19 @@ ENTRY %main (a: f32[4]) -> f32[4] {
 
 def test_fused_layout_of_sharded_scanned_params_samples_the_same_tokens():
     import flax.linen as nn
-    from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+    from jax.sharding import NamedSharding, PartitionSpec
 
     config = _config("qwen2", scan_layers=True)
     params = _params(config)
     model = models.CausalLM(config)
-    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 2, 2), ("data", "fsdp", "tensor"),
-                axis_types=(AxisType.Auto,) * 3)
-    rules = {"embed": "fsdp", "vocab": "tensor", "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor"}
-
-    def place(spec, leaf):
-        axes = [rules.get(name) if name in rules and leaf.shape[i] % 2 == 0 else None for i, name in enumerate(spec)]
-        return NamedSharding(mesh, PartitionSpec(*axes))
-
-    shardings = jax.tree.map(place, models.logical_axes(model), params,
-                             is_leaf=lambda x: isinstance(x, PartitionSpec))
-    sharded = jax.device_put(params, shardings)
+    mesh, sharded = models_util.sharded_on_2x2x2(model, params)
     assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(sharded))
     ids, mask = _prompts()
     batch = NamedSharding(mesh, PartitionSpec("data"))
     kwargs = dict(key=jax.random.key(3), max_new_tokens=12, temperature=0.9, top_k=20, eos_id=1, pad_id=0)
     expected = rollout.generate(model, params, ids, mask, **kwargs)
     fused = models.CausalLM(config.replace(sampler_layout="fused"))
-    activation_rules = (("activation_batch", "data"), ("activation_heads", "tensor"),
-                        ("activation_kv_heads", "tensor"), ("activation_mlp", "tensor"),
-                        ("activation_vocab", "tensor"), ("activation_length", None), ("activation_embed", None))
-    with jax.set_mesh(mesh), nn.logical_axis_rules(activation_rules):
+    with jax.set_mesh(mesh), nn.logical_axis_rules(models_util.ACTIVATION_RULES):
         got = jax.jit(lambda p, i, m: rollout.generate(fused, p, i, m, **kwargs))(
             sharded, jax.device_put(ids, batch), jax.device_put(mask, batch))
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(expected.tokens))

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.special
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 import marl_jax.models as M
 from marl_jax.rollout import SampleOutput, generate
@@ -203,17 +203,7 @@ def test_inside_jit_with_traced_temperature(tiny):
 
 def test_sharded_params_and_batch_give_the_same_samples(tiny):
     model, params, ids, mask = tiny
-    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 2, 2), ("data", "fsdp", "tensor"),
-                axis_types=(AxisType.Auto,) * 3)
-    rules = {"embed": "fsdp", "vocab": "tensor", "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor"}
-
-    def sharding(spec, leaf):
-        axes = [rules.get(name) if name in rules and leaf.shape[i] % 2 == 0 else None for i, name in enumerate(spec)]
-        return NamedSharding(mesh, PartitionSpec(*axes))
-
-    axes = M.logical_axes(model)
-    shardings = jax.tree.map(sharding, axes, params, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    sharded = jax.device_put(params, shardings)
+    mesh, sharded = models_util.sharded_on_2x2x2(model, params)
     assert any(len(x.sharding.device_set) > 1 and not x.sharding.is_fully_replicated for x in jax.tree.leaves(sharded))
     batch = NamedSharding(mesh, PartitionSpec("data"))
     kwargs = dict(key=jax.random.key(2), max_new_tokens=6, temperature=0.9, top_k=12, eos_id=1, pad_id=0)
@@ -223,10 +213,7 @@ def test_sharded_params_and_batch_give_the_same_samples(tiny):
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(expected.tokens))
     np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(expected.logprobs), atol=1e-5)
     # With a current mesh and logical rules, the model's activation constraints become real.
-    activation_rules = (("activation_batch", "data"), ("activation_heads", "tensor"),
-                        ("activation_kv_heads", "tensor"), ("activation_mlp", "tensor"),
-                        ("activation_vocab", "tensor"), ("activation_length", None), ("activation_embed", None))
-    with jax.set_mesh(mesh), nn.logical_axis_rules(activation_rules):
+    with jax.set_mesh(mesh), nn.logical_axis_rules(models_util.ACTIVATION_RULES):
         constrained = jax.jit(lambda p, i, m: generate(model, p, i, m, **kwargs))(
             sharded, jax.device_put(ids, batch), jax.device_put(mask, batch))
         hlo = jax.jit(lambda p, i, m: generate(model, p, i, m, **kwargs)).lower(sharded, ids, mask).as_text()
