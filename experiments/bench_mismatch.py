@@ -5,7 +5,7 @@
 
 For float32 and bfloat16 compute, without and with top-k: samples `response` tokens for each of
 `prompts` real prompts (`rollout.generate`, the KV-cache decode loop), scores the same tokens
-with `ppo_core.token_logprobs` (the one forward pass PPO trains through) from the same float32
+with `phases.score.token_logprobs` (the one forward pass PPO trains through) from the same float32
 params, and prints the three numbers PPO logs every step (`ppo_core.rollout_mismatch`): the mean
 and max |trainer - sampler| over response tokens, and the share of tokens whose
 exp(trainer - sampler) lies outside [0.8, 1.2]; then the largest whole-response log-ratio, and

@@ -8,7 +8,7 @@ was sampled from, and their gradient with respect to the policy's params, for `p
 sequences of `prompt` + `response` tokens per device (the batch split over all devices, params
 sharded fsdp over all of them, bfloat16 compute on TPUs, rematerialised scanned layers):
 
-  lean   `marl_jax.train.ppo_core.token_logprobs`: the decoder to hidden states, the LM head over
+  lean   `marl_jax.train.phases.score.token_logprobs`: the decoder to hidden states, the LM head over
          response positions only, in chunks (what every PPO stage runs);
   full   the path it replaced: logits `[B, P + R, V]` float32, scaled by the temperature, a
          log-softmax over the vocabulary, the gather, the entropy of the same array.
