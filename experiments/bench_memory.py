@@ -62,7 +62,7 @@ Headroom = 1 - peak / capacity; the configs ask for at least 10%.
 A roofline per program, from the compiler's `compiled.cost_analysis()` per device: FLOPs and
 HBM bytes accessed (XLA's count: work inside Pallas kernels, such as the splash attention, is
 not in it), the roofline bound on the step time, max(FLOPs / peak, bytes / HBM bandwidth), with
-the peak bf16 FLOP/s and HBM bandwidth of the device kind (`bench_hardware`), and the share of
+the peak bf16 FLOP/s and HBM bandwidth of the device kind (`marl_jax.train.perf.DEVICE_KINDS`), and the share of
 peak FLOP/s that bound allows (roofline MFU = FLOPs / peak / bound; 1 when compute-bound).
 
 The last line is `devices=N peak_gib=X capacity_gib=Y fits=True|False flops=F hbm_bytes=B
@@ -102,13 +102,6 @@ flags.DEFINE_list("programs", None, f"Programs to compile, of {PROGRAMS} (defaul
 flags.DEFINE_string("json", None, "Write the numbers to this JSON file.", flag_values=FLAGS)
 flags.DEFINE_float("capacity_gib", None, "cpu:N: memory per device (default host RAM / N).",
                    flag_values=FLAGS)
-
-# HBM per JAX device by `device_kind` (cloud.google.com/tpu/docs/<version>: per chip v2 16 GiB,
-# v3 32 GiB, v4 32 GiB, v5e 16 GiB, v5p 95 GiB, v6e 32 GiB). v2 and v3 expose each of a
-# chip's two TensorCores as a device; v4 and v5p one device per chip (megacore).
-HBM_GIB = {"TPU v2": 8, "TPU v3": 16, "TPU v4": 32, "TPU v5 lite": 16, "TPU v5": 95,
-           "TPU v6 lite": 32}
-
 
 class Generation(typing.NamedTuple):
     """How a slice name `<generation>-N` maps onto libtpu's topology names."""
@@ -187,11 +180,17 @@ def tpu_target(name: str) -> Target:
         platform="tpu", topology_name=f"{generation.prefix}:{'x'.join(map(str, grid))}",
         chip_config_name="megacore" if generation.megacore else "default",
         chips_per_host_bounds=tuple(min(h, g) for h, g in zip(host, (*grid, 1)))).devices
+    from marl_jax.train import perf
+
+    # HBM per JAX device (cloud.google.com/tpu/docs/<version>: per chip v2 16 GiB, v3 32 GiB, v4
+    # 32 GiB, v5e 16 GiB, v5p 95 GiB, v6e 32 GiB; v2 and v3 expose each of a chip's two
+    # TensorCores as a device, v4 and v5p one device per chip).
     kind = devices[0].device_kind
-    if kind not in HBM_GIB:
+    row = perf.device_kind(kind)
+    if row is None or row.hbm_bytes is None:
         raise SystemExit(f"--topology={name}: no HBM size known for device kind {kind!r}")
-    return Target(name, "tpu", list(devices), HBM_GIB[kind] * GIB,
-                  f"{kind}: {HBM_GIB[kind]} GiB HBM per device (table)")
+    return Target(name, "tpu", list(devices), row.hbm_bytes,
+                  f"{kind}: {row.hbm_bytes // GIB} GiB HBM per device (table)")
 
 
 def cpu_target(n: int, capacity_gib: float | None) -> Target:

@@ -161,6 +161,10 @@ def base_config() -> ml_collections.ConfigDict:
     # Rollouts (PPO and evaluation) over this many decode slots: continuous batching, the same
     # samples, a KV cache of decode_slots rows instead of batch_size; 0: one static batch.
     p.decode_slots = 0
+    # Run the step as its four phases' programs (rollout, score, advantages, update), each
+    # waited on, so every row says where the step's time went (`timing/<phase>_s`); False: the
+    # step as one program (docs/accelerators.md has what the split costs).
+    p.phase_timing = True
     # Macro actions.
     p.termination = "fixed"
     p.ngram = 5

@@ -106,6 +106,8 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
     check(p.top_k >= 0, "ppo.top_k", "must be >= 0 (0 disables top-k)")
     check(isinstance(p.decode_slots, int) and p.decode_slots >= 0, "ppo.decode_slots",
           "must be an integer >= 0 (0: one static batch)")
+    check(isinstance(p.get("phase_timing", True), bool), "ppo.phase_timing",
+          "must be True (the phases as programs of their own, timed) or False (one program)")
     check(0 <= p.lam <= 1, "ppo.lam", "must be in [0, 1]")
     check(0 <= p.gamma <= 1, "ppo.gamma", "must be in [0, 1]")
     check(p.kl_coef >= 0, "ppo.kl_coef", "must be >= 0")

@@ -10,6 +10,10 @@ evaluation rows `{"stage": "eval", "arm", "seed", "step", "gold", "kl", "rm_scor
 `ppo.eval_every` steps on held-out prompts (step 0 is the SFT policy), and one
 `{"stage": "final", "arm", "seed", "gold_per_prompt": [...], "rm_score_per_prompt": [...]}` per
 run, and one of arm `sft` per seed (the SFT policy: the step-0 evaluation). The report (`marl_jax/eval/report.py`) is computed from these rows alone.
+A training row's `perf/*` fields describe the group's whole vmapped step, all its runs
+together (seconds per step, the tokens and model FLOPs of every run over it, the MFU of the
+group), the same on each run's row; the step is one program, so there are no `timing/<phase>_s`
+(`timing/eval_s` is the group's held-out evaluation).
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from marl_jax.data import batches
 from marl_jax.data.real_tasks import decode_responses
 from marl_jax.eval.report import SFT_ARM  # the SFT policy's final rows (step-0 evaluations)
 from marl_jax.pipeline import Pipeline
-from marl_jax.train import loop, programs, sharding
+from marl_jax.train import loop, perf, programs, sharding
 from marl_jax.train.metrics import status_line
 from marl_jax.train import ppo as ppo_lib
 from marl_jax.train import phases, ppo_core as core
@@ -558,9 +562,9 @@ def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats, *, stage_na
                         checkpoint_every=config.checkpoint_every, log_every=config.log_every,
                         progress_keys=("objective/scores", "objective/kl"), hooks=hooks,
                         truncate_stages=("ppo", "eval"),
-                        tokens_per_step=len(runs) * (p.batch_size * p.response_length
-                                                     + program.static.prompts_per_step
-                                                     * pipe.task.prompt_length))
+                        cost=ppo_lib.step_cost(program.static, program.mods,
+                                               pipe.task.prompt_length),
+                        peak_flops=perf.devices_peak_flops(pipe.policy.config.dtype))
     _write_finals(pipe, evaluator, state, runs, int(p.steps))
     stage.close()
     return runs

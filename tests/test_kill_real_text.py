@@ -49,7 +49,7 @@ FLAGS = {
 # and during the PPO steps (possibly while a checkpoint is being written).
 KILL_WHEN = ("sampled/rm_eval.npz", "checkpoints/rm/*", "checkpoints/experiment/*")
 # Fields that measure time, not results.
-TIMING = ("timing/", "tokens/s", "train_s", "steps/s")
+TIMING = ("timing/", "perf/", "train_s", "steps/s")
 
 
 def _command(tmp_path, smollm2_gguf, workdir):

@@ -27,7 +27,7 @@ def _assert_rows_close(a, b, rtol, keys=None):
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for ra, rb in zip(a, b):
         for k in keys or ra:
-            if k.startswith("timing/") or k in ("tokens/s", "stage"):
+            if k.startswith(("timing/", "perf/")) or k == "stage":
                 continue
             np.testing.assert_allclose(ra[k], rb[k], rtol=rtol, atol=rtol * 1e-2, err_msg=k)
 

@@ -14,7 +14,11 @@ import jax
 import numpy as np
 
 from marl_jax.train import checkpoint as ckpt_lib
+from marl_jax.train import perf
 from marl_jax.train.metrics import ProgressBar
+
+# Shown on the progress line after a stage's own keys, where a row has them.
+PERF_PROGRESS_KEYS = ("perf/tokens_per_s", "perf/mfu")
 
 
 class Stage:
@@ -43,7 +47,8 @@ class Stage:
 def run(stage: Stage, *, state, total_steps: int, step_fn: Callable, writer, metadata: dict,
         checkpoint_every: int, log_every: int = 1, abstract_state=None, shardings=None,
         row_keys: Optional[dict] = None, progress_keys=(), hooks: Callable = None,
-        tokens_per_step: int = 0, truncate_stages=None):
+        cost: Optional[Callable] = None, peak_flops: Optional[float] = None,
+        truncate_stages=None):
     """Runs `state = step_fn(state, step)` from the latest checkpoint to `total_steps`.
 
     Args:
@@ -52,8 +57,16 @@ def run(stage: Stage, *, state, total_steps: int, step_fn: Callable, writer, met
       abstract_state / shardings: how to restore (defaults: the shapes and shardings of `state`).
       row_keys: extra keys of every metrics row (e.g. arm, seed).
       hooks: `(state, done_steps) -> list[rows]` called after every step (evaluation rows).
-      tokens_per_step: tokens processed per step, for the tokens/s metric.
+      cost: `(row) -> (tokens, model FLOPs)` of one step from its logged row (host values), for
+        the `perf/*` fields (`perf.step_fields`); `peak_flops`: the peak FLOP/s of all devices
+        (None: no `perf/mfu`).
       truncate_stages: stages whose rows after a restored step are dropped (default: this one).
+
+    Every logged row carries `perf/step_s`: the wall-clock seconds per step since the previous
+    logged row (the first includes compiling), without the hooks' and the checkpoints' time;
+    with `hooks`, `timing/eval_s`: the seconds of the hook calls that gave rows (evaluations)
+    since the previous logged row, this step's included (0 when none did). The row is written
+    before the hooks' rows.
     Returns:
       (state, start_step): the final state and the step the run resumed from.
     """
@@ -74,28 +87,44 @@ def run(stage: Stage, *, state, total_steps: int, step_fn: Callable, writer, met
     if start >= total_steps:
         return state, start
     bar = ProgressBar(total_steps, initial=start, desc=stage.name)
+    shown = tuple(progress_keys) + PERF_PROGRESS_KEYS
     last_time, last_logged = time.perf_counter(), start
+    outside = evaluating = 0.0  # seconds of hooks and checkpoints since the last logged row
     for step in range(start, total_steps):
         state, metrics = step_fn(state, step)
         done = step + 1
+        row = None
         if done % log_every == 0 or done == total_steps:
             row = {k: _host_value(v) for k, v in jax.device_get(metrics).items()}
             now = time.perf_counter()
-            elapsed = (now - last_time) / (done - last_logged)
-            last_time, last_logged = now, done
-            row["timing/step_s"] = elapsed
-            if tokens_per_step:
-                row["tokens/s"] = tokens_per_step / max(elapsed, 1e-9)
+            seconds = (now - last_time - outside) / (done - last_logged)
+            last_time, last_logged, outside = now, done, 0.0
+            if cost is not None:
+                row.update(perf.step_fields(seconds, *cost(row), peak_flops))
+            else:
+                row["perf/step_s"] = seconds
+        extra = []
+        if hooks is not None:
+            started = time.perf_counter()
+            extra = hooks(state, done)
+            spent = time.perf_counter() - started
+            outside += spent
+            if extra:
+                evaluating += spent
+        if row is not None:
+            if hooks is not None:
+                row["timing/eval_s"], evaluating = evaluating, 0.0
             row = {"stage": stage.name, "step": done, **row_keys, **row}
             writer.write(row)
-            bar.update(done, {k: float(np.mean(row[k])) for k in progress_keys if k in row})
+            bar.update(done, {k: float(np.mean(row[k])) for k in shown if k in row})
         else:
             bar.update(done)
-        if hooks is not None:
-            for extra in hooks(state, done):
-                writer.write({"step": done, **row_keys, **extra})
+        for hook_row in extra:
+            writer.write({"step": done, **row_keys, **hook_row})
         if ckpt_lib.should_save(done, checkpoint_every, total_steps):
+            started = time.perf_counter()
             stage.save(done, state, metadata)
+            outside += time.perf_counter() - started
     bar.close()
     stage.checkpointer.wait()
     return state, start

@@ -18,8 +18,9 @@ from marl_jax import models as models_lib
 from marl_jax import rollout
 from marl_jax.data import batches
 from marl_jax.models import lora
-from marl_jax.train import build, checkpoint, loop, programs, sharding
-from marl_jax.train import phases, ppo_core as core
+from marl_jax.train import build, checkpoint, loop, perf, programs, sharding
+from marl_jax.train import phases
+from marl_jax.train.phased_step import PhasedStep
 from marl_jax.train.optim import adapter_weight_decay, make_optimizer, stage_schedule
 from marl_jax.train.ppo_types import (Frozen, Models, PPOState, PPOStatic, RunHparams, role_model,
                                       role_params, sampler_logprobs_are_exact)
@@ -316,6 +317,12 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
     # the frozen reference and reward model they start from.
     state = jax.device_put(initial_state(config, mods, sft_params, critic_params, config.seed),
                            state_sh, may_alias=False)
+    # Host work between the phases (parsing, host rewards) runs the phases as programs of their
+    # own; so does phase timing. Otherwise the step is one program.
+    phased = None
+    timed = p.get("phase_timing", True)
+    if timed or p.termination == "parsing" or p.reward_source == "host":
+        phased = PhasedStep(config, task, static, mods, state_sh, frozen_sh, mesh, timed=timed)
     step_fn = programs.ppo_step_program(static, mods, state_sh, frozen_sh, mesh).fn
     eval_fn = jax.jit(functools.partial(evaluate_from_key_data, static, mods,
                                         gold_fn=task.gold_fn,
@@ -332,15 +339,12 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
         return eval_row(distributed.global_to_host(
             {k: v for k, v in result.items() if k in EVAL_ROW_KEYS}))
 
-    host_step = _host_phased_step(config, task, static, mods, state_sh) if (
-        p.termination == "parsing" or p.reward_source == "host") else None
-
     def run_step(state, step):
         rows = batches.process_rows(batches.batch_indices(
             num_prompts, static.prompts_per_step, config.seed + 2, step), batch_sh)
         prompts = sharding.shard_batch({k: v[rows] for k, v in task.rl.items()}, mesh)
-        if host_step is not None:
-            return host_step(state, frozen, hparams, prompts, rows)
+        if phased is not None:
+            return phased(state, frozen, hparams, prompts, rows)
         return step_fn(state, frozen, hparams, prompts["ids"], prompts["mask"],
                        prompts.get("documents"))
 
@@ -355,65 +359,32 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
         if not stage.latest_step() and p.eval_every > 0:
             writer.truncate_after("eval", -1)
             writer.write(dict(stage="eval", step=0, **run_eval(state)))
-        tokens = p.batch_size * p.response_length + static.prompts_per_step * task.prompt_length
         state, _ = loop.run(stage, state=state, total_steps=p.steps, step_fn=run_step,
                             writer=writer, metadata=metadata,
                             checkpoint_every=config.checkpoint_every, log_every=config.log_every,
                             shardings=state_sh, truncate_stages=("ppo", "eval"),
                             progress_keys=("objective/scores", "objective/kl"),
-                            hooks=eval_hook, tokens_per_step=tokens)
+                            hooks=eval_hook, cost=step_cost(static, mods, task.prompt_length),
+                            peak_flops=perf.devices_peak_flops(policy.config.dtype))
     stage.close()
-    if host_step is not None:
-        host_step.close()
+    if phased is not None:
+        phased.close()
     return state
 
 
-class _host_phased_step:
-    """A PPO step with host work between sampling and the update.
+def step_cost(static: PPOStatic, mods: Models, prompt_length: int):
+    """`(row) -> (tokens, model FLOPs)` of the PPO step(s) a metrics row reports, for the
+    `perf/*` fields: every row's prompt and response tokens (`budget/*`) and
+    `perf.ppo_step_flops` of the actor, reference, critic and reward model. A vmapped
+    experiment's row holds a list per metric, one value per run: the sums over its runs."""
+    flops = [perf.model_flops(m) for m in (mods.policy, mods.critic, mods.reward)]
 
-    generate (device) -> fetch the tokens -> [parse on host threads | host rewards] ->
-    score (device, overlapped with the parsing) -> update (device, with the parsed segment ids).
-    """
+    def cost(row):
+        generated = np.atleast_1d(row["budget/generated_tokens"])
+        prompts = np.atleast_1d(row["budget/prefill_tokens"]) * static.group_size
+        lengths = np.atleast_1d(row["val/response_length"])
+        total = sum(perf.ppo_step_flops(static, *flops, prompt_length, g, n)["total"]
+                    for g, n in zip(generated, lengths))
+        return float(generated.sum() + prompts.sum()), total
 
-    def __init__(self, config, task, static, mods, state_sh):
-        p = config.ppo
-        self.task, self.reward_source = task, p.reward_source
-        self.generate = jax.jit(functools.partial(core.generate_phase, static, mods))
-        self.score = jax.jit(functools.partial(phases.score.score, static, mods))
-        self.static = static
-        self.update = jax.jit(functools.partial(core.update_phase, static, mods),
-                              out_shardings=(state_sh, None), donate_argnums=0)
-        self.parser = None
-        if p.termination == "parsing":
-            from marl_jax.macro.parsing import ParsingTermination
-            self.parser = ParsingTermination(
-                task.tokenizer, model=p.parsing_model, cutoff=p.parsing_cutoff,
-                fallback_n=p.ngram, isolate_last=p.isolate_last)
-
-    def __call__(self, state, frozen, hparams, prompts, rows):
-        sample = self.generate(state, prompts["ids"], prompts["mask"], frozen)
-        ids, mask = sample.tokens, sample.mask.astype(jnp.int32)
-        prompt_ids, prompt_mask, documents = phases.rollout.repeat_groups(
-            self.static, prompts["ids"], prompts["mask"], prompts.get("documents"))
-        rows = np.repeat(rows, self.static.group_size)
-        # This process's rows of the responses, in the order of `rows`.
-        mesh = prompts["ids"].sharding.mesh
-        ids, mask = jax.device_put((ids, mask), sharding.batch_sharding(mesh))
-        host_ids, host_mask = distributed.global_to_host_local((ids, mask))
-        parsed = self.parser.submit(host_ids, host_mask) if self.parser else None
-        host_scores = None
-        if self.reward_source == "host":
-            host_scores = sharding.shard_batch(
-                np.asarray(self.task.host_reward(rows, host_ids, host_mask), np.float32), mesh)
-        exp, roll_metrics = self.score(state, frozen, prompt_ids, prompt_mask, ids, mask,
-                                       documents, host_scores, sample.logprobs, sample.entropy)
-        segments, parse_stats = parsed.result() if parsed else (None, {})
-        state, metrics = self.update(state, exp, roll_metrics, hparams,
-                                     None if segments is None else sharding.shard_batch(
-                                         np.asarray(segments, np.int32), mesh), frozen)
-        return state, dict(metrics, **{k: v for k, v in parse_stats.items()
-                                       if k.startswith("macro/")})
-
-    def close(self):
-        if self.parser is not None:
-            self.parser.close()
+    return cost

@@ -5,6 +5,9 @@
     advantages   termination -> segment ids, (macro) GAE or a critic-free estimator
     update       `ppo_epochs` x `num_minibatches` actor and critic updates, the KL controller
 
+`ppo_step` is `rollout_phase` (rollout, score) then `update_phase` (advantages, update); each
+phase is also a function of its own (`generate_phase`, `score_phase`, `advantages_phase`,
+`update_from_advantages`), the programs `train/phased_step.py` runs and times one by one.
 Everything here is a pure function of pytrees and is jitted by the caller: `train/ppo.py` for one
 sharded run, `experiment.py` vmapped over arms and seeds. Hyper-parameters that arms of an
 experiment vary (kl_coef, lam, gamma, ngram, termination, weighting, aggregation) are traced
@@ -20,17 +23,27 @@ from marl_jax.train.ppo_types import (Experience, Frozen, Models, PPOState, PPOS
                                       RunHparams, step_keys)
 
 
+def score_phase(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, prompt_ids,
+                prompt_mask, sample, documents=None, host_scores=None, first_step=None):
+    """The score phase on a rollout's `sample` (a `SampleOutput` `[B, R]`): the prompts `[B /
+    group_size, P]` (and documents) repeated to one row per sample, then `score.score`:
+    (Experience, metrics)."""
+    prompt_ids, prompt_mask, documents = rollout_phases.repeat_groups(
+        static, prompt_ids, prompt_mask, documents)
+    return score.score(static, models, state, frozen, prompt_ids, prompt_mask, sample.tokens,
+                       sample.mask.astype(jnp.int32), documents, host_scores,
+                       sampled_logprobs=sample.logprobs, sampled_entropy=sample.entropy,
+                       first_step=first_step)
+
+
 def rollout(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, prompt_ids,
             prompt_mask, key, documents=None, first_step=None):
     """The rollout phase then the score phase: (Experience, metrics). The prompts `[B /
     group_size, P]` (and documents) are repeated to one row per sample."""
     sample = rollout_phases.generate_responses(static, models, state, prompt_ids, prompt_mask,
                                                key, frozen)
-    prompt_ids, prompt_mask, documents = rollout_phases.repeat_groups(
-        static, prompt_ids, prompt_mask, documents)
-    return score.score(static, models, state, frozen, prompt_ids, prompt_mask, sample.tokens,
-                       sample.mask.astype(jnp.int32), documents, sampled_logprobs=sample.logprobs,
-                       sampled_entropy=sample.entropy, first_step=first_step)
+    return score_phase(static, models, state, frozen, prompt_ids, prompt_mask, sample, documents,
+                       first_step=first_step)
 
 
 def rollout_phase(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen,
@@ -49,16 +62,21 @@ def generate_phase(static: PPOStatic, models: Models, state: PPOState, prompt_id
                                              step_keys(state)[0], frozen)
 
 
-def update_phase(static: PPOStatic, models: Models, state: PPOState, exp: Experience,
-                 roll_metrics: dict, hparams: RunHparams, host_segments=None, frozen=None):
-    """The second half (advantages and update): (state, metrics).
+def advantages_phase(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen,
+                     hparams: RunHparams, exp: Experience, host_segments=None):
+    """The advantages phase (`advantages.compute_advantages` with the step's segment key):
+    (Advantages, metrics)."""
+    _, k_segment, _ = step_keys(state)
+    return advantages.compute_advantages(static, models, state, frozen, hparams, exp, k_segment,
+                                         host_segments)
 
-    `host_segments` (`[B, R]` int32) are the parsing termination's segment ids, computed on the
-    host from the sampled text between the two halves.
-    """
-    _, k_segment, k_update = step_keys(state)
-    adv, adv_metrics = advantages.compute_advantages(static, models, state, frozen, hparams,
-                                                     exp, k_segment, host_segments)
+
+def update_from_advantages(static: PPOStatic, models: Models, state: PPOState, exp: Experience,
+                           adv: advantages.Advantages, roll_metrics: dict, adv_metrics: dict,
+                           frozen=None):
+    """The update phase (`update.update` with the step's update key), the KL controller and the
+    step's counts: (state, the step's metrics: the rollout's, the update's, the advantages')."""
+    _, _, k_update = step_keys(state)
     new_state, upd_metrics = update.update(static, models, state, exp, adv, k_update, frozen)
     new_state = new_state.replace(
         step=state.step + 1,
@@ -69,6 +87,19 @@ def update_phase(static: PPOStatic, models: Models, state: PPOState, exp: Experi
                "objective/kl_coef": state.kl_coef,
                "budget/generated_tokens_total": new_state.generated_tokens}
     return new_state, metrics
+
+
+def update_phase(static: PPOStatic, models: Models, state: PPOState, exp: Experience,
+                 roll_metrics: dict, hparams: RunHparams, host_segments=None, frozen=None):
+    """The second half (advantages and update): (state, metrics).
+
+    `host_segments` (`[B, R]` int32) are the parsing termination's segment ids, computed on the
+    host from the sampled text between the two halves.
+    """
+    adv, adv_metrics = advantages_phase(static, models, state, frozen, hparams, exp,
+                                        host_segments)
+    return update_from_advantages(static, models, state, exp, adv, roll_metrics, adv_metrics,
+                                  frozen)
 
 
 def ppo_step(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen,

@@ -8,6 +8,8 @@
                          -> (state, metrics)
     experiment_step_program  the ppo step vmapped over runs (`marl_jax.experiment`): every
                          argument but `frozen` with a leading run axis `[runs, ...]`
+    phase_programs       the four phases of the ppo step as programs of their own (timed one
+                         by one, `train/phased_step.py`): rollout, score, advantages, update
 
 Each returns a `Program`: the `jax.jit` of the stage function with the shardings and donation
 it is jitted with, whatever the arguments are (arrays or `jax.ShapeDtypeStruct`s).
@@ -101,6 +103,37 @@ def update_program(static: PPOStatic, mods: Models, state_sh: PPOState,
     return jit_program(functools.partial(core.update_phase, static, mods),
                        (state_sh, batch_sh, rep, rep, batch_sh, frozen_sh), (state_sh, rep),
                        donate_argnums=(0,))
+
+
+def phase_programs(static: PPOStatic, mods: Models, state_sh: PPOState, frozen_sh: Frozen,
+                   mesh) -> dict[str, Program]:
+    """The phases of `ppo_core.ppo_step` as four programs, whose composition is that step:
+
+        rollout     (state, frozen, prompt ids, prompt mask) -> SampleOutput
+        score       (state, frozen, prompt ids, prompt mask, sample, documents, host scores)
+                    -> (experience, rollout metrics)
+        advantages  (state, frozen, hparams, experience, host segment ids) -> (advantages,
+                    metrics)
+        update      (state, experience, advantages, rollout metrics, advantages' metrics,
+                    frozen) -> (state, metrics), the state donated
+
+    What passes between them (samples, experience, advantages) is split over the batch axes
+    like the prompts; the metrics are replicated."""
+    rep, batch_sh = sharding.replicated(mesh), sharding.batch_sharding(mesh)
+    generate = lambda state, frozen, ids, mask: core.generate_phase(static, mods, state, ids,
+                                                                    mask, frozen)
+    return {
+        "rollout": jit_program(generate, (state_sh, frozen_sh, batch_sh, batch_sh), batch_sh),
+        "score": jit_program(functools.partial(core.score_phase, static, mods),
+                             (state_sh, frozen_sh, batch_sh, batch_sh, batch_sh, batch_sh,
+                              batch_sh), (batch_sh, rep)),
+        "advantages": jit_program(functools.partial(core.advantages_phase, static, mods),
+                                  (state_sh, frozen_sh, rep, batch_sh, batch_sh),
+                                  (batch_sh, rep)),
+        "update": jit_program(functools.partial(core.update_from_advantages, static, mods),
+                              (state_sh, batch_sh, batch_sh, rep, rep, frozen_sh),
+                              (state_sh, rep), donate_argnums=(0,)),
+    }
 
 
 def with_run_axis(named_sharding: NamedSharding) -> NamedSharding:

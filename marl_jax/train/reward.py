@@ -362,7 +362,10 @@ def run_rm(config, task, reward_model, init_params, *, mesh, writer, workdir, tr
             raise ValueError(f"a reward-model trunk of {trunk.num_layers} layers and "
                              f"{trunk.num_pairs} pairs: the stage freezes {frozen} layers and "
                              f"has {len(task.rm['prompt_ids'])} pairs")
-    weight_fn = tokens = None
+    weight_fn = None
+    widths = [task.rm["prompt_ids"].shape[1] + task.rm[k].shape[1]
+              for k in ("chosen_ids", "rejected_ids")]
+    sequences = tuple((1, w) for w in widths)  # the prompt with each response of a pair
     if config.rm.get("group_by_prompt", False):
         groups = prompt_groups(task.rm)
         data = groups.training_data(task.rm, trunk)
@@ -370,8 +373,7 @@ def run_rm(config, task, reward_model, init_params, *, mesh, writer, workdir, tr
         loss_fn = lambda p, batch, rngs=None: grouped_rm_loss(reward_model, p, batch, layers, rngs)
         # Micro-batches of gradient accumulation weigh by their pairs: the mean over the pairs.
         weight_fn = lambda batch: batch["pair_mask"].sum()
-        tokens = groups.sequences.shape[1] * (task.rm["prompt_ids"].shape[1]
-                                              + task.rm["chosen_ids"].shape[1])
+        sequences = ((groups.sequences.shape[1], widths[0]),)
     elif trunk is None:
         data, loss_fn = task.rm, lambda p, batch, rngs=None: rm_loss(reward_model, p, batch, rngs)
     else:
@@ -383,5 +385,5 @@ def run_rm(config, task, reward_model, init_params, *, mesh, writer, workdir, tr
         writer=writer, workdir=workdir, checkpoint_every=config.checkpoint_every,
         log_every=config.log_every, max_to_keep=config.max_to_keep,
         metadata=dict(stage="rm", config=config.to_dict()), progress_keys=("loss", "accuracy"),
-        weight_fn=weight_fn, tokens_per_example=tokens,
+        weight_fn=weight_fn, sequences=sequences,
         lora_weight_decay=adapter_weight_decay(config) or 0.0)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from marl_jax.data import batches
 from marl_jax import models
 from marl_jax.models import lora
-from marl_jax.train import build, loop, programs, sharding
+from marl_jax.train import build, loop, perf, programs, sharding
 from marl_jax.train.checkpoint import check_same_base, lora_identity
 from marl_jax.train.optim import (
     accumulate_gradients,
@@ -84,7 +84,8 @@ def make_lora_train_step(loss_fn: Callable, optimizer, **kwargs):
 def train(*, name: str, cfg, seed: int, module, init_params, loss_fn: Callable, data: dict,
           mesh, writer, workdir: str, checkpoint_every: int, log_every: int, max_to_keep: int,
           metadata: dict, progress_keys=(), weight_fn: Callable | None = None,
-          tokens_per_example: int | None = None, lora_weight_decay: float = 0.0) -> Any:
+          sequences: Sequence[tuple[int, int]] | None = None,
+          lora_weight_decay: float = 0.0) -> Any:
     """Trains `module` from `init_params` for `cfg.steps` steps; returns the final params.
 
     Args:
@@ -93,8 +94,11 @@ def train(*, name: str, cfg, seed: int, module, init_params, loss_fn: Callable, 
         dropout rng (`model.lora.dropout` > 0) and is passed to the model's training forward.
       data: dict of host arrays with a common leading axis; batches are rows of it.
       weight_fn: a micro-batch's weight in gradient accumulation (see `make_train_step`).
-      tokens_per_example: tokens a row of `data` stands for, for the tokens/s metric (default:
-        the widths of its `*ids` arrays).
+      sequences: what one row of `data` runs through the model, as (count, width) pairs of
+        sequences (a preference pair: the prompt with each response), for the `perf/*` fields
+        (tokens: their positions; FLOPs: `perf.ModelFlops.train` of each, the LM head over the
+        response positions of a `*response_ids` array); default one sequence as wide as the
+        row's `*ids` arrays together.
       lora_weight_decay: the AdamW weight decay of the adapters (`model.lora.weight_decay`).
 
     With LoRA (`module.config.lora_rank`) the stage trains the adapters of `init_params` (fresh
@@ -130,8 +134,10 @@ def train(*, name: str, cfg, seed: int, module, init_params, loss_fn: Callable, 
             base_shardings=base_sh).fn
         step_fn = lambda state, batch: lora_fn(state, batch, base)
     num_examples = len(next(iter(data.values())))
-    if tokens_per_example is None:
-        tokens_per_example = sum(v.shape[1] for k, v in data.items() if k.endswith("ids"))
+    if sequences is None:
+        sequences = ((1, sum(v.shape[1] for k, v in data.items() if k.endswith("ids"))),)
+    cost = step_cost(module, cfg.batch_size, sequences,
+                     head_width=data["response_ids"].shape[-1] if "response_ids" in data else None)
     stage = loop.Stage(name, workdir, max_to_keep=max_to_keep)
 
     def run_step(state, step):
@@ -155,9 +161,22 @@ def train(*, name: str, cfg, seed: int, module, init_params, loss_fn: Callable, 
         state, _ = loop.run(stage, state=state, total_steps=cfg.steps, step_fn=run_step,
                             writer=writer, metadata=metadata, checkpoint_every=checkpoint_every,
                             log_every=log_every, progress_keys=progress_keys,
-                            tokens_per_step=cfg.batch_size * tokens_per_example)
+                            cost=lambda row: cost,
+                            peak_flops=perf.devices_peak_flops(module.config.dtype))
     stage.close()
     return _with_base(base, state.params)
+
+
+def step_cost(module, batch_size: int, sequences, head_width: int | None = None):
+    """(tokens, model FLOPs) of one supervised step of `batch_size` rows, each running
+    `sequences` ((count, width) pairs) forward and backward through `module`; a causal LM's head
+    over the last `head_width` positions of each sequence (the response), else over all."""
+    flops = perf.model_flops(module)
+    is_lm = isinstance(module, models.CausalLM)
+    tokens = batch_size * sum(count * width for count, width in sequences)
+    total = batch_size * sum(count * flops.train(width, width, head_width if is_lm and head_width
+                                                  else None) for count, width in sequences)
+    return float(tokens), float(total)
 
 
 def _with_base(base, trained):

@@ -1,0 +1,159 @@
+"""Performance accounting (`marl_jax.train.perf`): the FLOP count against a hand count, the
+device table, and the `perf/*` and `timing/*` fields of a synthetic run's rows, the phases run
+as programs of their own giving the fused step's metrics."""
+import copy
+import re
+
+import numpy as np
+import pytest
+
+from marl_jax import models
+from marl_jax.models.heads import ScalarHeadModel
+from marl_jax.train import perf
+from marl_jax.train import ppo as ppo_lib
+from marl_jax.train.metrics import MetricsWriter, read_metrics
+from marl_jax.train.ppo_types import PPOStatic
+
+from train_util import trained_tiny_pipeline
+
+# A 2-layer Llama: width 32, 2 query heads and 1 KV head of 16, MLP 64, vocabulary 100.
+TINY = dict(family="llama", hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+            num_kv_heads=1, head_dim=16, vocab_size=100, max_position_embeddings=64)
+# Per layer, by hand: q 32 x 2 x 16 = 1024, k and v 32 x 1 x 16 = 512 each, o 2 x 16 x 32 = 1024,
+# gate, up and down 32 x 64 = 2048 each: 9216; two layers 18432.
+BODY = 18432
+
+
+def _config(**fields):
+    values = dict(TINY)
+    return models.ModelConfig.for_family(values.pop("family"), **values).replace(**fields)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_model_flops_is_the_hand_count(tied):
+    policy = models.CausalLM(_config(tie_word_embeddings=tied))
+    got = perf.model_flops(policy)
+    # The head is 32 x 100 whether it is the embedding table or its own matrix; the embedding
+    # lookup costs nothing.
+    assert (got.body, got.head) == (BODY, 3200)
+    # 10 positions, each reading 10 keys, the head at 4 of them: 2 x 18432 x 10 + 2 x 3200 x 4
+    # + 4 x 2 layers x 2 heads x 16 x 10 x 10.
+    assert got.forward(10, 10, 4) == 368640 + 25600 + 25600
+    assert got.train(10, 10, 4) == 3 * (368640 + 25600 + 25600)
+    # A 5-token prompt (head at its last position), then 3 decoded tokens reading 6, 7 and 8
+    # keys: 2 x (18432 + 3200) x 3 + 4 x 2 x 2 x 16 x 21.
+    assert got.prefill(5) == 2 * BODY * 5 + 2 * 3200 + 4 * 2 * 2 * 16 * 25
+    assert got.generation(5, 3) == 2 * (BODY + 3200) * 3 + 4 * 2 * 2 * 16 * 21
+    critic = perf.model_flops(ScalarHeadModel(_config()))
+    assert (critic.body, critic.head) == (BODY, 32)
+
+
+def test_ppo_step_flops_is_the_hand_count():
+    policy = perf.ModelFlops(body=1000, head=300, num_layers=2, num_heads=2, head_dim=4)
+    critic = perf.ModelFlops(body=1000, head=10, num_layers=2, num_heads=2, head_dim=4)
+    reward = perf.ModelFlops(body=2000, head=10, num_layers=1, num_heads=1, head_dim=8)
+    # 4 rows, 2 samples of each of 2 prompts of 3 positions, responses of 5 tokens, top-k (the
+    # actor scores its own samples), 2 epochs.
+    static = PPOStatic(batch_size=4, response_length=5, eos_id=1, pad_id=0, top_k=50,
+                       group_size=2, ppo_epochs=2)
+    got = perf.ppo_step_flops(static, policy, critic, reward, prompt_length=3,
+                              generated_tokens=16, response_length_mean=4.0)
+    attention = lambda layers, width, positions, keys: 4 * layers * width * positions * keys
+    # Rollout: 2 prefills of 3 positions (head once each), 16 tokens = 4 rows of 4, each row's
+    # tokens reading 4, 5, 6 and 7 keys.
+    rollout = 2 * (2 * 1000 * 3 + 2 * 300 + attention(2, 8, 3, 3)) \
+        + 4 * (2 * 1300 * 4 + attention(2, 8, 1, 22))
+    # Score over 4 x 8 positions reading 8 keys: reward model, actor and reference (LM head at
+    # the 4 x 5 response positions), critic.
+    forward = lambda m, width, head_positions: 2 * m.body * 32 + 2 * m.head * head_positions \
+        + attention(m.num_layers, width, 32, 8)
+    score = forward(reward, 8, 32) + 2 * forward(policy, 8, 20) + forward(critic, 8, 32)
+    update = 2 * 3 * (forward(policy, 8, 20) + forward(critic, 8, 32))
+    assert got == pytest.approx(dict(rollout=rollout, score=score, advantages=0.0, update=update,
+                                     total=rollout + score + update), rel=1e-12)
+    # A critic-free estimator trains and scores no critic; reused sampler logprobs skip the
+    # actor's scoring pass (float32, no top-k / top-p).
+    lean = perf.ppo_step_flops(PPOStatic(batch_size=4, response_length=5, eos_id=1, pad_id=0,
+                                         top_k=0, estimator="grpo", group_size=2, ppo_epochs=2),
+                               policy, critic, reward, 3, 16, 4.0)
+    assert lean["score"] == pytest.approx(forward(reward, 8, 32) + forward(policy, 8, 20))
+    assert lean["update"] == pytest.approx(2 * 3 * forward(policy, 8, 20))
+
+
+def test_device_table():
+    h200 = perf.device_kind("NVIDIA H200")
+    assert (h200.bfloat16_flops, h200.hbm_bandwidth) == (989e12, 4.8e12)
+    assert perf.peak_flops("NVIDIA H200", "float32") == 67e12
+    # A kind whose name holds another's is matched first.
+    assert perf.device_kind("NVIDIA GH200 480GB").match == "gh200"
+    assert perf.device_kind("TPU v5 lite").match == "tpu v5 lite"
+    assert perf.peak_flops("TPU v4", "float32") is None
+    assert perf.device_kind("cpu") is None and perf.peak_flops("cpu") is None
+    fields = perf.step_fields(2.0, 1000, 4e12, peak=8e12)
+    assert fields == {"perf/step_s": 2.0, "perf/tokens_per_s": 500.0, "perf/tflops_per_s": 2.0,
+                      "perf/mfu": 0.25}
+    assert "perf/mfu" not in perf.step_fields(2.0, 1000, 4e12, peak=None)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    yield from trained_tiny_pipeline(tmp_path_factory.mktemp("tiny"))
+
+
+def _run_ppo(pipe, sft, rm, stats, workdir, **ppo_fields):
+    config = copy.deepcopy(pipe.config)
+    config.ppo.update(dict(steps=3, eval_every=2, **ppo_fields))
+    with MetricsWriter(workdir, tensorboard=False) as writer:
+        ppo_lib.run_ppo(config, pipe.task, pipe.policy, pipe.critic, pipe.reward_model, sft, rm,
+                        stats, mesh=pipe.mesh, writer=writer, workdir=str(workdir))
+    return read_metrics(workdir)
+
+
+def test_run_rows_say_what_each_step_costs(tiny, tmp_path, capfd):
+    pipe, sft, rm, stats = tiny
+    rows = _run_ppo(pipe, sft, rm, stats, tmp_path / "phases")
+    progress = capfd.readouterr().err
+    ppo_rows = [r for r in rows if r["stage"] == "ppo"]
+    assert [r["step"] for r in ppo_rows] == [1, 2, 3]
+    static = ppo_lib.static_from_config(pipe.config, pipe.task.tokenizer)
+    flops = [perf.model_flops(m) for m in (pipe.policy, pipe.critic, pipe.reward_model)]
+    phases = ("rollout", "score", "advantages", "update")
+    for row in ppo_rows:
+        # Every row's prompt (the synthetic prompts have no padding) and response tokens.
+        tokens = static.batch_size * pipe.task.prompt_length + row["budget/generated_tokens"]
+        assert row["perf/tokens_per_s"] == pytest.approx(tokens / row["perf/step_s"])
+        total = perf.ppo_step_flops(static, *flops, pipe.task.prompt_length,
+                                    row["budget/generated_tokens"],
+                                    row["val/response_length"])["total"]
+        assert row["perf/tflops_per_s"] == pytest.approx(total / row["perf/step_s"] / 1e12)
+        assert "perf/mfu" not in row  # no peak is known for a CPU
+        assert min(row[f"timing/{p}_s"] for p in phases) > 0 and row["timing/eval_s"] >= 0
+        # The phases are waited on one after the other inside the step.
+        assert sum(row[f"timing/{p}_s"] for p in phases) <= row["perf/step_s"]
+    # Held-out evaluations run after steps 2 and 3 (eval_every=2, and the last step).
+    assert ppo_rows[0]["timing/eval_s"] == 0 < ppo_rows[1]["timing/eval_s"]
+    assert re.search(r"\[ppo\] step 3/3 .*tokens_per_s=[\d.e+]+", progress), progress[-2000:]
+
+    fused = [r for r in _run_ppo(pipe, sft, rm, stats, tmp_path / "fused", phase_timing=False)
+             if r["stage"] == "ppo"]
+    assert not [k for r in fused for k in r if k.startswith("timing/") and k != "timing/eval_s"]
+    for a, b in zip(ppo_rows, fused):
+        keys = [k for k in a if not k.startswith(("perf/", "timing/")) and k != "stage"]
+        assert keys == [k for k in b if not k.startswith(("perf/", "timing/")) and k != "stage"]
+        for k in keys:
+            np.testing.assert_allclose(a[k], b[k], rtol=2e-5, atol=1e-6, err_msg=k)
+
+
+def test_supervised_rows_carry_perf(tiny):
+    pipe, *_ = tiny
+    c = pipe.config
+    prompt = pipe.task.prompt_length
+    for stage, widths in (("sft", (prompt + pipe.task.sft["response_ids"].shape[1],)),
+                          ("rm", (prompt + pipe.task.rm["chosen_ids"].shape[1],
+                                  prompt + pipe.task.rm["rejected_ids"].shape[1]))):
+        rows = [r for r in read_metrics(pipe.workdir) if r["stage"] == stage]
+        assert len(rows) == c[stage].steps
+        for row in rows:
+            tokens = c[stage].batch_size * sum(widths)
+            assert row["perf/tokens_per_s"] == pytest.approx(tokens / row["perf/step_s"])
+            assert row["perf/tflops_per_s"] > 0
