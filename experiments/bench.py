@@ -1,5 +1,5 @@
 """Benchmarks: `python experiments/bench.py {macro,sampler,group,step,device,memory,scoring,trunk,
-mismatch,rollout} [flags]`.
+mismatch,rollout,ppo} [flags]`.
 
 Each benchmark lives in `experiments/bench_<name>.py` (`group`: `bench_groups.py`) with a
 `main(argv)` function and prints the numbers it measures side by side in one run (ratios, not
@@ -10,7 +10,7 @@ import pathlib
 import sys
 
 BENCHMARKS = ("macro", "sampler", "group", "step", "device", "memory", "scoring", "trunk",
-              "mismatch", "rollout")
+              "mismatch", "rollout", "ppo")
 # Modes whose module name differs from the mode.
 MODULES = {"group": "groups"}
 

@@ -50,7 +50,13 @@ random weights (nothing to download), each number beside its bound, the last lin
                                      (`bench_rollout.chat_lengths`): speedup, a slot iteration's
                                      cost over a static S-row step, token agreement as a share;
   mismatch_f32                       the sampler's logprobs against the trainer's in float32 at
-                                     the default precision (highest): mean and max |diff|.
+                                     the default precision (highest): mean and max |diff|;
+  ppo_w1, ppo_w2                     one whole PPO / MA-PPO iteration of four SmolLM2-135M-shaped
+                                     (256 x (128 + 128)) or Gemma-2B-shaped (256 x (512 + 128))
+                                     models (`bench_ppo`, `bench.py ppo --shape=w1|w2`): seconds,
+                                     phase split, tokens/s, model TFLOP/s, MFU, MA-PPO / PPO, the
+                                     phase-timing overhead, beside verl's anchor (3 timed
+                                     iterations of each kind for W1, 1 for W2).
 `--small` runs every row with the smoke-test model on small shapes (a CPU, under a minute).
 `--unrolled` runs the layers unrolled instead of in one scan (compiles take longer).
 Peaks and bandwidths come from `bench_hardware` (timed for CPUs).
@@ -83,7 +89,8 @@ PRESETS = {
 SUITE_ROWS = ("train_smollm2_8x1024_full", "train_smollm2_8x1024_none", "train_smollm2_8x1024_before",
               "train_smollm2_8x1024_percast", "train_smollm2_8x1024_xla",
               "train_smollm2_max_full", "train_smollm2_max_none", "train_gemma2b_4x2048", "decode_b32",
-              "decode_b32_unrolled", "decode_b32_scan", "decode_b256", "decode_b256_scan", "decode_parts_b256", "sampler_compile", "slots_chat_b32_s8", "slots_chat_b256_s64", "mismatch_f32")
+              "decode_b32_unrolled", "decode_b32_scan", "decode_b256", "decode_b256_scan", "decode_parts_b256",
+              "sampler_compile", "slots_chat_b32_s8", "slots_chat_b256_s64", "mismatch_f32", "ppo_w1", "ppo_w2")
 
 
 def table_peak(device_kind: str):
@@ -505,6 +512,20 @@ class Suite:
 
     def slots_chat_b256_s64(self):
         return self._slots(256, 64)
+
+    def _ppo(self, shape: str, repeats: int):
+        import bench_ppo
+
+        row = bench_ppo.measure(bench_ppo.setup_of(shape, self.small, self.dtype),
+                                3 if self.small else repeats)
+        row["last_line"] = bench_ppo.last_line(row)
+        return row
+
+    def ppo_w1(self):
+        return self._ppo("w1", 3)
+
+    def ppo_w2(self):
+        return self._ppo("w2", 1)
 
     def mismatch_f32(self):
         from marl_jax import rollout

@@ -386,9 +386,8 @@ def _group_program(config, pipe, runs, sft_params, rm_params, stats) -> _GroupPr
         states.append(s.replace(kl_coef=jnp.float32(r.ppo["kl_coef"])))
     frozen_sh = programs.frozen_shardings(mods, mesh, run_sh, rm_params)
     state_sh = jax.tree.map(programs.with_run_axis, run_sh)
-    frozen = jax.device_put(Frozen(ref_params=sft_params, rm_params=rm_params,
-                                        reward_mean=jnp.float32(stats["mean"]),
-                                        reward_std=jnp.float32(stats["std"])), frozen_sh)
+    frozen = jax.device_put(ppo_lib.frozen_models(mods, sft_params, rm_params, stats),
+                            frozen_sh)
     return _GroupProgram(
         static=static, mods=mods,
         step_fn=programs.experiment_step_program(static, mods, run_sh, frozen_sh, mesh).fn,

@@ -338,4 +338,16 @@ def test_bench_device_suite_small_on_cpu():
         assert row["same_memory_speedup"] == pytest.approx(row["static_chunks_s"] / row["slots_s"])
         assert row["slot_iterations"] <= row["chunk_steps"]
     assert result["rows"]["mismatch_f32"]["precision"] == "highest"
+    for name in ("ppo_w1", "ppo_w2"):
+        row = result["rows"][name]
+        # Every row decodes its whole budget; tokens/s are the iteration's prompt and response
+        # tokens over its seconds.
+        assert row["full_lengths"] and row["generated_tokens"] == row["prompts"] * row["new"]
+        assert row["tokens_per_s"] * row["iteration_s"] == pytest.approx(
+            row["prompts"] * (row["prompt"] + row["new"]))
+        assert row["tflops_per_s"] * row["iteration_s"] * 1e12 == pytest.approx(
+            row["flops"]["total"])
+        assert row["last_line"].startswith(f"iteration_s={row['iteration_s']:.4g} ")
+    # W2 chose its micro-batches by the compiler's memory analysis.
+    assert set(result["rows"]["ppo_w2"]["compiled_peak_bytes"]) == {"update", "rollout", "score"}
     assert result["rows"]["mismatch_f32"]["diff_max"] < 1e-4

@@ -2,6 +2,7 @@
 device table, and the `perf/*` and `timing/*` fields of a synthetic run's rows, the phases run
 as programs of their own giving the fused step's metrics."""
 import copy
+import json
 import re
 
 import numpy as np
@@ -157,3 +158,108 @@ def test_supervised_rows_carry_perf(tiny):
             tokens = c[stage].batch_size * sum(widths)
             assert row["perf/tokens_per_s"] == pytest.approx(tokens / row["perf/step_s"])
             assert row["perf/tflops_per_s"] > 0
+
+
+# ---- bench.py ppo ---------------------------------------------------------------------------
+LAST_LINE = re.compile(r"iteration_s=(\S+) rollout_s=(\S+) score_s=(\S+) update_s=(\S+) "
+                       r"tokens_per_s=(\S+) tflops_per_s=(\S+)")
+
+
+def _bench(*args):
+    import subprocess
+    import sys
+
+    from train_util import ROOT
+
+    return subprocess.run([sys.executable, str(ROOT / "experiments" / "bench.py"), "ppo", *args],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=900)
+
+
+def test_bench_ppo_small_prints_its_last_line():
+    import sys
+
+    from train_util import ROOT
+
+    proc = _bench("--shape=w1", "--small", "--repeats=3")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    match = LAST_LINE.fullmatch(lines[-1])
+    assert match, lines[-1]
+    iteration, rollout, score, update, tokens_per_s, tflops_per_s = map(float, match.groups())
+    result = json.loads(lines[-2])
+    split = result["ma_ppo"]["phase_s"]
+    assert (rollout, score) == pytest.approx((split["rollout"], split["score"]), rel=1e-3)
+    assert update == pytest.approx(split["advantages"] + split["update"], rel=1e-3)
+    # 64 prompts of 16 tokens, each answered with its whole budget of 16 (fixed lengths).
+    assert result["generated_tokens"] == 64 * 16 and result["full_lengths"]
+    assert tokens_per_s * iteration == pytest.approx(64 * (16 + 16), rel=1e-3)
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import bench_ppo
+
+    config = bench_ppo.config_of(bench_ppo.setup_of("w1", True))
+    policy, critic, reward = bench_ppo.modules(config)
+    static = ppo_lib.static_from_config(config, policy.config)
+    flops = perf.ppo_step_flops(static, *(perf.model_flops(m) for m in (policy, critic, reward)),
+                                16, 64 * 16, 16)
+    assert tflops_per_s * iteration * 1e12 == pytest.approx(flops["total"], rel=1e-3)
+    assert "mfu=" not in lines[-1]  # no peak is known for a CPU
+    # The phases are parts of the iteration: on a quiet machine they add up to it within a few
+    # percent (docs/accelerators.md); here only that they are of its order.
+    assert 0.5 < result["phases_vs_iteration"] < 2
+
+
+def test_bench_ppo_refuses_what_cannot_run():
+    proc = _bench("--shape=w3")
+    assert proc.returncode == 2 and proc.stdout.strip() == (
+        "bench.py ppo: --shape='w3': the shapes are w1, w2")
+    # Four Gemma-2B-shaped models, their AdamW states and frozen copies exceed 40 GiB.
+    proc = _bench("--shape=w2", "--capacity-gib=40")
+    assert proc.returncode == 2, proc.stdout[-2000:]
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line.startswith("bench.py ppo: --shape=w2 (four Gemma-2B-shaped models, 256 x (512 "
+                           "prompt + 128 new) tokens") and "74.7 GiB" in line
+    assert "of 40.0 GiB per device" in line and "what fits: --shape=w1, or --small" in line
+
+
+def test_frozen_models_in_the_compute_dtype_score_the_same():
+    """The reference and reward model held in bfloat16 (cast once per run) score exactly as the
+    float32 weights cast at every forward: the same Experience, bit for bit."""
+    import sys
+
+    import jax
+    import jax.numpy as jnp
+
+    from marl_jax.rollout.engine import SampleOutput
+    from marl_jax.train import ppo_core
+    from marl_jax.train.ppo_types import Frozen
+    from train_util import ROOT
+
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import bench_ppo
+
+    config = bench_ppo.config_of(bench_ppo.Setup("w1", True, "bfloat16", 4, 6, 5))
+    policy, critic, reward = bench_ppo.modules(config)
+    static = ppo_lib.static_from_config(config, type("T", (), dict(eos_token_id=1,
+                                                                   pad_token_id=0)))
+    mods = ppo_lib.make_models(config, policy, critic, reward)
+    actor = models.init_params(policy, jax.random.key(0))
+    rm = models.init_params(reward, jax.random.key(1))
+    state = ppo_lib.initial_state(config, mods, actor, ppo_lib.initial_critic_params(
+        config, critic, actor, rm, jax.random.key(2)), seed=0)
+    cast = ppo_lib.frozen_models(mods, actor, rm, {"mean": 0.5, "std": 2.0})
+    kernel = cast.ref_params["backbone"]["layers"]["mlp"]["up"]["kernel"]
+    assert kernel.dtype == jnp.bfloat16 and actor["backbone"]["layers"]["mlp"]["up"][
+        "kernel"].dtype == jnp.float32
+    plain = Frozen(actor, rm, jnp.float32(0.5), jnp.float32(2.0))
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(3, 512, (4, 6)), jnp.int32)
+    sample = SampleOutput(jnp.asarray(rng.integers(3, 512, (4, 5)), jnp.int32),
+                          jnp.zeros((4, 5), jnp.float32), jnp.ones((4, 5), jnp.int32),
+                          jnp.zeros((4, 5), jnp.float32))
+    score = jax.jit(lambda frozen: ppo_core.score_phase(static, mods, state, frozen, ids,
+                                                        jnp.ones_like(ids), sample))
+    (exp_cast, m_cast), (exp_plain, m_plain) = score(cast), score(plain)
+    for name in ("ref_logprobs", "ref_base_logprobs", "scores", "rewards", "old_logprobs"):
+        np.testing.assert_array_equal(getattr(exp_cast, name), getattr(exp_plain, name), name)
+    assert float(m_cast["objective/kl"]) == float(m_plain["objective/kl"])

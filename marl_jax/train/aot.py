@@ -22,7 +22,7 @@ from marl_jax.models import lora
 from marl_jax.data import tasks
 from marl_jax.train import build, ppo, programs, reward, sft, sharding, supervised
 from marl_jax.train.optim import adapter_weight_decay, make_optimizer, stage_schedule
-from marl_jax.train.ppo_types import Frozen, RunHparams
+from marl_jax.train.ppo_types import RunHparams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,16 +145,25 @@ def rm_program(config, reward_model, mesh, inputs: TaskInputs | None = None):
                        mesh, lora_weight_decay=adapter_weight_decay(config))
 
 
+def _frozen(mods, ref_params, rm_params, ref_adapters=None, lora=False):
+    """The abstract `Frozen` a run builds (`ppo.frozen_models`: weights in the compute dtype)."""
+    return jax.eval_shape(lambda ref, rm, adapters: ppo.frozen_models(
+        mods, ref, rm, {"mean": 0.0, "std": 1.0}, adapters, lora), ref_params, rm_params,
+        ref_adapters)
+
+
 def ppo_programs(config, tokenizer, policy, critic, reward_model, mesh,
                  inputs: TaskInputs | None = None) -> dict:
-    """{"rollout", "update", "ppo_step"} -> (Program, abstract arguments), built as
+    """{"rollout", "update", "ppo_step", "generate", "score"} -> (Program, abstract arguments),
+    built as
     `ppo.run_ppo` builds its step: actor and reference of `policy`'s shape, critic and reward
     model of theirs (no critic for the critic-free estimators), `config.ppo.batch_size` rows
     (`batch_size / group_size` prompts).
 
     `tokenizer`: anything with `eos_token_id` and `pad_token_id`. The experience and rollout
     metrics the update takes are the rollout's outputs, traced here (inside the mesh context)
-    to learn their shapes.
+    to learn their shapes. `generate` and `score` are the two parts of `rollout` as the phase
+    programs (`programs.phase_programs`: rollout, score) a phase-timed run runs.
     """
     inputs = inputs or task_inputs(config)
     p = config.ppo
@@ -178,10 +187,8 @@ def ppo_programs(config, tokenizer, policy, critic, reward_model, mesh,
     state = with_shardings(jax.eval_shape(
         lambda a, c: ppo.initial_state(config, mods, a, c, config.seed), actor, critic_params),
         state_sh)
-    scalar = jax.ShapeDtypeStruct((), jnp.float32)
-    frozen = with_shardings(Frozen(ref_params=actor if base is None else base,
-                                        rm_params=rm_params, reward_mean=scalar,
-                                        reward_std=scalar, ref_adapters=ref_adapters), frozen_sh)
+    frozen = with_shardings(_frozen(mods, actor if base is None else base, rm_params,
+                                    ref_adapters, static.lora), frozen_sh)
     hparams = with_shardings(build.abstract(ppo.hparams_from_config(p)), rep)
     prompts = with_shardings((_ids(static.prompts_per_step, inputs.prompt_length),) * 2, batch_sh)
     documents = None if inputs.documents_width is None else with_shardings(
@@ -189,11 +196,16 @@ def ppo_programs(config, tokenizer, policy, critic, reward_model, mesh,
 
     rollout = programs.rollout_program(static, mods, state_sh, frozen_sh, mesh)
     rollout_args = (state, frozen, *prompts, documents)
+    phase = programs.phase_programs(static, mods, state_sh, frozen_sh, mesh)
     with sharding.mesh_context(mesh, sharding.logical_rules(mesh, build.model_dims(
             policy.config))):
         exp, roll_metrics = jax.eval_shape(rollout.fn, *rollout_args)
+        sample = jax.eval_shape(phase["rollout"].fn, state, frozen, *prompts)
     update = programs.update_program(static, mods, state_sh, frozen_sh, mesh)
     return {
+        "generate": (phase["rollout"], (state, frozen, *prompts)),
+        "score": (phase["score"], (state, frozen, *prompts, with_shardings(sample, batch_sh),
+                                   documents, None)),
         "rollout": (rollout, rollout_args),
         "update": (update, (state, with_shardings(exp, batch_sh),
                             with_shardings(roll_metrics, rep), hparams, None, frozen)),
@@ -235,8 +247,7 @@ def experiment_programs(config, tokenizer, policy, critic, reward_model, mesh, n
         lambda a, c: ppo.initial_state(config, mods, a, c, config.seed), actor, critic_params)
     state = with_shardings(runs_of(one_run), step.in_shardings[0])
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
-    frozen = with_shardings(Frozen(ref_params=actor, rm_params=rm_params,
-                                        reward_mean=scalar, reward_std=scalar), frozen_sh)
+    frozen = with_shardings(_frozen(mods, actor, rm_params), frozen_sh)
     hparams = with_shardings(runs_of(RunHparams(
         lam=scalar, gamma=scalar, ngram=jax.ShapeDtypeStruct((), jnp.int32),
         variant=jax.ShapeDtypeStruct((), jnp.int32))), rep)

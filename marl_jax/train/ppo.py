@@ -189,6 +189,21 @@ def initial_critic_params(config, critic, sft_params, rm_params, key, reward_sta
     return fresh
 
 
+def frozen_models(mods: Models, ref_params, rm_params, reward_stats, ref_adapters=None,
+                  lora: bool = False) -> Frozen:
+    """What the steps read and never update: the reference and the reward model, their weights
+    cast once to the compute dtype (`models.compute_weights`: every forward computes the same
+    numbers from them as from the float32 weights, and no step casts them again; half the
+    memory in bfloat16), and the reward statistics. With LoRA the base stays as it is (the
+    trained roles' adapters attach to it, and the checkpoints record its identity)."""
+    if not lora:
+        ref_params = models_lib.compute_weights(ref_params, mods.policy.config)
+        rm_params = models_lib.compute_weights(rm_params, mods.reward.config)
+    return Frozen(ref_params=ref_params, rm_params=rm_params,
+                  reward_mean=jnp.float32(reward_stats["mean"]),
+                  reward_std=jnp.float32(reward_stats["std"]), ref_adapters=ref_adapters)
+
+
 def initial_state(config, mods: Models, actor_params, critic_params, seed: int):
     return PPOState(
         step=jnp.zeros((), jnp.int32), actor_params=actor_params,
@@ -307,10 +322,8 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
     rep, batch_sh = sharding.replicated(mesh), sharding.batch_sharding(mesh)
     hparams = jax.device_put(hparams_from_config(p), rep)
 
-    frozen = jax.device_put(Frozen(
-        ref_params=ref_params, rm_params=rm_params,
-        reward_mean=jnp.float32(reward_stats["mean"]),
-        reward_std=jnp.float32(reward_stats["std"]), ref_adapters=ref_adapters), frozen_sh)
+    frozen = jax.device_put(frozen_models(mods, ref_params, rm_params, reward_stats,
+                                          ref_adapters, static.lora), frozen_sh)
     if static.lora:
         metadata["base"] = checkpoint.lora_identity(frozen.ref_params)
     # The actor and critic are updated in place (donated), so they must not share buffers with
