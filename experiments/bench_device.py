@@ -37,8 +37,11 @@ random weights (nothing to download), each number beside its bound, the last lin
   decode_b32_scan, decode_b256_scan  the same in the training layout (layers in one scan);
   decode_parts_b256                  the decode loop's halves alone, ms per step at batch 256:
                                      the model's step (fused layout) and choosing the tokens
-                                     with top-k 50, top-k 16 (XLA's GPU top-k kernel takes k
-                                     <= 16; above, a sort of the vocabulary) and no filter;
+                                     with top-k 50 (on GPUs through the blocked top-k), top-k
+                                     16 (XLA's GPU top-k kernel takes k <= 16; above, a sort of
+                                     the vocabulary) and no filter; and the top-50 alone:
+                                     lax.top_k, the blocked top-k (`rollout/top_k.py`, blocks
+                                     of 1024) and its variant taking 16 per block;
   sampler_compile                    seconds to lower and compile `generate` in the training
                                      and the fused layout at 128 and 512 new tokens
                                      (the fused program holds its layers once per decode
@@ -274,7 +277,8 @@ def bench_decode_parts(module, params, batch: int, prompt: int, new: int, repeat
     steps: `model` the sampler's decode step (its layout, `models.decode_layout`; one token per
     row against a cache of prompt + new columns, all read, then an argmax to feed the next), and
     choosing tokens from `[batch, V]` float32 logits at temperature 0.8 with `top_k_50` (the
-    decode rows' setting), `top_k_16` and `no_filter` (the whole vocabulary)."""
+    decode rows' setting), `top_k_16` and `no_filter` (the whole vocabulary); and the top-50
+    alone: `lax_top_k_50`, `blocked_top_k_50` and `blocked16_top_k_50` (`rollout.top_k`)."""
     from marl_jax import models
     from marl_jax.models import decode_layout
     from marl_jax.rollout import engine
@@ -312,9 +316,28 @@ def bench_decode_parts(module, params, batch: int, prompt: int, new: int, repeat
 
         return run
 
+    def top_k_steps(select):
+        @jax.jit
+        def run(logits):
+            def body(i, total):
+                values, index = select(logits + i.astype(jnp.float32))
+                return total + index.sum() + values[:, 0].astype(jnp.int32).sum()
+
+            return jax.lax.fori_loop(0, new, body, jnp.int32(0))
+
+        return run
+
+    from marl_jax.rollout.top_k import blocked_top_k
+
+    k = min(50, config.vocab_size)
     parts = {"model": lambda: model_steps(prepared)}
     for name, top_k in (("top_k_50", 50), ("top_k_16", 16), ("no_filter", 0)):
         run = choose_steps(min(top_k, config.vocab_size))
+        parts[name] = lambda run=run: run(logits)
+    for name, select in (("lax_top_k_50", lambda x: jax.lax.top_k(x, k)),
+                         ("blocked_top_k_50", lambda x: blocked_top_k(x, k)),
+                         ("blocked16_top_k_50", lambda x: blocked_top_k(x, k, per_block=16))):
+        run = top_k_steps(select)
         parts[name] = lambda run=run: run(logits)
     return {name: 1e3 * best_time(fn, repeats) / new for name, fn in parts.items()}
 

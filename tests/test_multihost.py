@@ -320,7 +320,8 @@ def test_bench_device_suite_small_on_cpu():
     assert set(compile_s) == {f"{layout}_{new}" for layout in ("train", "fused") for new in (16, 64)}
     assert min(compile_s.values()) > 0
     parts = result["rows"]["decode_parts_b256"]["ms_per_step"]
-    assert set(parts) == {"model", "top_k_50", "top_k_16", "no_filter"} and min(parts.values()) > 0
+    assert set(parts) == {"model", "top_k_50", "top_k_16", "no_filter", "lax_top_k_50", "blocked_top_k_50",
+                          "blocked16_top_k_50"} and min(parts.values()) > 0
     decode = {name: result["rows"][name] for name in bench_device.SUITE_ROWS
               if name.startswith("decode_b")}
     assert {name: row["layout"] for name, row in decode.items()} == {

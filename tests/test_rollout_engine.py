@@ -3,6 +3,7 @@ once per rollout, prescribed lengths, the XLA flags set for GPUs, the refill of 
 the first step's scoring pass as branches that vmap keeps, and the config refusal of slots that
 cannot refill."""
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -214,3 +215,49 @@ def test_unrolling_the_layer_scan_changes_no_token():
     np.testing.assert_allclose(unrolled.logprobs, base.logprobs, atol=1e-6)
     with pytest.raises(ValueError, match=r"ModelConfig.scan_unroll must be an int in \[1, num_layers=2\]"):
         _model(scan_unroll=3)
+
+
+def _reachable(hlo_text: str, roots) -> dict:
+    """{computation: its instruction lines} of `roots` and every computation they call."""
+    comps, name = {}, None
+    for line in hlo_text.splitlines():
+        header = re.match(r"^(?:ENTRY )?%?([\w.-]+) .*\{$", line)
+        if header and not line.startswith(" "):
+            name = header.group(1)
+            comps[name] = []
+        elif line.startswith("}"):
+            name = None
+        elif name is not None:
+            comps[name].append(line)
+    seen, todo = {}, list(roots)
+    while todo:
+        current = todo.pop()
+        if current in seen or current not in comps:
+            continue
+        seen[current] = comps[current]
+        for line in comps[current]:
+            todo += re.findall(r"(?:body|condition|to_apply|calls)=%?([\w.-]+)", line)
+            for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+                todo += re.findall(r"%?([\w.-]+)", group)
+    return seen
+
+
+@pytest.mark.parametrize("scan_layers, layout", [(True, "train"), (False, "train"), (False, "fused")])
+def test_decode_loop_updates_the_cache_in_place(scan_layers, layout):
+    """No decode step of the sampler's compiled program copies a whole KV cache (a layer's
+    `[B, K, S, H]`, or the stacked `[L, B, K, S, H]`): the loops write each new slot into the
+    cache they carry."""
+    model = _model(scan_layers=scan_layers, sampler_layout=layout)
+    params = models.init_params(model, jax.random.key(0))
+    ids, mask = _prompts()
+    program = jax.jit(lambda p: rollout.generate(model, p, ids, mask, key=jax.random.key(2), max_new_tokens=20,
+                                                 temperature=0.8, top_k=5, eos_id=1, pad_id=0))
+    hlo = program.lower(params).compile().as_text()
+    layer = "f32[4,2,30,8]"  # 4 rows, 2 KV heads, 10 prompt + 20 new slots, head_dim 8
+    cache = f"f32[2,4,2,30,8]" if scan_layers else layer
+    assert cache in hlo
+    loops = re.findall(r"\bwhile\(.*?body=%?([\w.-]+)", hlo)
+    assert loops
+    in_loops = [line.strip()[:160] for lines in _reachable(hlo, loops).values() for line in lines
+                if re.search(r"copy\(", line) and (cache + "{") in line.split("copy(")[0]]
+    assert not in_loops, in_loops

@@ -289,3 +289,57 @@ def test_bad_arguments_are_named(tiny):
         call(max_new_tokens=0)
     with pytest.raises(ValueError, match=r"pad_id must be an int in \[0, 96\)"):
         call(pad_id=-1)
+
+
+# ---- the blocked top-k --------------------------------------------------------------------
+def _logits(kind, shape=(6, 5000)):
+    rng = np.random.default_rng(3)
+    if kind == "random":
+        return jnp.asarray(rng.normal(size=shape), jnp.float32)
+    if kind == "tied":  # five values only: thousands of ties at every rank
+        return jnp.asarray(rng.integers(0, 5, size=shape), jnp.float32)
+    # The largest 60 of every row in one block, some equal, and entries at -inf.
+    x = rng.normal(size=shape)
+    x[:, 1030:1090] = 10 + rng.integers(0, 3, size=(shape[0], 60))
+    x[:, 4000:] = -np.inf
+    return jnp.asarray(x, jnp.float32)
+
+
+@pytest.mark.parametrize("kind", ["random", "tied", "clustered"])
+@pytest.mark.parametrize("per_block", [None, 16])
+def test_blocked_top_k_equals_lax_top_k(kind, per_block):
+    from marl_jax.rollout.top_k import blocked_top_k
+
+    x = _logits(kind)
+    for k in (50, 17, 5):
+        want_values, want_index = jax.lax.top_k(x, k)
+        got_values, got_index = jax.jit(lambda x: blocked_top_k(x, k, per_block=per_block))(x)
+        np.testing.assert_array_equal(got_values, want_values)
+        np.testing.assert_array_equal(got_index, want_index)
+
+
+def test_sampler_on_the_gpu_top_k_draws_the_same_tokens():
+    """Traced for a GPU, the sampler's top-50 goes through the blocked top-k: the same tokens,
+    logprobs and entropies as with lax.top_k (on this CPU)."""
+    from marl_jax.models import attention
+    from marl_jax.rollout import top_k as top_k_lib
+
+    x = _logits("random")
+    with attention.target_platform("gpu"):
+        jaxpr = str(jax.make_jaxpr(lambda x: top_k_lib.top_k(x, 50))(x))
+    assert jaxpr.count("top_k[") == 2  # the blocks', then the candidates'
+    cfg = M.ModelConfig.for_family("llama", vocab_size=5000, hidden_size=32, intermediate_size=64,
+                                   num_layers=1, num_heads=2, num_kv_heads=2, head_dim=16,
+                                   max_position_embeddings=64)
+    model = M.CausalLM(cfg)
+    params = M.init_params(model, jax.random.key(0))
+    ids = jax.random.randint(jax.random.key(1), (4, 6), 2, 5000)
+    run = lambda: jax.jit(lambda p: generate(model, p, ids, jnp.ones_like(ids), key=jax.random.key(2),
+                                             max_new_tokens=12, temperature=0.8, top_k=50, eos_id=1,
+                                             pad_id=0))(params)
+    want = run()
+    with attention.target_platform("gpu"):
+        got = run()
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.logprobs, want.logprobs)
+    np.testing.assert_array_equal(got.entropy, want.entropy)

@@ -33,6 +33,7 @@ import numpy as np
 from flax import linen as nn
 
 from marl_jax.rollout import draws, slots as slot_engine
+from marl_jax.rollout import top_k as top_k_lib
 from marl_jax.models.decoder import init_cache, positions_from_mask
 from marl_jax.models import decode_layout
 from marl_jax.models.heads import CausalLM, check_tokens
@@ -79,7 +80,7 @@ def filtered_logits(logits: jax.Array, temperature, *, top_k: int, top_p, use_to
     scaled = logits / temperature
     ids = None
     if top_k > 0:
-        scaled, ids = jax.lax.top_k(scaled, top_k)
+        scaled, ids = top_k_lib.top_k(scaled, top_k)
     elif use_top_p:
         ids = jnp.argsort(-scaled, axis=-1)
         scaled = jnp.take_along_axis(scaled, ids, axis=-1)
