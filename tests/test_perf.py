@@ -263,3 +263,54 @@ def test_frozen_models_in_the_compute_dtype_score_the_same():
     for name in ("ref_logprobs", "ref_base_logprobs", "scores", "rewards", "old_logprobs"):
         np.testing.assert_array_equal(getattr(exp_cast, name), getattr(exp_plain, name), name)
     assert float(m_cast["objective/kl"]) == float(m_plain["objective/kl"])
+
+
+def test_every_whole_sequence_pass_of_a_step_takes_the_fused_attention(monkeypatch):
+    """Traced for a GPU in bfloat16, the scoring passes (actor, reference, critic, reward model)
+    and the update's passes (actor and critic, forward and rematerialised) all call cuDNN's
+    fused attention, never the reference einsums: recorded by replacing both."""
+    import sys
+
+    import jax
+    import jax.numpy as jnp
+
+    from marl_jax.models import attention
+    from marl_jax.rollout.engine import SampleOutput
+    from marl_jax.train import phases, ppo_core
+    from train_util import ROOT
+
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import bench_ppo
+
+    config = bench_ppo.config_of(bench_ppo.Setup("w1", True, "bfloat16", 4, 6, 6))
+    policy, critic, reward = bench_ppo.modules(config)
+    static = ppo_lib.static_from_config(config, type("T", (), dict(eos_token_id=1,
+                                                                   pad_token_id=0)))
+    mods = ppo_lib.make_models(config, policy, critic, reward)
+    actor = models.init_params(policy, jax.random.key(0))
+    rm = models.init_params(reward, jax.random.key(1))
+    state = ppo_lib.initial_state(config, mods, actor, ppo_lib.initial_critic_params(
+        config, critic, actor, rm, jax.random.key(2)), seed=0)
+    frozen = ppo_lib.frozen_models(mods, actor, rm, {"mean": 0.0, "std": 1.0})
+    calls = []
+
+    def fused(q, k, v, *, implementation, **kwargs):
+        calls.append(implementation)
+        return jnp.zeros(q.shape, v.dtype)
+
+    monkeypatch.setattr(attention.jax.nn, "dot_product_attention", fused)
+    monkeypatch.setattr(attention, "reference", lambda *a, **k: pytest.fail("reference einsums"))
+    ids = jnp.ones((4, 6), jnp.int32)
+    sample = SampleOutput(jnp.ones((4, 6), jnp.int32), jnp.zeros((4, 6)),
+                          jnp.ones((4, 6), jnp.int32), jnp.zeros((4, 6)))
+    with attention.target_platform("gpu"):
+        exp, _ = jax.eval_shape(lambda: ppo_core.score_phase(static, mods, state, frozen, ids,
+                                                            jnp.ones_like(ids), sample))
+        assert len(calls) >= 4 and set(calls) == {"cudnn"}  # each model's layer scan
+        scoring = len(calls)
+        adv = phases.advantages.Advantages(*(jnp.zeros((4, 6)),) * 2, None,
+                                           jnp.zeros((4, 6), jnp.int32))
+        exp = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), exp)
+        jax.eval_shape(lambda: phases.update.update(static, mods, state, exp, adv,
+                                                    jax.random.key(3), frozen))
+    assert len(calls) > scoring and set(calls) == {"cudnn"}
