@@ -1,7 +1,8 @@
 """Per-device memory of every stage's programs, compiled for a target but never run.
 
     python experiments/bench.py memory --config=configs/tldr_gemma2b_tpu.py [--topology=v4-16]
-        [--programs=sft,rm,rollout,update,ppo_step,experiment,experiment_eval] [--json=FILE]
+        [--programs=sft,rm,rollout,update,ppo_step,generate,score,experiment,experiment_eval]
+        [--json=FILE]
         [--capacity_gib=G] [--config.size=<preset>] [--config.<section>.<field>=<value> ...]
 
 The config is resolved as `experiments/run.py` resolves it: `--config.size` applies its preset
@@ -24,13 +25,15 @@ Programs, each jitted as the trainers jit it (`marl_jax.train.programs`: same in
 shardings and donation) and lowered with abstract arguments (nothing is allocated, a 7B model
 included): sft and rm (the train steps), and for ppo the step `run_ppo` runs (`ppo_step`) and
 its two halves, `rollout` (generation and scoring) and `update` (termination, macro GAE, the
-actor and critic updates), to show which half sets the peak. The experiment stage
+actor and critic updates), to show which half sets the peak, and the two parts of the first
+half as a phase-timed run runs them (`programs.phase_programs`): `generate` (the rollout
+phase) and `score`. The experiment stage
 (`config.stage=experiment`) runs its PPO step vmapped over the runs of a program
 (`experiment.runs_per_program`, else every run of a group): `experiment` is that step for the
 largest program of each group of runs, `experiment_eval` its vmapped held-out evaluation
 (`task.num_eval_prompts` x `ppo.eval_samples_per_prompt` responses a run). Default programs:
-sft, rm, experiment and experiment_eval for the experiment stage; sft, rm, rollout, update and
-ppo_step otherwise. Stages with 0 steps are skipped.
+sft, rm, experiment and experiment_eval for the experiment stage; sft, rm, rollout, update,
+ppo_step, generate and score otherwise. Stages with 0 steps are skipped.
 
 The model: `config.model.path` is a local HF directory (its config.json), a .gguf file (read
 in full to learn its config), or a hub name: its config.json from the hub cache, else from
@@ -65,6 +68,9 @@ not in it), the roofline bound on the step time, max(FLOPs / peak, bytes / HBM b
 the peak bf16 FLOP/s and HBM bandwidth of the device kind (`marl_jax.train.perf.DEVICE_KINDS`), and the share of
 peak FLOP/s that bound allows (roofline MFU = FLOPs / peak / bound; 1 when compute-bound).
 
+With generate, score and update compiled for a TPU, the sum of their roofline seconds is the
+recipe's predicted iteration (a line `predicted iteration by the roofline: ...`).
+
 The last line is `devices=N peak_gib=X capacity_gib=Y fits=True|False flops=F hbm_bytes=B
 roofline_step_s=S roofline_mfu=M` (X the largest peak, fits = X <= Y; F, B, S, M those of the
 PPO step program, `ppo_step` or `experiment`, when it was compiled).
@@ -86,10 +92,16 @@ sys.path.insert(0, str(ROOT))
 from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-PROGRAMS = ("sft", "rm", "rollout", "update", "ppo_step", "experiment", "experiment_eval")
+PROGRAMS = ("sft", "rm", "rollout", "update", "ppo_step", "generate", "score", "experiment",
+            "experiment_eval")
 EXPERIMENT_PROGRAMS = ("sft", "rm", "experiment", "experiment_eval")
+DEFAULT_PROGRAMS = PROGRAMS[:7]
+# The programs whose roofline seconds add up to a PPO iteration's: the rollout phase, the score
+# phase, and termination, advantages and the updates.
+ITERATION_PROGRAMS = ("generate", "score", "update")
 STAGE_OF = {"sft": "sft", "rm": "rm", "rollout": "ppo", "update": "ppo", "ppo_step": "ppo",
-            "experiment": "experiment", "experiment_eval": "experiment"}
+            "generate": "ppo", "score": "ppo", "experiment": "experiment",
+            "experiment_eval": "experiment"}
 GIB = 2 ** 30
 HEADROOM_NEEDED = 0.10
 
@@ -394,7 +406,7 @@ def stage_programs(config, cfg, token_ids, mesh, wanted) -> list:
         entries.append(("rm", *state_args(*aot.rm_program(config, reward_model, mesh, inputs))))
     entries += experiment_entries(config, token_ids, policy, critic, reward_model, mesh,
                                   inputs, wanted)
-    ppo_wanted = [n for n in ("rollout", "update", "ppo_step") if n in wanted]
+    ppo_wanted = [n for n in ("rollout", "update", "ppo_step", "generate", "score") if n in wanted]
     if ppo_wanted and config.ppo.steps > 0:
         ppo = aot.ppo_programs(config, token_ids, policy, critic, reward_model, mesh, inputs)
         frozen = per_device_bytes(ppo["rollout"][1][1])
@@ -501,6 +513,17 @@ def table(rows) -> str:
     return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
 
 
+def predicted_iteration(rows) -> dict | None:
+    """{"seconds": the sum of the roofline seconds of `ITERATION_PROGRAMS`, "text"}, or None
+    unless each of them was compiled with a roofline (a TPU target)."""
+    bound = {row["program"]: row.get("roofline_step_s") for row in rows}
+    if any(bound.get(name) is None for name in ITERATION_PROGRAMS):
+        return None
+    total = sum(bound[name] for name in ITERATION_PROGRAMS)
+    return {"seconds": total, "text": " + ".join(
+        f"{name} {bound[name]:.3f} s" for name in ITERATION_PROGRAMS) + f" = {total:.3f} s"}
+
+
 def config_error(message) -> typing.NoReturn:
     """A configuration error: one line on stderr, exit status 2 (as experiments/run.py)."""
     print(f"error: {message}", file=sys.stderr)
@@ -515,7 +538,7 @@ def check_batches(config, mesh, wanted) -> None:
     checks = {"sft": [("sft.batch_size", config.sft.batch_size)],
               "rm": [("rm.batch_size", config.rm.batch_size)]}
     ppo = [("ppo.batch_size", config.ppo.batch_size)]
-    checks.update(rollout=ppo, update=ppo, ppo_step=ppo, experiment=ppo,
+    checks.update(rollout=ppo, update=ppo, ppo_step=ppo, generate=ppo, score=ppo, experiment=ppo,
                   experiment_eval=[("task.num_eval_prompts", config.task.num_eval_prompts)])
     for name in wanted:
         stage = STAGE_OF[name]
@@ -544,7 +567,7 @@ def main(argv):
         raise SystemExit(f"{config_file} has no tpu_topology: pass "
                          "--topology (e.g. v4-16, v5e-16, v5p-32, v6e-8 or cpu:8)")
     wanted = FLAGS.programs or list(
-        EXPERIMENT_PROGRAMS if config.get("stage", "") == "experiment" else PROGRAMS[:5])
+        EXPERIMENT_PROGRAMS if config.get("stage", "") == "experiment" else DEFAULT_PROGRAMS)
     unknown = [p for p in wanted if p not in PROGRAMS]
     if unknown:
         raise SystemExit(f"--programs: unknown {unknown}; choose from {PROGRAMS}")
@@ -599,6 +622,9 @@ def main(argv):
         elif row["headroom"] < HEADROOM_NEEDED:
             print(f"{row['program']}: headroom {100 * row['headroom']:.1f}% is below "
                   f"{100 * HEADROOM_NEEDED:.0f}%")
+    predicted = predicted_iteration(rows)
+    if predicted is not None:
+        print(f"predicted iteration by the roofline: {predicted['text']}")
     peak = max(row["peak"] for row in rows)
     fits = peak <= target.capacity_bytes
     if FLAGS.json:
@@ -610,7 +636,9 @@ def main(argv):
             model=dict(family=cfg.family, num_layers=cfg.num_layers, dtype=cfg.dtype,
                        param_dtype=cfg.param_dtype, remat=cfg.remat,
                        scan_layers=cfg.scan_layers),
-            programs=rows, peak_bytes=peak, fits=fits), indent=2))
+            programs=rows, peak_bytes=peak, fits=fits,
+            predicted_iteration_s=None if predicted is None else predicted["seconds"]),
+            indent=2))
     step = next((row for row in rows if row["program"] in ("ppo_step", "experiment") and "flops" in row), None)
     roof = ""
     if step is not None:

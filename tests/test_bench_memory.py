@@ -280,14 +280,25 @@ def test_hf_checkpoint_directory_on_cpu8(tmp_path):
 
 def test_tpu_v4_8_compiles_on_this_machine(tmp_path):
     report = tmp_path / "memory.json"
-    _, (devices, peak_gib, capacity_gib, fits) = _run(
+    stdout, (devices, peak_gib, capacity_gib, fits) = _run(
         f"--config={ROOT / 'configs' / 'synthetic.py'}", "--topology=v4-8",
-        "--config.mesh.data=1", "--config.mesh.fsdp=-1", *SMALL_BATCHES, "--programs=sft",
-        f"--json={report}")
+        "--config.mesh.data=1", "--config.mesh.fsdp=-1", *SMALL_BATCHES,
+        "--programs=sft,generate,score,update", f"--json={report}")
     assert (devices, capacity_gib, fits) == (4, 32.0, True)
     result = json.loads(report.read_text())
     assert result["device_kind"] == "TPU v4" and result["mesh"] == {"data": 1, "fsdp": 4,
                                                                      "tensor": 1}
+    # The recipe's predicted iteration: the roofline seconds of its rollout, scoring and update
+    # programs, each max(FLOPs / 275 TFLOP/s, bytes / 1.2 TB/s) on a v4 chip, added.
+    rooflines = {r["program"]: r["roofline_step_s"] for r in result["programs"][1:]}
+    for r in result["programs"][1:]:
+        assert r["roofline_step_s"] == pytest.approx(max(r["flops"] / 275e12,
+                                                         r["hbm_bytes"] / 1.2e12))
+    total = sum(rooflines[p] for p in ("generate", "score", "update"))
+    assert result["predicted_iteration_s"] == pytest.approx(total)
+    assert (f"predicted iteration by the roofline: generate {rooflines['generate']:.3f} s + score "
+            f"{rooflines['score']:.3f} s + update {rooflines['update']:.3f} s = {total:.3f} s"
+            in stdout)
     row = result["programs"][0]
     # The TPU compiler's peak counts the arguments (their tiles are padded: at least the state).
     assert row["xla_peak"] >= row["args"] >= row["weights"]
@@ -340,7 +351,7 @@ def test_real_text_accelerator_size_compiles_as_run_py_runs_it_and_fits_a_v5e_8(
     """The size preset applied as run.py applies it (bfloat16, scanned layers, its mesh), and
     the experiment's step vmapped over `runs_per_program` = 2 runs: each device holds at least
     its share of 2 actors and 2 critics with their two Adam moments (fp32) and the frozen
-    reference and reward model."""
+    reference and reward model (bfloat16)."""
     report = tmp_path / "memory.json"
     stdout, (devices, peak_gib, capacity_gib, fits) = _run(
         *REAL_TEXT, "--programs=experiment", f"--json={report}")
@@ -353,7 +364,8 @@ def test_real_text_accelerator_size_compiles_as_run_py_runs_it_and_fits_a_v5e_8(
     row = result["programs"][0]
     assert row["program"] == "experiment" and "error" not in row
     n = SMOLLM2_PARAMS  # the critic and reward model: the backbone, the embeddings included
-    bound = (2 * 2 * 12 * n + 2 * 4 * n) / 8  # 2 runs x (actor, critic) x 12 bytes; 2 frozen
+    # 2 runs x (actor, critic) x 12 bytes; the 2 frozen models in bfloat16 (`frozen_models`).
+    bound = (2 * 2 * 12 * n + 2 * 2 * n) / 8
     assert bound <= row["weights"] <= 1.1 * bound
     assert row["peak"] >= row["weights"] and peak_gib * GIB == pytest.approx(row["peak"], rel=1e-3)
     # The roofline of the compiled step on a v5e chip (197 TFLOP/s bf16, 819 GB/s HBM): the
