@@ -94,8 +94,8 @@ def test_sigterm_outside_a_training_loop_stops_at_once():
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(5)  # the handler raises as soon as the interpreter runs it
     assert stopped.value.stage is None
-    assert str(stopped.value) == ("preempted: stopped between stages, with no step in flight; "
-                                  "the same command resumes there (exit status 75)")
+    assert str(stopped.value) == ("preempted: stopped outside a training loop, with no step in "
+                                  "flight; the same command resumes there (exit status 75)")
     assert preemption.mode() == preemption.OFF
 
 

@@ -293,6 +293,7 @@ def test_launch_fetch_and_stop_dry_run():
     (["--restart-on-preemption"], "needs the create.sh flags of the VM"),
     (["--create-flag", "--spot"], "takes its value after '='"),
     (["--setup-flag=--no-check"], "go with --restart-on-preemption"),
+    (["--new-vm-command", "true"], "go with --restart-on-preemption"),
     (["--run-id", "r1", "--stop", "--restart-on-preemption"], "goes with a launch"),
     (["--restart-on-preemption", "--create-flag=--spot", "--max-restarts", "x"],
      "--max-restarts 'x' must be a whole number"),
@@ -399,7 +400,7 @@ def test_stop_ends_the_whole_run(fake_worker):
 
 RESTART = ["--restart-on-preemption", "--create-flag=--accelerator-type=v4-32",
            "--create-flag=--spot", "--setup-flag=--repo=https://example.com/marl_jax.git",
-           "--setup-flag=--no-check"]
+           "--setup-flag=--no-check", "--new-vm-command=touch mounted"]
 
 
 def test_restart_dry_run_names_how_the_vm_is_made_again():
@@ -419,14 +420,15 @@ def test_restart_dry_run_names_how_the_vm_is_made_again():
         [str(SCRIPTS_DIR / "create.sh"), *target, "--accelerator-type=v4-32", "--spot"],
         [str(SCRIPTS_DIR / "setup.sh"), *target, "--remote-dir", "marl_jax",
          "--repo=https://example.com/marl_jax.git", "--no-check"]]
+    assert "on every worker: touch mounted" in comments
 
 
 @pytest.fixture
 def fake_vm(tmp_path):
     """A TPU VM's worker 0 on this machine: a `gcloud` that keeps the VM's state in a file
-    (describe, create, delete), runs the commands of launch.sh's runs in a local home directory
-    as the worker's shell would (other ssh commands, setup.sh's, are only logged), answers ssh
-    with 255 unless the VM is READY, and copies logs back with scp; and a venv python that plays
+    (describe, create, delete), runs ssh commands in a local home directory as the worker's shell
+    would (setup.sh's, which install, are only logged), answers ssh with 255 unless the VM is
+    READY, and copies logs back with scp; and a venv python that plays
     run.py, one attempt per line of `<home>/plan`: an exit status, `preempt` (the VM is
     preempted: its state becomes PREEMPTED, and run.py exits with 75) or `wait` (runs until a
     SIGTERM, then exits with 75 as run.py does)."""
@@ -464,7 +466,7 @@ case "$4" in
   ssh)
     [[ $(cat "$state" 2>/dev/null) == READY ]] || exit 255
     for arg; do [[ $arg == --command=* ]] && command=${{arg#--command=}}; done
-    if [[ $command == *marl_jax_runs* ]]; then
+    if [[ $command != *"git clone"* && $command != *"pip install"* ]]; then
       cd {shlex.quote(str(home))} && HOME={shlex.quote(str(home))} bash -c "$command"
       exit
     fi ;;
@@ -478,7 +480,8 @@ esac
     env = script_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
 
     def calls():
-        """The gcloud commands so far: (verb, the run id or command it names)."""
+        """The gcloud commands so far, as (what it does, the run id it names or create's
+        flags)."""
         out = []
         for line in log.read_text().splitlines():
             words = line.split()
@@ -486,9 +489,11 @@ esac
             if verb == "ssh":
                 command = line.split("--command=", 1)[1]
                 run = command.split("marl_jax_runs/")[1].split("/")[0].split(";")[0] \
-                    if "marl_jax_runs/" in command else "setup"
+                    if "marl_jax_runs/" in command else ""
                 kind = ("launch" if "run.py" in command else "follow" if "tail" in command
-                        else "stopped?" if "test -e" in command else "setup")
+                        else "stopped?" if "test -e" in command
+                        else "setup" if "git clone" in command or "pip install" in command
+                        else command)
                 out.append((kind, run))
             elif verb == "scp":
                 out.append(("fetch" if words[4].startswith("tpu-env:") else "setup", ""))
@@ -509,7 +514,7 @@ def test_restart_makes_a_preempted_vm_again_and_resumes_the_same_command(fake_vm
     assert calls() == [
         ("launch", "r1"), ("follow", "r1"), ("describe", ""), ("delete", ""),
         ("create", "--accelerator-type=v4-32 --version=tpu-ubuntu2204-base --spot"),
-        ("setup", "setup"), ("setup", "setup"),
+        ("setup", ""), ("setup", ""), ("touch mounted", ""),
         ("launch", "r1-r1"), ("follow", "r1-r1"), ("fetch", "")]
     assert "tpu-env is PREEMPTED" in result.stderr and "restart 1 of at most 10" in result.stderr
     # The same run.py command both times (it resumes from the workdir's checkpoints).
@@ -518,6 +523,7 @@ def test_restart_makes_a_preempted_vm_again_and_resumes_the_same_command(fake_vm
                                   "--config.seeds=(1, 2)"]
     assert (tmp_path / "logs" / "r1-r1" / "worker-0.exit").read_text().strip() == "0"
     assert state.read_text().strip() == "READY"
+    assert (home / "mounted").exists()
 
 
 def test_restart_on_a_vm_still_up_relaunches_until_max_restarts(fake_vm, tmp_path):

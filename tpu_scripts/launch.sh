@@ -7,7 +7,8 @@ usage() {
 Usage: tpu_scripts/launch.sh [--name NAME] [--zone ZONE] [--project PROJECT] [--run-id ID]
                              [--stream] [--logs-dir DIR] [--env KEY=VALUE]... [--remote-dir DIR]
                              [--restart-on-preemption --create-flag=FLAG... [--setup-flag=FLAG]...
-                              [--max-restarts N]] [--dry-run] [-- RUN_FLAGS...]
+                              [--new-vm-command CMD] [--max-restarts N]] [--dry-run]
+                             [-- RUN_FLAGS...]
        tpu_scripts/launch.sh --fetch-logs --run-id ID [--logs-dir DIR] [...]
        tpu_scripts/launch.sh --stop --run-id ID [...]
 
@@ -41,14 +42,17 @@ The command run on every worker is printed first (with --dry-run as a "# ..." li
                    is left of it (teardown.sh), make it again (create.sh with the --create-flag
                    flags) and install (setup.sh with --remote-dir and the --setup-flag flags).
                    run.py resumes from the workdir's checkpoints, so the workdir must outlive
-                   the VM (gs://..., or a Filestore mount), not sit on its disk. Exits with the
-                   run's exit status once it ends otherwise (0: finished)
+                   the VM (a Filestore/NFS or gcsfuse mount, see --new-vm-command), not sit on
+                   its disk. Exits with the run's exit status once it ends otherwise (0: done)
   --create-flag=FLAG
                    a create.sh flag of the VM, for making it again (repeatable; at least one:
                    e.g. --create-flag=--accelerator-type=v4-32 --create-flag=--spot)
   --setup-flag=FLAG
                    a setup.sh flag for installing on the new VM (repeatable; e.g.
                    --setup-flag=--repo=URL; default: copy this checkout)
+  --new-vm-command CMD
+                   a shell command for every worker of a VM made again, after setup.sh: e.g.
+                   mounting the shared workdir
   --max-restarts N relaunches before giving up (default 10)
 
 EOF
@@ -68,6 +72,7 @@ ENV_VARS=()
 RUN_ARGS=()
 CREATE_FLAGS=()
 SETUP_FLAGS=()
+NEW_VM_COMMAND=
 # run.py's exit status when a preemption notice (SIGTERM) stopped it (marl_jax/train/preemption.py).
 PREEMPTED_STATUS=75
 # Seconds between looks at a VM that is changing state, and how many looks before giving up.
@@ -76,14 +81,14 @@ MAX_POLLS=60
 
 while (($#)); do
   case "$1" in
-    --run-id | --logs-dir | --env | --remote-dir | --max-restarts)
+    --run-id | --logs-dir | --env | --remote-dir | --max-restarts | --new-vm-command)
       need_value "$@"
       flag=$1
       value=$2
       shift 2
       ;;
     --run-id=* | --logs-dir=* | --env=* | --remote-dir=* | --max-restarts=* | --create-flag=* | \
-      --setup-flag=*)
+      --setup-flag=* | --new-vm-command=*)
       flag=${1%%=*}
       value=${1#*=}
       shift
@@ -128,6 +133,7 @@ while (($#)); do
     --max-restarts) MAX_RESTARTS=$value ;;
     --create-flag) CREATE_FLAGS+=("$value") ;;
     --setup-flag) SETUP_FLAGS+=("$value") ;;
+    --new-vm-command) NEW_VM_COMMAND=$value ;;
   esac
 done
 
@@ -158,8 +164,8 @@ if ((RESTART)) && ((${#CREATE_FLAGS[@]} == 0)); then
   die "--restart-on-preemption needs the create.sh flags of the VM to make it again after a" \
     "preemption, e.g. --create-flag=--accelerator-type=v4-32 --create-flag=--spot"
 fi
-if ((!RESTART)) && ((${#CREATE_FLAGS[@]} + ${#SETUP_FLAGS[@]})); then
-  die "--create-flag and --setup-flag go with --restart-on-preemption"
+if ((!RESTART)) && { ((${#CREATE_FLAGS[@]} + ${#SETUP_FLAGS[@]})) || [[ -n $NEW_VM_COMMAND ]]; }; then
+  die "--create-flag, --setup-flag and --new-vm-command go with --restart-on-preemption"
 fi
 if ! [[ $MAX_RESTARTS =~ ^[0-9]+$ ]]; then
   die "--max-restarts '$MAX_RESTARTS' must be a whole number"
@@ -285,7 +291,7 @@ settled_state() {
   printf '%s\n' "$state"
 }
 
-# remake_vm STATE: delete what is left of the VM, create it again, install on it.
+# remake_vm STATE: delete what is left of the VM, create it again, install on it, prepare it.
 remake_vm() {
   local tries=0
   if [[ $1 != ABSENT ]]; then
@@ -304,6 +310,9 @@ remake_vm() {
   done
   run bash "$SCRIPTS/setup.sh" "${TARGET_FLAGS[@]}" --remote-dir "$REMOTE_DIR" \
     ${SETUP_FLAGS[@]+"${SETUP_FLAGS[@]}"}
+  if [[ -n $NEW_VM_COMMAND ]]; then
+    ssh_all "$NEW_VM_COMMAND"
+  fi
 }
 
 if ((DRY_RUN)); then
@@ -314,6 +323,7 @@ if ((DRY_RUN)); then
     "  $(quote_words bash "$SCRIPTS/create.sh" "${TARGET_FLAGS[@]}" "${CREATE_FLAGS[@]}")" \
     "  $(quote_words bash "$SCRIPTS/setup.sh" "${TARGET_FLAGS[@]}" --remote-dir "$REMOTE_DIR" \
       ${SETUP_FLAGS[@]+"${SETUP_FLAGS[@]}"})" \
+    "  on every worker: ${NEW_VM_COMMAND:-(no --new-vm-command)}" \
     "then (also after an exit status of $PREEMPTED_STATUS on a VM still up) the same launch runs" \
     "as $RUN_ID-r1, $RUN_ID-r2, ... (at most $MAX_RESTARTS times)"
   exit 0

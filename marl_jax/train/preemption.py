@@ -43,7 +43,7 @@ class Preempted(BaseException):
     `except Exception` on its way (a library's, or a fallback) may swallow it.
 
     Attributes:
-      stage: the stage that stopped at a step boundary; None between stages.
+      stage: the stage that stopped at a step boundary; None outside a training loop.
       step: the stage's step at that boundary, whose checkpoint is on disk (0: none was taken).
       directory: that stage's checkpoint directory.
     """
@@ -51,7 +51,7 @@ class Preempted(BaseException):
     def __init__(self, stage: Optional[str] = None, step: int = 0, directory: str = ""):
         self.stage, self.step, self.directory = stage, step, directory
         if stage is None:
-            where = "stopped between stages, with no step in flight"
+            where = "stopped outside a training loop, with no step in flight"
         elif not step:
             where = f"stopped before the first step of {stage}, with no step in flight"
         else:
