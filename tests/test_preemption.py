@@ -245,17 +245,24 @@ def _run_to_the_end(command, log):
     assert result.returncode == 0, log.read_text()[-4000:]
 
 
+def _written_at(workdir):
+    path = workdir / "metrics.jsonl"
+    return path.stat().st_mtime_ns if path.exists() else None
+
+
 def _run_signalled(command, workdir, stage, step, delay_s, log):
     """Runs `command`, sends SIGTERM `delay_s` after `stage`'s row of `step` is in the metrics
-    and waits for the end; returns (exit status, output, the stage's last logged step when the
+    and this run has written to them (so the signal never lands before the run has started),
+    waits for the end; returns (exit status, output, the stage's last logged step when the
     signal had been sent)."""
+    before = _written_at(workdir)
     with open(log, "w") as out:
         proc = subprocess.Popen(command, cwd=ROOT, env=_pipeline_env(), stdout=out,
                                 stderr=subprocess.STDOUT)
         deadline = time.monotonic() + RUN_TIMEOUT_S
         try:
-            while (step not in _logged_steps(workdir, stage) and proc.poll() is None
-                   and time.monotonic() < deadline):
+            while ((step not in _logged_steps(workdir, stage) or _written_at(workdir) == before)
+                   and proc.poll() is None and time.monotonic() < deadline):
                 time.sleep(0.01)
             time.sleep(delay_s)
             assert proc.poll() is None, log.read_text()[-4000:]
