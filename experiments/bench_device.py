@@ -58,7 +58,7 @@ random weights (nothing to download), each number beside its bound, the last lin
                                      (256 x (128 + 128)) or Gemma-2B-shaped (256 x (512 + 128))
                                      models (`bench_ppo`, `bench.py ppo --shape=w1|w2`): seconds,
                                      phase split, tokens/s, model TFLOP/s, MFU, MA-PPO / PPO, the
-                                     phase-timing overhead, beside verl's anchor (3 timed
+                                     phase-timing overhead, beside verl's anchor (6 timed
                                      iterations of each kind for W1, 1 for W2).
 `--small` runs every row with the smoke-test model on small shapes (a CPU, under a minute).
 `--unrolled` runs the layers unrolled instead of in one scan (compiles take longer).
@@ -545,7 +545,7 @@ class Suite:
         return row
 
     def ppo_w1(self):
-        return self._ppo("w1", 3)
+        return self._ppo("w1", 6)
 
     def ppo_w2(self):
         return self._ppo("w2", 1)

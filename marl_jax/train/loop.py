@@ -3,7 +3,9 @@
 A stage's state lives in `<workdir>/checkpoints/<stage>/<step>`. Running the same command again
 restores the latest complete checkpoint, drops metrics rows logged after it, and continues, so a
 run killed at any moment loses at most `checkpoint_every` steps and never duplicates a row. A
-stage whose final checkpoint exists is complete and is not run again.
+stage whose final checkpoint exists is complete and is not run again. Under
+`preemption.watching()` a preemption notice (SIGTERM) loses no step: every process saves the
+checkpoint of the same step boundary and the loop raises `preemption.Preempted`.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import jax
 import numpy as np
 
 from marl_jax.train import checkpoint as ckpt_lib
-from marl_jax.train import perf
+from marl_jax.train import perf, preemption
 from marl_jax.train.metrics import ProgressBar
 
 # Shown on the progress line after a stage's own keys, where a row has them.
@@ -86,47 +88,57 @@ def run(stage: Stage, *, state, total_steps: int, step_fn: Callable, writer, met
         writer.truncate_after(name, start, **row_keys)
     if start >= total_steps:
         return state, start
-    bar = ProgressBar(total_steps, initial=start, desc=stage.name)
-    shown = tuple(progress_keys) + PERF_PROGRESS_KEYS
-    last_time, last_logged = time.perf_counter(), start
-    outside = evaluating = 0.0  # seconds of hooks and checkpoints since the last logged row
-    for step in range(start, total_steps):
-        state, metrics = step_fn(state, step)
-        done = step + 1
-        row = None
-        if done % log_every == 0 or done == total_steps:
-            row = {k: _host_value(v) for k, v in jax.device_get(metrics).items()}
-            now = time.perf_counter()
-            seconds = (now - last_time - outside) / (done - last_logged)
-            last_time, last_logged, outside = now, done, 0.0
-            if cost is not None:
-                row.update(perf.step_fields(seconds, *cost(row), peak_flops))
-            else:
-                row["perf/step_s"] = seconds
-        extra = []
-        if hooks is not None:
-            started = time.perf_counter()
-            extra = hooks(state, done)
-            spent = time.perf_counter() - started
-            outside += spent
-            if extra:
-                evaluating += spent
-        if row is not None:
+    with preemption.steps(stage.name):
+        if preemption.at_boundary():
+            stage.close()
+            raise preemption.Preempted(stage.name, start, stage.checkpointer.directory)
+        bar = ProgressBar(total_steps, initial=start, desc=stage.name)
+        shown = tuple(progress_keys) + PERF_PROGRESS_KEYS
+        last_time, last_logged = time.perf_counter(), start
+        outside = evaluating = 0.0  # seconds of hooks and checkpoints since the last logged row
+        for step in range(start, total_steps):
+            state, metrics = step_fn(state, step)
+            done = step + 1
+            row = None
+            if done % log_every == 0 or done == total_steps:
+                row = {k: _host_value(v) for k, v in jax.device_get(metrics).items()}
+                now = time.perf_counter()
+                seconds = (now - last_time - outside) / (done - last_logged)
+                last_time, last_logged, outside = now, done, 0.0
+                if cost is not None:
+                    row.update(perf.step_fields(seconds, *cost(row), peak_flops))
+                else:
+                    row["perf/step_s"] = seconds
+            extra = []
             if hooks is not None:
-                row["timing/eval_s"], evaluating = evaluating, 0.0
-            row = {"stage": stage.name, "step": done, **row_keys, **row}
-            writer.write(row)
-            bar.update(done, {k: float(np.mean(row[k])) for k in shown if k in row})
-        else:
-            bar.update(done)
-        for hook_row in extra:
-            writer.write({"step": done, **row_keys, **hook_row})
-        if ckpt_lib.should_save(done, checkpoint_every, total_steps):
-            started = time.perf_counter()
-            stage.save(done, state, metadata)
-            outside += time.perf_counter() - started
-    bar.close()
-    stage.checkpointer.wait()
+                started = time.perf_counter()
+                extra = hooks(state, done)
+                spent = time.perf_counter() - started
+                outside += spent
+                if extra:
+                    evaluating += spent
+            if row is not None:
+                if hooks is not None:
+                    row["timing/eval_s"], evaluating = evaluating, 0.0
+                row = {"stage": stage.name, "step": done, **row_keys, **row}
+                writer.write(row)
+                bar.update(done, {k: float(np.mean(row[k])) for k in shown if k in row})
+            else:
+                bar.update(done)
+            for hook_row in extra:
+                writer.write({"step": done, **row_keys, **hook_row})
+            # Every row of this step is written: the checkpoint of `done` resumes after them.
+            stop = preemption.at_boundary()
+            if stop or ckpt_lib.should_save(done, checkpoint_every, total_steps):
+                started = time.perf_counter()
+                stage.save(done, state, metadata)
+                outside += time.perf_counter() - started
+            if stop:
+                bar.close()
+                stage.close()  # waits until the checkpoint is on disk
+                raise preemption.Preempted(stage.name, done, stage.checkpointer.directory)
+        bar.close()
+        stage.checkpointer.wait()
     return state, start
 
 
