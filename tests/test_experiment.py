@@ -178,6 +178,19 @@ def test_shortened_default_experiment(tmp_path):
         (a, s, t) for a in arms for s in cfg.seeds for t in (1, 2, 3, 4)}
     assert len(train) == len(arms) * 3 * 4
     assert {r["step"] for r in rows if r["stage"] == "eval"} == {0, 2, 4}
+    # A training row's perf fields are its group's vmapped step's, the same on every run's row
+    # of the group: its tokens are all its runs' prompts and responses (group_size 1).
+    for step in (1, 2, 3, 4):
+        groups = {}
+        for r in train:
+            if r["step"] == step:
+                groups.setdefault(r["perf/step_s"], []).append(r)
+        assert 1 <= len(groups) < len(arms) * 3
+        for group in groups.values():
+            tokens = sum(r["budget/prefill_tokens"] + r["budget/generated_tokens"] for r in group)
+            assert group[0]["perf/tokens_per_s"] * group[0]["perf/step_s"] == pytest.approx(tokens)
+            assert len({(r["perf/tokens_per_s"], r["perf/tflops_per_s"]) for r in group}) == 1
+            assert not [k for k in group[0] if k.startswith("timing/") and k != "timing/eval_s"]
     # The randomized arm's control uses the macro length of the arm's own first rollout (the
     # one its step-1 row reports), per seed: lam^(1/L) and kl_coef / L (weighted rewards).
     for seed in cfg.seeds:
