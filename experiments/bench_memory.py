@@ -69,7 +69,12 @@ the peak bf16 FLOP/s and HBM bandwidth of the device kind (`marl_jax.train.perf.
 peak FLOP/s that bound allows (roofline MFU = FLOPs / peak / bound; 1 when compute-bound).
 
 With generate, score and update compiled for a TPU, the sum of their roofline seconds is the
-recipe's predicted iteration (a line `predicted iteration by the roofline: ...`).
+recipe's predicted iteration (a line `predicted iteration by the roofline: ...`). XLA's cost
+analysis counts the body of a loop once (the layer scan, the decode loop, the minibatch and
+micro-batch scans), so those seconds are a lower bound, far below the work for these programs;
+a second line predicts the iteration by the model count, every loop counted
+(`model_count_iteration`: `perf.ppo_step_flops` at peak FLOP/s, the rollout at least its
+decode's weight and KV-cache reads at HBM bandwidth).
 
 The last line is `devices=N peak_gib=X capacity_gib=Y fits=True|False flops=F hbm_bytes=B
 roofline_step_s=S roofline_mfu=M` (X the largest peak, fits = X <= Y; F, B, S, M those of the
@@ -519,9 +524,43 @@ def predicted_iteration(rows) -> dict | None:
     bound = {row["program"]: row.get("roofline_step_s") for row in rows}
     if any(bound.get(name) is None for name in ITERATION_PROGRAMS):
         return None
-    total = sum(bound[name] for name in ITERATION_PROGRAMS)
+    return _sum_line({name: bound[name] for name in ITERATION_PROGRAMS})
+
+
+def _sum_line(seconds: dict) -> dict:
+    total = sum(seconds.values())
     return {"seconds": total, "text": " + ".join(
-        f"{name} {bound[name]:.3f} s" for name in ITERATION_PROGRAMS) + f" = {total:.3f} s"}
+        f"{name} {s:.3f} s" for name, s in seconds.items()) + f" = {total:.3f} s"}
+
+
+def model_count_iteration(config, cfg, token_ids, mesh, device_kind: str) -> dict | None:
+    """The iteration's seconds per device by the model count, every loop counted (XLA's cost
+    analysis counts a loop's body once: the layer scan, the decode loop, the minibatches):
+    `perf.ppo_step_flops` of each phase over all devices at the kind's peak FLOP/s, the rollout
+    at least its decode's reads at HBM bandwidth (every weight in the compute dtype and the live
+    KV cache once per decoded token, `bench_device.decode_bytes`, a tensor-parallel share of
+    them per device), every response its whole budget. None for kinds without a peak."""
+    from bench_device import decode_bytes
+    from marl_jax.train import aot, build, perf, ppo
+
+    row = perf.device_kind(device_kind)
+    peak = perf.peak_flops(device_kind, cfg.dtype)
+    if row is None or peak is None:
+        return None
+    p = config.ppo
+    static = ppo.static_from_config(config, token_ids)
+    prompt = aot.task_inputs(config).prompt_length
+    modules = (build.policy_module(cfg), build.critic_module(cfg), build.reward_module(cfg))
+    flops = perf.ppo_step_flops(static, *(perf.model_flops(m) for m in modules), prompt,
+                                p.batch_size * p.response_length, p.response_length)
+    devices = mesh.devices.size
+    rows = static.prompts_per_step * static.group_size // (mesh.shape["data"]
+                                                           * mesh.shape["fsdp"])
+    reads = decode_bytes(cfg, rows, prompt, p.response_length) / mesh.shape["tensor"]
+    at_peak = {name: flops[name] / devices / peak for name in ("rollout", "score", "update")}
+    seconds = {"generate": max(at_peak["rollout"], reads / row.hbm_bandwidth),
+               "score": at_peak["score"], "update": at_peak["update"]}
+    return _sum_line(seconds)
 
 
 def config_error(message) -> typing.NoReturn:
@@ -623,8 +662,15 @@ def main(argv):
             print(f"{row['program']}: headroom {100 * row['headroom']:.1f}% is below "
                   f"{100 * HEADROOM_NEEDED:.0f}%")
     predicted = predicted_iteration(rows)
+    modelled = None
     if predicted is not None:
-        print(f"predicted iteration by the roofline: {predicted['text']}")
+        print(f"predicted iteration by the roofline: {predicted['text']} (XLA's count: each "
+              "loop's body once, a lower bound)")
+        modelled = model_count_iteration(config, cfg, token_ids, mesh,
+                                         target.devices[0].device_kind)
+    if modelled is not None:
+        print(f"predicted iteration by the model count: {modelled['text']} (every loop "
+              "counted; the decode's reads at HBM bandwidth, the rest at peak FLOP/s)")
     peak = max(row["peak"] for row in rows)
     fits = peak <= target.capacity_bytes
     if FLAGS.json:
@@ -637,7 +683,8 @@ def main(argv):
                        param_dtype=cfg.param_dtype, remat=cfg.remat,
                        scan_layers=cfg.scan_layers),
             programs=rows, peak_bytes=peak, fits=fits,
-            predicted_iteration_s=None if predicted is None else predicted["seconds"]),
+            predicted_iteration_s=None if predicted is None else predicted["seconds"],
+            model_count_iteration_s=None if modelled is None else modelled["seconds"]),
             indent=2))
     step = next((row for row in rows if row["program"] in ("ppo_step", "experiment") and "flops" in row), None)
     roof = ""

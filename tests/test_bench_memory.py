@@ -299,6 +299,13 @@ def test_tpu_v4_8_compiles_on_this_machine(tmp_path):
     assert (f"predicted iteration by the roofline: generate {rooflines['generate']:.3f} s + score "
             f"{rooflines['score']:.3f} s + update {rooflines['update']:.3f} s = {total:.3f} s"
             in stdout)
+    # XLA counts a loop's body once; the model count counts every loop.
+    modelled = re.search(r"predicted iteration by the model count: generate ([\d.]+) s \+ score "
+                         r"([\d.]+) s \+ update ([\d.]+) s = ([\d.]+) s", stdout)
+    assert modelled and float(modelled.group(4)) == pytest.approx(
+        result["model_count_iteration_s"], abs=2e-3)
+    assert sum(map(float, modelled.groups()[:3])) == pytest.approx(float(modelled.group(4)),
+                                                                   abs=2e-3)
     row = result["programs"][0]
     # The TPU compiler's peak counts the arguments (their tiles are padded: at least the state).
     assert row["xla_peak"] >= row["args"] >= row["weights"]
