@@ -103,7 +103,8 @@ class Pipeline:
                                 writer=self.writer, workdir=self.workdir)
             self._export("sft", self.policy, self._sft, adapter_base=self._pretrained_base)
             if self.policy.config.lora_rank and self.config.model.lora.merge_sft:
-                self._sft = lora.merge(self._sft, lora.settings(self.policy.config))
+                self._sft = lora.merge(self._sft, lora.settings(self.policy.config),
+                                       precision=self.policy.config.precision)
         return self._sft
 
     def _lora_base(self, init):

@@ -65,7 +65,7 @@ def test_merged_forward_equals_base_plus_adapter_by_hand():
     params = lora.attach(lora.without_adapters(params), _randomised_adapters(params))
     ids, mask = padded_batch([6, 8], 8, seed=1, vocab=64)
     adapted = np.asarray(model.apply({"params": params}, ids, mask))
-    merged_params = lora.merge(params, lora.settings(cfg))
+    merged_params = lora.merge(params, lora.settings(cfg), precision=cfg.precision)
     assert not lora.has_adapters(merged_params)
     merged = np.asarray(M.CausalLM(cfg.replace(lora_rank=0)).apply({"params": merged_params},
                                                                     ids, mask))
@@ -78,6 +78,18 @@ def test_merged_forward_equals_base_plus_adapter_by_hand():
                                           ["kernel"]), want, rtol=1e-6, atol=1e-6)
     # Untargeted projections have no adapter.
     assert set(lora.adapters(params)["backbone"]["layers_0"]["mlp"]) == {"down"}
+
+
+@pytest.mark.parametrize("precision", ["highest", "default"])
+def test_merge_multiplies_the_adapters_at_the_model_precision(precision):
+    cfg = _config(lora_rank=4, lora_targets=("q",), matmul_precision=precision)
+    params = M.init_params(M.CausalLM(cfg), jax.random.key(0))
+    jaxpr = jax.make_jaxpr(lambda p: lora.merge(p, lora.settings(cfg),
+                                                precision=cfg.precision))(params)
+    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == cfg.num_layers
+    want = jax.lax.Precision(precision)
+    assert [e.params["precision"] for e in dots] == [(want, want)] * cfg.num_layers
 
 
 def test_adapter_dropout_drops_inputs_of_the_low_rank_path_only():

@@ -207,7 +207,9 @@ def _signature(tree):
 def _merged(module, params):
     """`params` as a plain model: LoRA adapters merged into their kernels (as the exports are)."""
     settings = lora.settings(module.config)
-    return lora.merge(params, settings) if settings and lora.has_adapters(params) else params
+    if not (settings and lora.has_adapters(params)):
+        return params
+    return lora.merge(params, settings, precision=module.config.precision)
 
 
 def trained_policy(pipeline, name: str):
