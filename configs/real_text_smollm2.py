@@ -79,7 +79,7 @@ def get_config():
     # The reward model: 4 prompts a step with all their pairs (`rm.group_by_prompt`, each
     # response scored once: ~6 labelled pairs per prompt for 4 forward passes), 64 steps (1.6
     # passes over the 160 prompts' pairs), lr 1e-3 on its top 8 layers and fresh head; chosen
-    # with experiments/review_rm_study.py (README, "Real text").
+    # with experiments/review_rm_study.py (docs/real_text.md).
     c.rm.update(dict(steps=64, batch_size=4, group_by_prompt=True, learning_rate=1e-3,
                      schedule="cosine", warmup_ratio=0.05, weight_decay=0.0,
                      num_layers_unfrozen=8))
@@ -114,7 +114,7 @@ def get_config():
     # A fresh value head explains ~3% of the returns' variance in these 20 steps, so lam < 1
     # bootstraps from values that are noise, and with lam = 0.95 the score reaches the first of
     # ~32 tokens scaled by 0.95^32 = 0.19 (seed 91, `ppo` gold - SFT: +0.013 at lam 0.95,
-    # +0.048 at lam 1; README, "Real text").
+    # +0.048 at lam 1; docs/real_text.md).
     p.lam = 1.0
 
     c.experiment = ml_collections.ConfigDict(dict(

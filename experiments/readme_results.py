@@ -1,18 +1,21 @@
-"""Writes the README's results section and docs/results.json from the reports of experiment runs.
+"""Writes the default experiment's results page, the README's headline and docs/results.json.
 
     python experiments/readme_results.py RUN_DIR [CONFIRM_DIR ...] [--readme README.md]
-        [--results docs/results.json] [--curves docs/synthetic_curves.png] [--command CMD]
+        [--page docs/synthetic_results.md] [--results docs/results.json]
+        [--curves docs/synthetic_curves.png] [--command CMD]
 
 RUN_DIR and every CONFIRM_DIR hold the report.json of one run of the same experiment command
 (`--command`, as the section shows it) on different seeds. A claim is a paired difference
 between two arms whose 95% bootstrap interval over seeds excludes 0 (`marl_jax.eval.report.claims`);
 only the claims every given run makes, in the same direction, are kept. They go to
-docs/results.json, and the README section between the lines `<!-- results:start -->` and
+docs/results.json. The page's section between the lines `<!-- results:start -->` and
 `<!-- results:end -->` is replaced by: the command and seeds of each run, RUN_DIR's per-arm
 table, the resolution of each run (PPO's gain against the widest paired interval), RUN_DIR's
 curves, one sentence per kept claim, and for every macro arm against token PPO and against its
-matched control each difference that was not distinguishable or not replicated. Nothing else
-in the README changes.
+matched control each difference that was not distinguishable or not replicated. The README's
+section between `<!-- headline:start -->` and `<!-- headline:end -->` is replaced by the
+headline: columns of the same table, the curves, the kept claims and the differences no run
+could tell apart, in words, with a link to the page. Nothing else in either file changes.
 """
 from __future__ import annotations
 
@@ -28,6 +31,9 @@ sys.path.insert(0, str(ROOT))
 from marl_jax.eval import report as report_lib  # noqa: E402
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
+HEADLINE_START, HEADLINE_END = "<!-- headline:start -->", "<!-- headline:end -->"
+HEADLINE_COLUMNS = ("arm", "gold", "RM score", "KL (nats)", "J = gold - beta KL",
+                    "reward hacking")
 
 
 def load_report(run_dir: str) -> dict:
@@ -89,12 +95,12 @@ def claim_sentence(runs, claim) -> str:
             f"{_versus(runs[0][1], arm, versus)}: {_across_runs(runs, arm, versus, metric)}.")
 
 
-def open_lines(runs, claims) -> list[str]:
-    """For every macro arm of the first run against the baseline and against its control, each
-    metric without a kept claim: "not distinguishable" when no run separates the two, else "no
-    difference that holds on every run"."""
+def open_comparisons(runs, claims) -> list[tuple[str, str, str, bool]]:
+    """(arm, versus, metric, separated) for every macro arm of the first run against the
+    baseline and against its control, each metric without a kept claim; separated is False
+    when no run separates the two."""
     claimed = {c[:3] for c in map(_key, claims)}
-    lines = []
+    found = []
     for arm, c in runs[0][1]["comparisons"].items():
         if not c["macro"]:
             continue
@@ -103,17 +109,81 @@ def open_lines(runs, claims) -> list[str]:
                 if versus is None or (arm, versus, metric) in claimed:
                     continue
                 made = [comparison(r, arm, versus, metric) for _, r in runs]
-                word = ("not distinguishable" if all(m and m["direction"] == 0 for m in made)
-                        else "no difference that holds on every run")
-                lines.append(f"`{arm}` vs {_versus(runs[0][1], arm, versus)}, "
-                             f"{report_lib.METRIC_WORDS[metric]}: {word}: "
-                             f"{_across_runs(runs, arm, versus, metric)}.")
-    return lines
+                separated = not all(m and m["direction"] == 0 for m in made)
+                found.append((arm, versus, metric, separated))
+    return found
+
+
+def open_lines(runs, claims) -> list[str]:
+    """Each open comparison with its numbers: "not distinguishable" when no run separates the
+    two, else "no difference that holds on every run"."""
+    return [f"`{arm}` vs {_versus(runs[0][1], arm, versus)}, "
+            f"{report_lib.METRIC_WORDS[metric]}: "
+            f"{'no difference that holds on every run' if separated else 'not distinguishable'}: "
+            f"{_across_runs(runs, arm, versus, metric)}."
+            for arm, versus, metric, separated in open_comparisons(runs, claims)]
+
+
+def _metric_list(metrics) -> str:
+    words = [report_lib.METRIC_WORDS[m] for m in metrics]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
+def _grouped(items) -> list[tuple[tuple, list[str]]]:
+    """[(key, metrics)] from (key, metric) pairs, keys in order of first appearance."""
+    groups: dict[tuple, list[str]] = {}
+    for key, metric in items:
+        groups.setdefault(key, []).append(metric)
+    return list(groups.items())
+
+
+def claim_headlines(claims, report: dict) -> list[str]:
+    """The kept claims in words, one line per arm, versus and direction: "`ma_ppo` has lower
+    final gold and J than `ppo`."."""
+    return [f"`{arm}` has {'higher' if direction > 0 else 'lower'} {_metric_list(metrics)} than "
+            f"{_versus(report, arm, versus)}."
+            for (arm, versus, direction), metrics in _grouped(
+                ((c["arm"], c["versus"], c["direction"]), c["metric"]) for c in claims)]
+
+
+def headline_table(table: list[str]) -> list[str]:
+    """The columns HEADLINE_COLUMNS of a per-arm table (`report_lib.arm_table`'s lines)."""
+    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in table]
+    keep = [rows[0].index(name) for name in HEADLINE_COLUMNS]
+    return ["| " + " | ".join(row[i] for i in keep) + " |" if n != 1
+            else "|" + "---|" * len(keep) for n, row in enumerate(rows)]
+
+
+def headline_section(runs, claims, *, page_link: str, curves_link: str,
+                     generated_by: str) -> str:
+    """The README's headline (without its marker lines): columns of the first run's table, its
+    curves, the claims of every run and the comparisons no run separates, in words."""
+    (first_dir, first), confirm = runs[0], runs[1:]
+    repeats = ("the repeats on seeds " + " and ".join(
+        report_lib.format_seeds(r["seeds"]) for _, r in confirm) + ", " if confirm else "")
+    lines = [
+        f"<!-- generated by `{generated_by}`; do not edit by hand -->", "",
+        f"Seeds {report_lib.format_seeds(first['seeds'])} (`{first_dir}`), final evaluation; "
+        f"means over seeds with 95% bootstrap intervals; SFT gold = {first['sft_gold']:.3f} "
+        f"([every column, {repeats}every paired difference]({page_link})):", "",
+    ]
+    lines += headline_table(report_lib.arm_table(first))
+    lines += ["", f"![gold, J and RM score over PPO steps]({curves_link})", ""]
+    runs_word = "every run" if confirm else "this run"
+    lines += [f"Differences whose 95% interval excludes 0 on {runs_word}:", ""]
+    lines += [f"- {line}" for line in claim_headlines(claims, first)] or ["- none."]
+    unseparated = _grouped(((arm, versus), metric) for arm, versus, metric, separated
+                           in open_comparisons(runs, claims) if not separated)
+    if unseparated:
+        lines += ["", f"Not distinguishable on {'any run' if confirm else 'this run'}:", ""]
+        lines += [f"- `{arm}` vs {_versus(first, arm, versus)}: {_metric_list(metrics)}."
+                  for (arm, versus), metrics in unseparated]
+    return "\n".join(lines)
 
 
 def results_section(runs, claims, *, command: str, curves_link: str,
                     generated_by: str) -> str:
-    """The generated README section (without its marker lines). runs: [(dir, report)], the
+    """The generated results page section (without its marker lines). runs: [(dir, report)], the
     first one's table and curves shown."""
     (first_dir, first), confirm = runs[0], runs[1:]
     where = f"`{command}` on seeds {report_lib.format_seeds(first['seeds'])} (`{first_dir}`)"
@@ -149,15 +219,23 @@ def results_section(runs, claims, *, command: str, curves_link: str,
     return "\n".join(lines)
 
 
-def replace_section(text: str, section: str, path: str) -> str:
-    """`text` with everything between the marker lines replaced by `section`."""
-    starts, ends = text.count(START), text.count(END)
-    if starts != 1 or ends != 1 or text.index(START) > text.index(END):
-        raise ValueError(f"{path}: needs exactly one {START!r} and, after it, one {END!r}; "
+def replace_section(text: str, section: str, path: str, start: str = START,
+                    end: str = END) -> str:
+    """`text` with everything between the marker lines `start` and `end` replaced by
+    `section`."""
+    starts, ends = text.count(start), text.count(end)
+    if starts != 1 or ends != 1 or text.index(start) > text.index(end):
+        raise ValueError(f"{path}: needs exactly one {start!r} and, after it, one {end!r}; "
                          f"found {starts} and {ends}")
-    head, rest = text.split(START)
-    _, tail = rest.split(END)
-    return f"{head}{START}\n{section}\n{END}{tail}"
+    head, rest = text.split(start)
+    _, tail = rest.split(end)
+    return f"{head}{start}\n{section}\n{end}{tail}"
+
+
+def _link(target: str, document: str) -> str:
+    """`target` relative to the folder of `document`, as a markdown link writes it."""
+    link = os.path.relpath(os.path.abspath(target), os.path.dirname(os.path.abspath(document)))
+    return pathlib.PurePath(link).as_posix()
 
 
 def main(argv) -> int:
@@ -165,11 +243,14 @@ def main(argv) -> int:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("run_dir")
     parser.add_argument("confirm_dirs", nargs="*")
-    parser.add_argument("--readme", default="README.md")
+    parser.add_argument("--readme", default="README.md",
+                        help="the file whose headline section is replaced")
+    parser.add_argument("--page", default="docs/synthetic_results.md",
+                        help="the file whose results section is replaced")
     parser.add_argument("--results", default="docs/results.json")
     parser.add_argument("--curves", default="docs/synthetic_curves.png")
     parser.add_argument("--command", default="python experiments/run.py",
-                        help="the experiment command the runs come from, as the README shows it")
+                        help="the experiment command the runs come from, as the page shows it")
     args = parser.parse_args(argv)
     try:
         dirs = [args.run_dir, *args.confirm_dirs]
@@ -179,14 +260,19 @@ def main(argv) -> int:
             raise FileNotFoundError(f"{curves_src} does not exist")
         with open(args.readme) as f:
             readme = f.read()
+        with open(args.page) as f:
+            page = f.read()
         claims = replicated_claims([r for _, r in runs])
         generated_by = " ".join(["experiments/readme_results.py", *argv])
-        link = os.path.relpath(os.path.abspath(args.curves),
-                               os.path.dirname(os.path.abspath(args.readme)))
         section = results_section(runs, claims, command=args.command,
-                                  curves_link=pathlib.PurePath(link).as_posix(),
+                                  curves_link=_link(args.curves, args.page),
                                   generated_by=generated_by)
-        new_readme = replace_section(readme, section, args.readme)
+        new_page = replace_section(page, section, args.page)
+        headline = headline_section(runs, claims, page_link=_link(args.page, args.readme),
+                                    curves_link=_link(args.curves, args.readme),
+                                    generated_by=generated_by)
+        new_readme = replace_section(readme, headline, args.readme, HEADLINE_START,
+                                     HEADLINE_END)
     except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -198,6 +284,8 @@ def main(argv) -> int:
                    "generated_by": generated_by}, f, indent=2)
         f.write("\n")
     shutil.copyfile(curves_src, args.curves)
+    with open(args.page, "w") as f:
+        f.write(new_page)
     with open(args.readme, "w") as f:
         f.write(new_readme)
     return 0
