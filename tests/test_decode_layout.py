@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from marl_jax import models, rollout
-from marl_jax.models import attention, decode_layout, params as params_lib
+from marl_jax.models import attention, decode_layout, lora, params as params_lib
 from marl_jax.models.config import SAMPLER_LAYOUTS, ModelConfig
 
 import models_util
@@ -154,6 +154,27 @@ def test_auto_fuses_on_gpus_only_and_keeps_adapters_separate():
         sampler_config, prepared = decode_layout.for_decoding(config, _params(config))
     assert sampler_config == config.replace(scan_layers=False, fused_projections=True, sampler_layout="train")
     assert "layers_2" in prepared["backbone"] and "qkv" in prepared["backbone"]["layers_2"]["attn"]
+
+
+def test_fused_layout_of_lora_params_with_the_adapters_off_samples_the_base_tokens():
+    # A LoRA model built from its config: its params hold adapters (B nonzero: applied, they
+    # change the tokens), and the policy with its adapters off, 4 query heads over 2 KV heads,
+    # samples the base.
+    config = _config("llama", lora_rank=4, scan_layers=True)
+    params = _params(config)
+    policy = lora.adapters_off(models.CausalLM(config))
+    ids, mask = _prompts()
+    kwargs = dict(row_keys=jax.random.split(jax.random.key(3), 4), max_new_tokens=16, temperature=0.8,
+                  eos_id=1, pad_id=0)
+    base_model = models.CausalLM(config.replace(lora_rank=0, sampler_layout="train"))
+    expected = rollout.generate(base_model, lora.without_adapters(params), ids, mask, **kwargs)
+    adapted = rollout.generate(models.CausalLM(config), params, ids, mask, **kwargs)
+    assert not np.array_equal(adapted.tokens, expected.tokens)
+    with attention.target_platform("gpu"):
+        assert decode_layout.resolve(policy.config) == "fused"
+        got = rollout.generate(policy, params, ids, mask, **kwargs)
+    np.testing.assert_array_equal(got.tokens, expected.tokens)
+    np.testing.assert_allclose(got.logprobs, expected.logprobs, atol=1e-6)
 
 
 def test_fused_layout_with_adapters_or_an_unknown_layout_is_one_line():
