@@ -177,6 +177,24 @@ def test_fused_layout_of_lora_params_with_the_adapters_off_samples_the_base_toke
     np.testing.assert_allclose(got.logprobs, expected.logprobs, atol=1e-6)
 
 
+def test_a_sampler_traced_for_the_host_takes_the_gpus_layout_inside_target_platform(monkeypatch):
+    # The layouts each trace of the sampler chose, in order.
+    chosen, resolve = [], decode_layout.resolve
+    monkeypatch.setattr(decode_layout, "resolve", lambda config: chosen.append(resolve(config)) or chosen[-1])
+    config = _config("llama", num_layers=1)
+    params = _params(config)
+    ids, mask = _prompts()
+    run = lambda: rollout.generate(models.CausalLM(config), params, ids, mask, key=jax.random.key(5),
+                                   max_new_tokens=4, temperature=0.7, eos_id=1, pad_id=0).tokens
+    host = run()
+    with attention.target_platform("gpu"):
+        gpu = run()
+    again = run()
+    assert chosen == ["train", "fused"]  # the host's trace is reused by the host only
+    np.testing.assert_array_equal(gpu, host)
+    np.testing.assert_array_equal(again, host)
+
+
 def test_fused_layout_with_adapters_or_an_unknown_layout_is_one_line():
     from marl_jax import config_check
 
