@@ -396,6 +396,30 @@ def test_resume_is_exact_and_needs_the_same_base(tmp_path):
     assert (metrics_file.read_bytes(), sorted(p.name for p in ckpt.iterdir())) == before
 
 
+def test_ppo_resume_refuses_a_changed_sft_adapter_kept_apart_from_the_base(tmp_path):
+    """With `merge_sft=False` the reference is the pretrained base with the SFT adapter: SFT
+    trained further changes the reference but not the base, and PPO's resume refuses it."""
+    from marl_jax import stages
+    from train_util import tiny_config
+
+    workdir = str(tmp_path)
+    run = lambda sft_steps, ppo_steps: stages.run(tiny_config(**{
+        "model.lora.rank": 4, "model.lora.merge_sft": False, "sft.steps": sft_steps,
+        "ppo.steps": ppo_steps, "ppo.eval_every": 0, "checkpoint_every": 1}), workdir)
+    run(2, 1)
+    ppo_dir = tmp_path / "checkpoints" / "ppo"
+    with checkpoint.Checkpointer(ppo_dir) as saved:
+        _, meta = saved.restore(1)
+    assert len(meta["reference"]["hash"]) == 64
+    before = sorted(p.name for p in ppo_dir.iterdir())
+    with pytest.raises(ValueError, match=r"^checkpoints/ppo: its adapters were trained against "
+                                         r"the reference SFT adapter with hash \w{12}, this "
+                                         r"run's SFT adapter has hash \w{12}") as error:
+        run(3, 2)
+    assert "\n" not in str(error.value)
+    assert sorted(p.name for p in ppo_dir.iterdir()) == before
+
+
 def test_lora_ppo_step_on_eight_devices_with_the_base_sharded_fsdp(monkeypatch):
     """One MA-PPO step of the synthetic task's model with LoRA over an fsdp=8 mesh: the state
     holds adapters and heads only, the one base (the reference) is sharded over fsdp, the

@@ -318,6 +318,9 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
         reward_std=jnp.float32(reward_stats["std"]), ref_adapters=ref_adapters), frozen_sh)
     if static.lora:
         metadata["base"] = checkpoint.lora_identity(frozen.ref_params)
+        if frozen.ref_adapters is not None:
+            # The reference is the base with the SFT adapter: a resumed run needs both.
+            metadata["reference"] = checkpoint.lora_identity(frozen.ref_adapters)
     # The actor and critic are updated in place (donated), so they must not share buffers with
     # the frozen reference and reward model they start from.
     state = jax.device_put(initial_state(config, mods, sft_params, critic_params, config.seed),
