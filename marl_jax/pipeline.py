@@ -50,7 +50,8 @@ class Pipeline:
                 f"(config.model.path={config.model.path!r}) only {cfg.vocab_size}; use the "
                 "model's own tokenizer (config.task.tokenizer)")
         if jax.process_index() == 0:
-            print(f"{attention.describe(cfg)}; sampler layout {decode_layout.resolve(cfg)}", flush=True)
+            layout = decode_layout.resolve(cfg, sharding.logical_rules(self.mesh, build.model_dims(cfg)))
+            print(f"{attention.describe(cfg)}; sampler layout {layout}", flush=True)
         self.policy = build.policy_module(cfg)
         self.reward_model = build.reward_module(cfg)
         self.critic = build.critic_module(cfg)

@@ -1,7 +1,9 @@
 """The sampler's decode layout (`models.decode_layout`): the layers unrolled and q / k / v, gate / up
 fused into one matmul each, built once per rollout; the same numbers as the training layout, the
 matmul count of a decode step by hand, the automatic choice per backend, and the refusals."""
+import collections
 import functools
+import re
 import sys
 from pathlib import Path
 
@@ -193,6 +195,42 @@ def test_a_sampler_traced_for_the_host_takes_the_gpus_layout_inside_target_platf
     assert chosen == ["train", "fused"]  # the host's trace is reused by the host only
     np.testing.assert_array_equal(gpu, host)
     np.testing.assert_array_equal(again, host)
+
+
+def _collectives(hlo_text):
+    """The collective instructions of a compiled program, by kind."""
+    return collections.Counter(re.findall(
+        r"= [^=]*\b(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(?:-start)?\(", hlo_text))
+
+
+def test_auto_on_a_gpu_keeps_the_projections_apart_where_kv_heads_do_not_divide_the_tensor_axis():
+    import ml_collections
+
+    from marl_jax.train import build, sharding
+
+    # 8 query heads over 2 KV heads on a tensor axis of 4: the query heads split over it, the KV
+    # heads do not.
+    config = _config("llama", num_heads=8, num_kv_heads=2, head_dim=8, num_layers=2)
+    params = models.init_params(models.CausalLM(config), jax.random.key(0))
+    mesh = sharding.make_mesh(ml_collections.ConfigDict(dict(data=2, fsdp=1, tensor=4)))
+    rules = sharding.logical_rules(mesh, build.model_dims(config))
+    params = jax.device_put(params, build.param_shardings(models.CausalLM(config), mesh, build.abstract(params)))
+    ids, mask = (jax.device_put(x, sharding.batch_sharding(mesh)) for x in _prompts())
+
+    def collectives(layout):
+        model = models.CausalLM(config.replace(sampler_layout=layout))
+        sample = jax.jit(lambda p, i, m: rollout.generate(model, p, i, m, key=jax.random.key(3), max_new_tokens=6,
+                                                          temperature=0.9, eos_id=1, pad_id=0).tokens)
+        with sharding.mesh_context(mesh, rules), attention.target_platform("gpu"):
+            return _collectives(sample.lower(params, ids, mask).compile().as_text())
+
+    with attention.target_platform("gpu"):
+        assert decode_layout.resolve(config, rules) == "unrolled"
+        divisible = sharding.logical_rules(mesh, build.model_dims(config.replace(num_kv_heads=4)))
+        assert decode_layout.resolve(config.replace(num_kv_heads=4), divisible) == "fused"
+    training = collectives("train")
+    assert training["all-reduce"] > 0
+    assert collectives("auto") == training
 
 
 def test_fused_layout_with_adapters_or_an_unknown_layout_is_one_line():
