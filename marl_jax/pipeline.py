@@ -51,7 +51,8 @@ class Pipeline:
                 "model's own tokenizer (config.task.tokenizer)")
         if jax.process_index() == 0:
             layout = decode_layout.resolve(cfg, sharding.logical_rules(self.mesh, build.model_dims(cfg)))
-            print(f"{attention.describe(cfg)}; sampler layout {layout}", flush=True)
+            print(f"{attention.describe(cfg)}; sampler layout {layout}; XLA GPU flags "
+                  f"{config.model.get('xla_gpu_flags', 'auto')}", flush=True)
         self.policy = build.policy_module(cfg)
         self.reward_model = build.reward_module(cfg)
         self.critic = build.critic_module(cfg)
