@@ -642,7 +642,8 @@ def main(argv):
 
     rows = []
     with attention.target_platform(target.platform):
-        print(f"{attention.describe(cfg)}; sampler layout {decode_layout.resolve(cfg)}", flush=True)
+        layout = decode_layout.resolve(cfg, sharding.logical_rules(mesh, build.model_dims(cfg)))
+        print(f"{attention.describe(cfg)}; sampler layout {layout}", flush=True)
         entries = stage_programs(config, cfg, token_ids, mesh, set(wanted))
     with sharding.mesh_context(mesh, sharding.logical_rules(mesh, build.model_dims(cfg))), \
             attention.target_platform(target.platform):

@@ -148,11 +148,6 @@ def _shown(path: str) -> str:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from marl_jax import xla_flags
-
-    added = xla_flags.apply()
-    if added:
-        print(f"XLA flags set for this GPU: {' '.join(added)} (a flag named in XLA_FLAGS wins)")
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
     config = flags.FLAGS.config
@@ -161,10 +156,17 @@ def main(argv):
     from marl_jax.train import preemption
 
     try:
-        from marl_jax import config as config_lib, config_check, stages
+        # Checking the config starts no JAX backend: the XLA flags still take effect after it.
+        from marl_jax import config as config_lib, config_check, xla_flags
 
         config_lib.resolve_size(config, overridden=config_lib.command_line_fields(sys.argv)[1])
         config_check.validate_config(config, config_file=_shown(config_file))
+        added = xla_flags.apply(mode=config.model.get("xla_gpu_flags", "auto"))
+        if added:
+            print(f"XLA flags set for this GPU (config.model.xla_gpu_flags=auto; none sets "
+                  f"none): {' '.join(added)} (a flag named in XLA_FLAGS wins)")
+        from marl_jax import stages
+
         stages.run(config, workdir)
     except preemption.Preempted as stop:
         print(stop, file=sys.stderr, flush=True)

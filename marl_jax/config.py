@@ -121,8 +121,12 @@ def base_config() -> ml_collections.ConfigDict:
         matmul_precision="auto",
         # The layout the sampler decodes with (marl_jax/models/decode_layout.py): auto | train |
         # unrolled | fused; auto = fused (layers unrolled, q / k / v and gate / up one matmul each)
-        # on NVIDIA GPUs, unrolled there with LoRA adapters, the training layout elsewhere.
+        # on NVIDIA GPUs, unrolled there with LoRA adapters (or KV heads that do not divide the
+        # tensor axis), the training layout elsewhere.
         sampler_layout="auto",
+        # XLA flags for every GPU program of the process (marl_jax/xla_flags.py): auto = command
+        # buffers that capture while loops and conditionals on NVIDIA GPUs; none = XLA's defaults.
+        xla_gpu_flags="auto",
         config=ml_collections.ConfigDict(),
         # LoRA (marl_jax/models/lora.py): rank 0 = full fine-tuning. With rank r > 0 every stage
         # trains float32 adapters (and its heads) on one frozen base, scaled by alpha / r, on the

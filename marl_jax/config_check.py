@@ -30,6 +30,7 @@ from marl_jax.estimators import ESTIMATORS
 from marl_jax.losses import KL_ESTIMATORS, POLICY_AGGREGATIONS, ROLLOUT_CORRECTIONS
 from marl_jax.macro.advantage import REWARD_AGGREGATIONS, VALUE_WEIGHTINGS
 from marl_jax.models import lora
+from marl_jax.xla_flags import MODES as XLA_GPU_FLAG_MODES
 
 STAGES = ("sft", "rm", "ppo", "all", "experiment", "eval")
 TERMINATIONS = ("fixed", "randomized", "perplexity", "entropy", "parsing")
@@ -69,6 +70,8 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
           f"must be one of {('auto',) + MATMUL_PRECISIONS}")
     check(c.model.get("sampler_layout", "auto") in SAMPLER_LAYOUTS, "model.sampler_layout",
           f"must be one of {SAMPLER_LAYOUTS}")
+    check(c.model.get("xla_gpu_flags", "auto") in XLA_GPU_FLAG_MODES, "model.xla_gpu_flags",
+          f"must be one of {XLA_GPU_FLAG_MODES}")
     check(not (c.model.get("sampler_layout") == "fused" and c.model.get("lora", {}).get("rank", 0)),
           "model.sampler_layout", "fused projections take no LoRA adapters: use unrolled (or auto) with "
           "model.lora.rank > 0")

@@ -14,7 +14,11 @@ left-aligned (`response_mask[b, :L_b] == 1`). They are targets: no gradient flow
   `sequence_advantages_to_tokens` spreads it over the response. GRPO and Dr. GRPO normalise the
   score alone and carry the KL as a loss term (DeepSeekMath, TRL's GRPO); RLOO subtracts beta x
   the response's summed KL from its score before the leave-one-out baseline (Ahmadian et al.,
-  2024; TRL's RLOO) and has no KL loss term.
+  2024; TRL's RLOO) and has no KL loss term. RLOO's advantage is theirs, its loss is not: they
+  clip one ratio per response, exp(sum_t logp_t - sum_t old_logp_t), and average the
+  responses; `rloo` here clips each token's own ratio and averages the tokens (`token_mean`),
+  PPO's loss. On policy (ratio 1) the two gradients differ by the factor 1 / mean response
+  length; under more epochs or minibatches they also clip differently.
 - `reinforce_pp_advantages`: REINFORCE++, the undiscounted return-to-go of the per-token rewards,
   normalised over the batch.
 - Monte Carlo macro values (VinePPO with macro actions): `choose_branch_points` picks macro
@@ -80,7 +84,8 @@ class Estimator:
       aggregated as the policy loss, and the advantages see the score alone; False: the KL is
       in the reward (per token, or per sequence before a group baseline).
     loss_aggregation: the published aggregation of per-token losses (`losses.aggregate_tokens`),
-      used when `config.ppo.loss_aggregation` is "auto".
+      used when `config.ppo.loss_aggregation` is "auto"; RLOO's paper has no per-token loss
+      (one clipped ratio per response), its record the token mean of PPO.
     min_group_size: the fewest samples per prompt (`config.ppo.group_size`) it can use.
     needs_critic: it trains a critic (and builds one).
     branches: it samples Monte Carlo continuations from macro starts every step
@@ -442,8 +447,10 @@ def _macro_mc(inputs: AdvantageInputs):
 
 
 # Every `config.ppo.estimator`: macro GAE with a critic, then the critic-free ones. Published
-# aggregations: PPO, RLOO and REINFORCE++ average tokens; GRPO averages each sequence's tokens,
-# then the sequences; Dr. GRPO sums tokens over a constant.
+# aggregations: PPO and REINFORCE++ average tokens; GRPO averages each sequence's tokens, then
+# the sequences; Dr. GRPO sums tokens over a constant. RLOO's published loss (Ahmadian et al.;
+# TRL) clips one ratio per response and averages the responses, a ratio level the token-ratio
+# loss cannot express: its record's token mean of token ratios is PPO's loss, not RLOO's.
 ESTIMATORS = {
     "gae": Estimator(macro_gae, kl_in_loss=False, loss_aggregation="token_mean",
                      needs_critic=True),

@@ -71,7 +71,8 @@ def ppo_policy_loss(logprobs, old_logprobs, advantages, mask, *, cliprange=0.2,
 def aggregate_tokens(per_token, mask, aggregation):
     """A scalar loss from per-token terms `[B, T]` over the valid tokens of `mask`:
 
-    - "token_mean": mean over all valid tokens of the batch (PPO, RLOO, REINFORCE++);
+    - "token_mean": mean over all valid tokens of the batch (PPO, REINFORCE++; `rloo` too,
+      where its paper averages one sequence ratio per response);
     - "sequence_mean": mean over each sequence's valid tokens, then over the sequences that
       have any (GRPO);
     - "token_sum": each sequence's sum divided by the constant T, then the mean over

@@ -50,7 +50,9 @@ class Pipeline:
                 f"(config.model.path={config.model.path!r}) only {cfg.vocab_size}; use the "
                 "model's own tokenizer (config.task.tokenizer)")
         if jax.process_index() == 0:
-            print(f"{attention.describe(cfg)}; sampler layout {decode_layout.resolve(cfg)}", flush=True)
+            layout = decode_layout.resolve(cfg, sharding.logical_rules(self.mesh, build.model_dims(cfg)))
+            print(f"{attention.describe(cfg)}; sampler layout {layout}; XLA GPU flags "
+                  f"{config.model.get('xla_gpu_flags', 'auto')}", flush=True)
         self.policy = build.policy_module(cfg)
         self.reward_model = build.reward_module(cfg)
         self.critic = build.critic_module(cfg)
@@ -103,7 +105,8 @@ class Pipeline:
                                 writer=self.writer, workdir=self.workdir)
             self._export("sft", self.policy, self._sft, adapter_base=self._pretrained_base)
             if self.policy.config.lora_rank and self.config.model.lora.merge_sft:
-                self._sft = lora.merge(self._sft, lora.settings(self.policy.config))
+                self._sft = lora.merge(self._sft, lora.settings(self.policy.config),
+                                       precision=self.policy.config.precision)
         return self._sft
 
     def _lora_base(self, init):

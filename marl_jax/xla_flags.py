@@ -5,8 +5,11 @@ command buffers (CUDA graphs) replay a captured sequence of kernels with one lau
 default they do not capture `while` loops and conditionals, the shape of every decode loop
 here (the sampler's `while_loop` over steps, the layer scan inside it). `GPU_FLAGS` adds them.
 A flag already named in `XLA_FLAGS` is left as the user set it; on other platforms nothing is
-set. `apply` runs at the top of `experiments/run.py` and `experiments/bench.py` and returns
-what it added, which they print first.
+set, and `--config.model.xla_gpu_flags=none` sets nothing on GPUs either (every GPU program of
+the process gets these flags: a run that must not, e.g. beside an XLA whose command buffers
+crash on its loops, opts out). `apply` runs at the top of `experiments/run.py` (after the
+config is checked, before JAX starts a backend) and `experiments/bench.py`, and returns what it
+added, which they print first.
 """
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ import glob
 import importlib.util
 import os
 
+# `config.model.xla_gpu_flags`: auto sets `GPU_FLAGS` on NVIDIA GPUs, none sets nothing.
+MODES = ("auto", "none")
 GPU_FLAGS = {
     "--xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
 }
@@ -33,10 +38,14 @@ def gpu_present() -> bool:
     return False
 
 
-def apply(environ=None, gpu: bool | None = None) -> list[str]:
+def apply(environ=None, gpu: bool | None = None, mode: str = "auto") -> list[str]:
     """Adds `GPU_FLAGS` that `XLA_FLAGS` does not name yet to `environ` (default `os.environ`)
-    when `gpu` (default: `gpu_present()`); returns the flags added. Call before JAX's first
-    backend use (XLA reads the flags when it starts a backend)."""
+    when `gpu` (default: `gpu_present()`) and `mode` is auto; returns the flags added. Call
+    before JAX's first backend use (XLA reads the flags when it starts a backend)."""
+    if mode not in MODES:
+        raise ValueError(f"config.model.xla_gpu_flags={mode!r}: must be one of {MODES}")
+    if mode == "none":
+        return []
     environ = os.environ if environ is None else environ
     if gpu is None:
         gpu = gpu_present() and environ.get("JAX_PLATFORMS", "gpu") not in ("cpu", "tpu")

@@ -1,7 +1,9 @@
 """The sampler's decode layout (`models.decode_layout`): the layers unrolled and q / k / v, gate / up
 fused into one matmul each, built once per rollout; the same numbers as the training layout, the
 matmul count of a decode step by hand, the automatic choice per backend, and the refusals."""
+import collections
 import functools
+import re
 import sys
 from pathlib import Path
 
@@ -11,7 +13,7 @@ import numpy as np
 import pytest
 
 from marl_jax import models, rollout
-from marl_jax.models import attention, decode_layout, params as params_lib
+from marl_jax.models import attention, decode_layout, lora, params as params_lib
 from marl_jax.models.config import SAMPLER_LAYOUTS, ModelConfig
 
 import models_util
@@ -154,6 +156,81 @@ def test_auto_fuses_on_gpus_only_and_keeps_adapters_separate():
         sampler_config, prepared = decode_layout.for_decoding(config, _params(config))
     assert sampler_config == config.replace(scan_layers=False, fused_projections=True, sampler_layout="train")
     assert "layers_2" in prepared["backbone"] and "qkv" in prepared["backbone"]["layers_2"]["attn"]
+
+
+def test_fused_layout_of_lora_params_with_the_adapters_off_samples_the_base_tokens():
+    # A LoRA model built from its config: its params hold adapters (B nonzero: applied, they
+    # change the tokens), and the policy with its adapters off, 4 query heads over 2 KV heads,
+    # samples the base.
+    config = _config("llama", lora_rank=4, scan_layers=True)
+    params = _params(config)
+    policy = lora.adapters_off(models.CausalLM(config))
+    ids, mask = _prompts()
+    kwargs = dict(row_keys=jax.random.split(jax.random.key(3), 4), max_new_tokens=16, temperature=0.8,
+                  eos_id=1, pad_id=0)
+    base_model = models.CausalLM(config.replace(lora_rank=0, sampler_layout="train"))
+    expected = rollout.generate(base_model, lora.without_adapters(params), ids, mask, **kwargs)
+    adapted = rollout.generate(models.CausalLM(config), params, ids, mask, **kwargs)
+    assert not np.array_equal(adapted.tokens, expected.tokens)
+    with attention.target_platform("gpu"):
+        assert decode_layout.resolve(policy.config) == "fused"
+        got = rollout.generate(policy, params, ids, mask, **kwargs)
+    np.testing.assert_array_equal(got.tokens, expected.tokens)
+    np.testing.assert_allclose(got.logprobs, expected.logprobs, atol=1e-6)
+
+
+def test_a_sampler_traced_for_the_host_takes_the_gpus_layout_inside_target_platform(monkeypatch):
+    # The layouts each trace of the sampler chose, in order.
+    chosen, resolve = [], decode_layout.resolve
+    monkeypatch.setattr(decode_layout, "resolve", lambda config: chosen.append(resolve(config)) or chosen[-1])
+    config = _config("llama", num_layers=1)
+    params = _params(config)
+    ids, mask = _prompts()
+    run = lambda: rollout.generate(models.CausalLM(config), params, ids, mask, key=jax.random.key(5),
+                                   max_new_tokens=4, temperature=0.7, eos_id=1, pad_id=0).tokens
+    host = run()
+    with attention.target_platform("gpu"):
+        gpu = run()
+    again = run()
+    assert chosen == ["train", "fused"]  # the host's trace is reused by the host only
+    np.testing.assert_array_equal(gpu, host)
+    np.testing.assert_array_equal(again, host)
+
+
+def _collectives(hlo_text):
+    """The collective instructions of a compiled program, by kind."""
+    return collections.Counter(re.findall(
+        r"= [^=]*\b(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(?:-start)?\(", hlo_text))
+
+
+def test_auto_on_a_gpu_keeps_the_projections_apart_where_kv_heads_do_not_divide_the_tensor_axis():
+    import ml_collections
+
+    from marl_jax.train import build, sharding
+
+    # 8 query heads over 2 KV heads on a tensor axis of 4: the query heads split over it, the KV
+    # heads do not.
+    config = _config("llama", num_heads=8, num_kv_heads=2, head_dim=8, num_layers=2)
+    params = models.init_params(models.CausalLM(config), jax.random.key(0))
+    mesh = sharding.make_mesh(ml_collections.ConfigDict(dict(data=2, fsdp=1, tensor=4)))
+    rules = sharding.logical_rules(mesh, build.model_dims(config))
+    params = jax.device_put(params, build.param_shardings(models.CausalLM(config), mesh, build.abstract(params)))
+    ids, mask = (jax.device_put(x, sharding.batch_sharding(mesh)) for x in _prompts())
+
+    def collectives(layout):
+        model = models.CausalLM(config.replace(sampler_layout=layout))
+        sample = jax.jit(lambda p, i, m: rollout.generate(model, p, i, m, key=jax.random.key(3), max_new_tokens=6,
+                                                          temperature=0.9, eos_id=1, pad_id=0).tokens)
+        with sharding.mesh_context(mesh, rules), attention.target_platform("gpu"):
+            return _collectives(sample.lower(params, ids, mask).compile().as_text())
+
+    with attention.target_platform("gpu"):
+        assert decode_layout.resolve(config, rules) == "unrolled"
+        divisible = sharding.logical_rules(mesh, build.model_dims(config.replace(num_kv_heads=4)))
+        assert decode_layout.resolve(config.replace(num_kv_heads=4), divisible) == "fused"
+    training = collectives("train")
+    assert training["all-reduce"] > 0
+    assert collectives("auto") == training
 
 
 def test_fused_layout_with_adapters_or_an_unknown_layout_is_one_line():

@@ -225,6 +225,23 @@ def test_openai_judge_against_a_local_server(workdir, rm_eval, monkeypatch):
     assert summary["win_rate"]["judge_model"] == "judge-model"
 
 
+def test_eval_of_a_lora_workdir_gives_the_ppo_stage_last_evaluation(tmp_path):
+    """A LoRA run (rank 4) exports merged models; the eval stage applies them with the adapters
+    off and, in one batch of every held-out prompt, samples the policy as PPO's own last
+    evaluation did (there on the unmerged adapters, in the training process)."""
+    workdir, lora_rank = str(tmp_path), {"model.lora.rank": 4}
+    stages.run(tiny_config(**lora_rank), workdir)
+    ppo_last = read_metrics(workdir, stage="eval")[-1]
+    assert ppo_last["step"] == tiny_config().ppo.steps
+    stages.run(_eval_config(**lora_rank, **{"eval.batch_size": 16}), workdir)
+    sft, policy = read_metrics(workdir, stage="eval_final")
+    assert (sft["arm"], policy["arm"]) == ("sft", "policy")
+    assert policy["length"] == ppo_last["length"]
+    assert policy["gold"] == pytest.approx(ppo_last["gold"], abs=1e-6)
+    assert policy["kl"] == pytest.approx(ppo_last["kl"], abs=1e-5)
+    assert policy["rm_score_normalized"] == pytest.approx(ppo_last["rm_score"], abs=1e-4)
+
+
 def test_eval_config_errors_come_before_compiling(workdir, tmp_path, monkeypatch):
     monkeypatch.delenv("MARL_JUDGE_MODEL", raising=False)
     with pytest.raises(ValueError, match="config.eval.judge='bogus'"):

@@ -65,7 +65,7 @@ def test_merged_forward_equals_base_plus_adapter_by_hand():
     params = lora.attach(lora.without_adapters(params), _randomised_adapters(params))
     ids, mask = padded_batch([6, 8], 8, seed=1, vocab=64)
     adapted = np.asarray(model.apply({"params": params}, ids, mask))
-    merged_params = lora.merge(params, lora.settings(cfg))
+    merged_params = lora.merge(params, lora.settings(cfg), precision=cfg.precision)
     assert not lora.has_adapters(merged_params)
     merged = np.asarray(M.CausalLM(cfg.replace(lora_rank=0)).apply({"params": merged_params},
                                                                     ids, mask))
@@ -78,6 +78,18 @@ def test_merged_forward_equals_base_plus_adapter_by_hand():
                                           ["kernel"]), want, rtol=1e-6, atol=1e-6)
     # Untargeted projections have no adapter.
     assert set(lora.adapters(params)["backbone"]["layers_0"]["mlp"]) == {"down"}
+
+
+@pytest.mark.parametrize("precision", ["highest", "default"])
+def test_merge_multiplies_the_adapters_at_the_model_precision(precision):
+    cfg = _config(lora_rank=4, lora_targets=("q",), matmul_precision=precision)
+    params = M.init_params(M.CausalLM(cfg), jax.random.key(0))
+    jaxpr = jax.make_jaxpr(lambda p: lora.merge(p, lora.settings(cfg),
+                                                precision=cfg.precision))(params)
+    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == cfg.num_layers
+    want = jax.lax.Precision(precision)
+    assert [e.params["precision"] for e in dots] == [(want, want)] * cfg.num_layers
 
 
 def test_adapter_dropout_drops_inputs_of_the_low_rank_path_only():
@@ -382,6 +394,30 @@ def test_resume_is_exact_and_needs_the_same_base(tmp_path):
         _sft_run(tmp_path / "resumed", other, 6)
     assert "\n" not in str(error.value)
     assert (metrics_file.read_bytes(), sorted(p.name for p in ckpt.iterdir())) == before
+
+
+def test_ppo_resume_refuses_a_changed_sft_adapter_kept_apart_from_the_base(tmp_path):
+    """With `merge_sft=False` the reference is the pretrained base with the SFT adapter: SFT
+    trained further changes the reference but not the base, and PPO's resume refuses it."""
+    from marl_jax import stages
+    from train_util import tiny_config
+
+    workdir = str(tmp_path)
+    run = lambda sft_steps, ppo_steps: stages.run(tiny_config(**{
+        "model.lora.rank": 4, "model.lora.merge_sft": False, "sft.steps": sft_steps,
+        "ppo.steps": ppo_steps, "ppo.eval_every": 0, "checkpoint_every": 1}), workdir)
+    run(2, 1)
+    ppo_dir = tmp_path / "checkpoints" / "ppo"
+    with checkpoint.Checkpointer(ppo_dir) as saved:
+        _, meta = saved.restore(1)
+    assert len(meta["reference"]["hash"]) == 64
+    before = sorted(p.name for p in ppo_dir.iterdir())
+    with pytest.raises(ValueError, match=r"^checkpoints/ppo: its adapters were trained against "
+                                         r"the reference SFT adapter with hash \w{12}, this "
+                                         r"run's SFT adapter has hash \w{12}") as error:
+        run(3, 2)
+    assert "\n" not in str(error.value)
+    assert sorted(p.name for p in ppo_dir.iterdir()) == before
 
 
 def test_lora_ppo_step_on_eight_devices_with_the_base_sharded_fsdp(monkeypatch):

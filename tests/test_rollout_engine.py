@@ -125,6 +125,19 @@ def test_gpu_flags_are_set_on_gpus_only_and_never_over_the_users():
     assert xla_flags.apply({"JAX_PLATFORMS": "cpu"}) == []  # no GPU here, and CPU asked for anyway
 
 
+def test_gpu_flags_opt_out_from_the_config():
+    from marl_jax.config_check import validate_config
+    from train_util import tiny_config
+
+    environ = {"XLA_FLAGS": "--xla_dump_to=/tmp/x"}
+    assert xla_flags.apply(environ, gpu=True, mode="none") == []
+    assert environ == {"XLA_FLAGS": "--xla_dump_to=/tmp/x"}
+    validate_config(tiny_config(**{"model.xla_gpu_flags": "none"}))
+    with pytest.raises(ValueError) as error:
+        validate_config(tiny_config(**{"model.xla_gpu_flags": "off"}))
+    assert str(error.value) == "config.model.xla_gpu_flags='off': must be one of ('auto', 'none')"
+
+
 def test_refill_prefills_under_vmap_only_when_some_run_needs_them():
     """The slots' staged prefill is a branch taken at the iterations that need it; under vmap
     over runs a `lax.cond` would become a select running it at every iteration of every run."""

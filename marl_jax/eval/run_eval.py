@@ -3,7 +3,10 @@
 `evaluate_workdir(pipeline)` loads `<workdir>/models/sft` and `<workdir>/models/policy` (the SFT
 model falls back to its finished checkpoint), samples one response per held-out prompt from each
 with the PPO sampler (`config.ppo.temperature`, `top_k`, `top_p`, `response_length`) and writes
-`<workdir>/eval/`:
+`<workdir>/eval/`. Every model is evaluated as a plain one (a LoRA run's exports hold its
+adapters merged). The policy draws with the PPO stage's evaluation key: with
+`config.eval.batch_size` covering the held-out prompts its KL, normalised RM score, length and
+gold are those of PPO's last evaluation row.
 
 - `summary.json`: per model the RM-score statistics (`eval.scores.score_summary`: mean, std,
   min, max, histogram) of the reward model in `<workdir>/models/rm`, the mean score normalised
@@ -41,8 +44,8 @@ from marl_jax.data import batches
 from marl_jax.data.real_tasks import decode_responses, extract_code
 from marl_jax.eval import judges, scores
 from marl_jax.eval.unit_test_reward import unit_test_options
-from marl_jax.train import build, exports, sharding
-from marl_jax.train import phases
+from marl_jax.models import lora
+from marl_jax.train import build, exports, phases, ppo, sharding
 from marl_jax.train.metrics import summary_table
 
 JUDGES = ("rm", "gold", "openai", "none")
@@ -82,9 +85,9 @@ def evaluate_workdir(pipeline) -> Optional[dict]:
     prompt_index = np.repeat(np.arange(num_prompts), samples_per_prompt)
     rollouts = Rollout(pipeline, rm_params)
     results = {}
-    for i, name in enumerate(MODELS):
-        key = jax.random.fold_in(jax.random.key(config.seed), 7919 + i)
-        results[name] = rollouts(params[name], params["sft"], prompt_index, key)
+    for name in MODELS:
+        results[name] = rollouts(params[name], params["sft"], prompt_index,
+                                 model_key(config.seed, name))
     if jax.process_index() != 0:
         return None
 
@@ -121,6 +124,15 @@ def evaluate_workdir(pipeline) -> Optional[dict]:
         json.dump(summary, f, indent=2)
     log_rows(pipeline.writer, config, summary)
     return summary
+
+
+def model_key(seed: int, name: str) -> jax.Array:
+    """The sampling key of model `name`: the final policy draws with the PPO stage's evaluation
+    key, so with one batch of every held-out prompt its samples are those of PPO's last
+    evaluation."""
+    if name == "policy":
+        return ppo.eval_key(seed)
+    return jax.random.fold_in(jax.random.key(seed), 7919)
 
 
 # ---- configuration -------------------------------------------------------------------------
@@ -172,11 +184,13 @@ def _exported(pipeline, name: str) -> str:
 
 
 def _load_export(pipeline, name: str, module, head: str):
-    """Params of `<workdir>/models/<name>`, checked against the pipeline's module."""
+    """Params of `<workdir>/models/<name>`, checked against the pipeline's `module` with its
+    adapters off: an export is a plain model (LoRA adapters merged into it)."""
     path = _exported(pipeline, name)
     _, params = models.load_pretrained(path, dtype=jnp.dtype(pipeline.config.model.param_dtype),
                                        head=head, scan_layers=module.config.scan_layers)
-    expected = jax.eval_shape(lambda: models.init_params(module, jax.random.key(0)))
+    plain = lora.adapters_off(module)
+    expected = jax.eval_shape(lambda: models.init_params(plain, jax.random.key(0)))
     if _signature(params) != _signature(expected):
         raise ValueError(f"{path} does not match the model of this config "
                          f"(config.model.path={pipeline.config.model.path!r}); evaluate a workdir "
@@ -189,28 +203,39 @@ def _signature(tree):
                                       for x in jax.tree.leaves(tree)]
 
 
+def _merged(module, params):
+    """`params` as a plain model: LoRA adapters merged into their kernels (as the exports are)."""
+    settings = lora.settings(module.config)
+    if not (settings and lora.has_adapters(params)):
+        return params
+    return lora.merge(params, settings, precision=module.config.precision)
+
+
 def trained_policy(pipeline, name: str):
-    """The `sft` or final PPO (`policy`) params of the workdir (an export older than its
-    stage's last checkpoint is refused)."""
+    """The `sft` or final PPO (`policy`) params of the workdir as a plain model, applied by
+    `lora.adapters_off(pipeline.policy)` (an export older than its stage's last checkpoint is
+    refused)."""
     if os.path.isdir(_exported(pipeline, name)):
         exports.check_export_current(pipeline.workdir, name)
         return _load_export(pipeline, name, pipeline.policy, "lm")
     if name == "sft":
-        return pipeline.sft(needed_by="eval")
+        return _merged(pipeline.policy, pipeline.sft(needed_by="eval"))
     raise FileNotFoundError(
         f"{_exported(pipeline, name)} does not exist: the PPO stage has not finished in "
         f"{pipeline.workdir}; run --config.stage=ppo (or all) with this workdir first")
 
 
 def trained_reward_model(pipeline):
-    """(params, score statistics) of the workdir's reward model."""
+    """(params, score statistics) of the workdir's reward model, its params a plain model
+    applied by `lora.adapters_off(pipeline.reward_model)`."""
     path = _exported(pipeline, "rm")
     stats_file = os.path.join(path, exports.REWARD_STATS)
     if os.path.isdir(path) and os.path.isfile(stats_file):
         exports.check_export_current(pipeline.workdir, "rm")
         with open(stats_file) as f:
             return _load_export(pipeline, "rm", pipeline.reward_model, "scalar"), json.load(f)
-    return pipeline.rm(needed_by="eval")
+    params, stats = pipeline.rm(needed_by="eval")
+    return _merged(pipeline.reward_model, params), stats
 
 
 # ---- sampling and scoring ------------------------------------------------------------------
@@ -259,10 +284,12 @@ class Rollout:
         self.batch_size = eval_batch_size(config)
         mesh = pipeline.mesh
         self.rules = sharding.logical_rules(mesh, build.model_dims(pipeline.policy.config))
-        self.fn = jax.jit(functools.partial(rollout_batch, self.sampler, pipeline.policy,
-                                            pipeline.reward_model, task.gold_fn))
-        self.rm_params = None if rm_params is None else self._place(pipeline.reward_model,
-                                                                    rm_params)
+        # Every model evaluated is a plain one (LoRA adapters merged, as in the exports).
+        self.policy = lora.adapters_off(pipeline.policy)
+        reward_model = lora.adapters_off(pipeline.reward_model)
+        self.fn = jax.jit(functools.partial(rollout_batch, self.sampler, self.policy,
+                                            reward_model, task.gold_fn))
+        self.rm_params = None if rm_params is None else self._place(reward_model, rm_params)
 
     def _place(self, module, params):
         mesh = self.pipeline.mesh
@@ -270,7 +297,7 @@ class Rollout:
 
     def __call__(self, params, ref_params, prompt_index, key) -> dict:
         mesh = self.pipeline.mesh
-        params, ref_params = (self._place(self.pipeline.policy, x) for x in (params, ref_params))
+        params, ref_params = (self._place(self.policy, x) for x in (params, ref_params))
         b = self.batch_size
         padded = np.concatenate([prompt_index, np.full(-len(prompt_index) % b,
                                                        prompt_index[-1])])
@@ -282,7 +309,9 @@ class Rollout:
                     {k: v[rows] for k, v in self.task.eval.items()}, mesh)
                 # The key enters as replicated raw data: on several processes a jitted
                 # computation takes global arrays only.
-                key_data = jax.device_put(jax.random.key_data(jax.random.fold_in(key, step)),
+                # The first batch draws with the key itself, as PPO's evaluation does.
+                batch_key = jax.random.fold_in(key, step) if step else key
+                key_data = jax.device_put(jax.random.key_data(batch_key),
                                           sharding.replicated(mesh))
                 out = self.fn(params, ref_params, self.rm_params, batch["ids"], batch["mask"],
                               batch.get("documents"), key_data)

@@ -20,6 +20,8 @@ attention), mask bool `[B, T, S]` (causal, padding and sliding window combined) 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +51,34 @@ def target_platform(platform: str):
         yield
     finally:
         _TARGET_PLATFORM.pop()
+
+
+def jit_per_platform(fun, *, static_argnums=(), static_argnames=(), **jit_kwargs):
+    """`jax.jit(fun, static_argnums=..., static_argnames=..., **jit_kwargs)` traced for the
+    platform of each call (`traced_platform()`), which is a static argument: a program traced for
+    the host is not reused inside `target_platform("gpu")` or `("tpu")`, whose attention kernel
+    and sampler layout differ (`jax.jit`'s cache key does not see a trace-time global)."""
+    def traced(platform, *args, **kwargs):
+        with target_platform(platform):
+            return fun(*args, **kwargs)
+
+    # `fun`'s signature behind the platform, every static argument by name (jit maps names to
+    # positions through the signature).
+    signature = inspect.signature(fun)
+    parameters = list(signature.parameters)
+    traced.__signature__ = signature.replace(parameters=[
+        inspect.Parameter("platform", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        *signature.parameters.values()])
+    nums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
+    names = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
+    jitted = jax.jit(traced, static_argnames=("platform", *names, *(parameters[n] for n in nums)),
+                     **jit_kwargs)
+
+    @functools.wraps(fun)
+    def call(*args, **kwargs):
+        return jitted(traced_platform(), *args, **kwargs)
+
+    return call
 
 
 def _cudnn_head_dim_limit() -> int:

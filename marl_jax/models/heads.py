@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from marl_jax.models import attention
 from marl_jax.models.config import ModelConfig
 from marl_jax.models.decoder import Cache, Decoder, partitioned_param, precision_scope
 
@@ -242,7 +243,7 @@ def last_token_score(scores: jax.Array, attention_mask: jax.Array) -> jax.Array:
     return jnp.take_along_axis(scores, last[:, None], axis=-1)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(attention.jit_per_platform, static_argnums=0)
 def _forward_logits(model: CausalLM, params, input_ids, attention_mask):
     return model.apply({"params": params}, input_ids, attention_mask)
 

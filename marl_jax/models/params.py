@@ -8,6 +8,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from marl_jax.models.lora import ADAPTER_NAMES
+
 _LAYER_KEY = re.compile(r"layers_(\d+)$")
 
 
@@ -99,7 +101,7 @@ def _fuse_attention(attn: dict, groups: int) -> dict:
         grouped = q[leaf].reshape(*q[leaf].shape[:-2], -1, groups, q[leaf].shape[-1])
         return jnp.concatenate([grouped, k[leaf][..., None, :], v[leaf][..., None, :]], axis=-2)
 
-    attn["qkv"] = {leaf: fuse(leaf) for leaf in q}
+    attn["qkv"] = {leaf: fuse(leaf) for leaf in q if leaf not in ADAPTER_NAMES}
     return attn
 
 
@@ -108,7 +110,8 @@ def _fuse_mlp(mlp: dict) -> dict:
     `[..., 2, F]`, gate first)."""
     mlp = dict(mlp)
     gate, up = mlp.pop("gate"), mlp.pop("up")
-    mlp["gate_up"] = {leaf: jnp.stack([gate[leaf], up[leaf]], axis=-2) for leaf in gate}
+    mlp["gate_up"] = {leaf: jnp.stack([gate[leaf], up[leaf]], axis=-2) for leaf in gate
+                      if leaf not in ADAPTER_NAMES}
     return mlp
 
 
@@ -116,7 +119,9 @@ def fuse_projections(params: dict, config) -> dict:
     """Params of `config` (unrolled or scanned layers, no LoRA adapters) -> the params of
     `config.replace(fused_projections=True)`: each layer's q / k / v kernels (and biases) in one
     `attn/qkv` and, in a gated MLP, gate / up in one `mlp/gate_up`, so a forward runs one matmul
-    where it ran three and two. The same numbers up to the matmuls' rounding. Jittable."""
+    where it ran three and two. The same numbers up to the matmuls' rounding. Adapter leaves of
+    the fused projections (params of a LoRA model applied with its adapters off, which ignores
+    them) are left out. Jittable."""
     if config.lora_rank:
         raise ValueError("fuse_projections: the params hold LoRA adapters; fused projections take none")
     groups = config.num_heads // config.num_kv_heads

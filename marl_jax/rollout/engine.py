@@ -35,7 +35,7 @@ from flax import linen as nn
 from marl_jax.rollout import draws, slots as slot_engine
 from marl_jax.rollout import top_k as top_k_lib
 from marl_jax.models.decoder import init_cache, positions_from_mask
-from marl_jax.models import decode_layout
+from marl_jax.models import attention, decode_layout
 from marl_jax.models.heads import CausalLM, check_tokens
 
 
@@ -288,7 +288,7 @@ def _over_slots(model: CausalLM, decode, choose, draw, ids, mask, *, slots, samp
     return SampleOutput(*out)
 
 
-@functools.partial(jax.jit, static_argnames=("max_new_tokens", *_STATIC))
+@functools.partial(attention.jit_per_platform, static_argnames=("max_new_tokens", *_STATIC))
 def _generate(model: CausalLM, params, prompt_ids, prompt_mask, key, row_keys, temperature, top_p, max_lengths, *,
               max_new_tokens, num_samples, top_k, eos_ids, pad_id, greedy, dynamic_temperature, use_top_p,
               decode_slots, decode_block):
@@ -508,7 +508,7 @@ def _after_prefix(response_ids, prefix_lengths, new: SampleOutput, pad_id: int) 
                         entropy=place(new.entropy, 0.0))
 
 
-@functools.partial(jax.jit, static_argnames=("steps", *_STATIC))
+@functools.partial(attention.jit_per_platform, static_argnames=("steps", *_STATIC))
 def _continue(model: CausalLM, params, prompt_ids, prompt_mask, response_ids, prefix_lengths, row_keys, temperature,
               top_p, *, steps, num_samples, top_k, eos_ids, pad_id, greedy, dynamic_temperature, use_top_p,
               decode_slots, decode_block=DECODE_BLOCK):

@@ -300,10 +300,17 @@ def _get_path(tree, path):
 
 def check_same_base(saved: dict | None, metadata: dict, name: str) -> None:
     """One-line ValueError when a LoRA checkpoint's adapters were trained on another base than
-    the one this run attaches them to (before anything is written)."""
-    want = (metadata or {}).get("base")
-    have = (saved or {}).get("base")
-    if want is not None and have is not None and want != have:
+    the one this run attaches them to, or (PPO with the SFT adapter kept apart from the base,
+    `model.lora.merge_sft=False`) against another reference adapter (before anything is
+    written)."""
+    want, have = metadata or {}, saved or {}
+    if "base" in want and "base" in have and want["base"] != have["base"]:
         raise ValueError(f"checkpoints/{name}: its adapters were trained on a base with hash "
-                         f"{have['hash'][:12]}, this run's base has hash {want['hash'][:12]}; "
-                         "use the workdir's own base (config.model.path) or a new workdir")
+                         f"{have['base']['hash'][:12]}, this run's base has hash "
+                         f"{want['base']['hash'][:12]}; use the workdir's own base "
+                         "(config.model.path) or a new workdir")
+    if "reference" in want and "reference" in have and want["reference"] != have["reference"]:
+        raise ValueError(f"checkpoints/{name}: its adapters were trained against the reference "
+                         f"SFT adapter with hash {have['reference']['hash'][:12]}, this run's SFT "
+                         f"adapter has hash {want['reference']['hash'][:12]} (the SFT stage "
+                         "changed); use the SFT it was trained against or a new workdir")

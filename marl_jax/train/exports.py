@@ -92,7 +92,8 @@ def export_model(workdir: str, name: str, module, params, tokenizer, extra=None,
         if adapter_base is not None:
             peft_export.save_adapter(module.config, params, os.path.join(tmp, ADAPTER_DIR),
                                      adapter_base)
-        params = lora.merge(params, lora.settings(module.config))
+        params = lora.merge(params, lora.settings(module.config),
+                            precision=module.config.precision)
     models.save_pretrained(module, params, tmp)
     tokenizer.save_pretrained(tmp)
     for filename, content in dict(extra or {}, **{EXPORT_INFO: info}).items():

@@ -281,6 +281,12 @@ def evaluate_from_key_data(static, mods, actor_params, frozen, prompt_ids, promp
                     samples_per_prompt=samples_per_prompt)
 
 
+def eval_key(seed: int) -> jax.Array:
+    """The key of the held-out evaluation's samples (one batch of every held-out prompt); the
+    eval stage samples the final policy with it too."""
+    return jax.random.fold_in(jax.random.key(seed), 7)
+
+
 # What `eval_row` reads: the evaluation outputs fetched to the host.
 EVAL_ROW_KEYS = ("kl", "rm_score", "length", "gold")
 
@@ -326,6 +332,9 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
                                           ref_adapters, static.lora), frozen_sh)
     if static.lora:
         metadata["base"] = checkpoint.lora_identity(frozen.ref_params)
+        if frozen.ref_adapters is not None:
+            # The reference is the base with the SFT adapter: a resumed run needs both.
+            metadata["reference"] = checkpoint.lora_identity(frozen.ref_adapters)
     # The actor and critic are updated in place (donated), so they must not share buffers with
     # the frozen reference and reward model they start from.
     state = jax.device_put(initial_state(config, mods, sft_params, critic_params, config.seed),
@@ -344,7 +353,7 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
     # Held-out prompts and the evaluation key enter as global arrays on the mesh (on several
     # processes a jitted computation cannot take host arrays), the results come back whole.
     eval_inputs = sharding.put_global(
-        dict(task.eval, key_data=jax.random.key_data(jax.random.fold_in(key, 7))), mesh)
+        dict(task.eval, key_data=jax.random.key_data(eval_key(config.seed))), mesh)
 
     def run_eval(state):
         result = eval_fn(state.actor_params, frozen, eval_inputs["ids"], eval_inputs["mask"],
