@@ -340,6 +340,12 @@ def test_sampler_on_the_gpu_top_k_draws_the_same_tokens():
     want = run()
     with attention.target_platform("gpu"):
         got = run()
+        sampler = str(jax.make_jaxpr(lambda p: generate(
+            model, p, ids, jnp.ones_like(ids), key=jax.random.key(2), max_new_tokens=12,
+            temperature=0.8, top_k=50, eos_id=1, pad_id=0))(params))
+    # Traced for the GPU, every choice of a token (after the prefill, in the decode loop) runs
+    # the blocked top-k: two top_k each.
+    assert sampler.count("top_k[") >= 4 and sampler.count("top_k[") % 2 == 0
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_array_equal(got.logprobs, want.logprobs)
     np.testing.assert_array_equal(got.entropy, want.entropy)
