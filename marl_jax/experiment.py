@@ -91,6 +91,21 @@ ARMS.update({
     "macro_mc_n5_all": lambda p: dict(TOKEN_PPO, estimator="macro_mc", ngram=5,
                                       mc_branch_points=-(-int(p.response_length) // 5)),
 })
+_GSPO = estimators.ESTIMATORS["gspo"]
+ARMS.update({
+    # The ratio's unit (configs/synthetic_objectives.py): the semi-MDP MA-PPO with one ratio
+    # per macro action, clipped once with its advantage: the product of its tokens' ratios (the
+    # paper's) or their geometric mean.
+    "ma_ppo_smdp_macro_product": lambda p: dict(ARMS["ma_ppo_smdp"](p), ratio_level="macro",
+                                                ratio_form="product"),
+    "ma_ppo_smdp_macro_geometric": lambda p: dict(ARMS["ma_ppo_smdp"](p), ratio_level="macro",
+                                                  ratio_form="geometric"),
+    # Token PPO (GAE with the critic) with GSPO's ratio: one length-normalised ratio per
+    # response, GSPO's clip ranges.
+    "ppo_sequence_geometric": lambda p: dict(
+        TOKEN_PPO, ratio_level=_GSPO.ratio_level, ratio_form=_GSPO.ratio_form,
+        cliprange_low=_GSPO.clipranges[0], cliprange_high=_GSPO.clipranges[1]),
+})
 
 
 @dataclasses.dataclass(frozen=True)
