@@ -32,7 +32,7 @@ START, END = "<!-- objectives:start -->", "<!-- objectives:end -->"
 # Training-row metrics shown per arm (means over seeds and steps), where an arm logs them.
 DIAGNOSTICS = {"policy/clipfrac_avg": "clipped units", "policy/clipfrac_high_avg": "clipped above",
                "dynamic/informative_share": "informative groups",
-               "dynamic/groups_trained": "groups trained (of 4)",
+               "dynamic/groups_trained": "informative groups trained",
                "overlong/penalty_mean": "overlong penalty"}
 
 

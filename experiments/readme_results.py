@@ -104,7 +104,7 @@ def open_comparisons(runs, claims, arms=None) -> list[tuple[str, str, str, bool]
     for arm, c in runs[0][1]["comparisons"].items():
         if not c["macro"] if arms is None else arm not in arms:
             continue
-        for versus in (runs[0][1]["baseline"], c["control"]):
+        for versus in dict.fromkeys((runs[0][1]["baseline"], c["control"])):
             for metric in report_lib.METRICS:
                 if versus is None or (arm, versus, metric) in claimed:
                     continue
