@@ -95,16 +95,16 @@ def claim_sentence(runs, claim) -> str:
             f"{_versus(runs[0][1], arm, versus)}: {_across_runs(runs, arm, versus, metric)}.")
 
 
-def open_comparisons(runs, claims) -> list[tuple[str, str, str, bool]]:
-    """(arm, versus, metric, separated) for every macro arm of the first run against the
-    baseline and against its control, each metric without a kept claim; separated is False
-    when no run separates the two."""
+def open_comparisons(runs, claims, arms=None) -> list[tuple[str, str, str, bool]]:
+    """(arm, versus, metric, separated) for every macro arm of the first run (or every arm of
+    `arms`) against the baseline and against its control, each metric without a kept claim;
+    separated is False when no run separates the two."""
     claimed = {c[:3] for c in map(_key, claims)}
     found = []
     for arm, c in runs[0][1]["comparisons"].items():
-        if not c["macro"]:
+        if not c["macro"] if arms is None else arm not in arms:
             continue
-        for versus in (runs[0][1]["baseline"], c["control"]):
+        for versus in dict.fromkeys((runs[0][1]["baseline"], c["control"])):
             for metric in report_lib.METRICS:
                 if versus is None or (arm, versus, metric) in claimed:
                     continue
@@ -114,14 +114,14 @@ def open_comparisons(runs, claims) -> list[tuple[str, str, str, bool]]:
     return found
 
 
-def open_lines(runs, claims) -> list[str]:
-    """Each open comparison with its numbers: "not distinguishable" when no run separates the
-    two, else "no difference that holds on every run"."""
+def open_lines(runs, claims, arms=None) -> list[str]:
+    """Each open comparison (`open_comparisons`) with its numbers: "not distinguishable" when no
+    run separates the two, else "no difference that holds on every run"."""
     return [f"`{arm}` vs {_versus(runs[0][1], arm, versus)}, "
             f"{report_lib.METRIC_WORDS[metric]}: "
             f"{'no difference that holds on every run' if separated else 'not distinguishable'}: "
             f"{_across_runs(runs, arm, versus, metric)}."
-            for arm, versus, metric, separated in open_comparisons(runs, claims)]
+            for arm, versus, metric, separated in open_comparisons(runs, claims, arms)]
 
 
 def _metric_list(metrics) -> str:

@@ -194,6 +194,32 @@ def base_config() -> ml_collections.ConfigDict:
     p.whiten_advantages = False
     # Losses.
     p.cliprange = 0.2
+    # The policy objective (marl_jax/losses.py `ppo_policy_loss`; "auto" / unset: the
+    # estimator's record in `estimators.ESTIMATORS`, e.g. gspo: sequence, geometric, 3e-4 /
+    # 4e-4). The unit whose ratio is clipped: token (PPO), macro (the MA-RLHF paper: a macro
+    # action's ratio, clipped once with its advantage) or sequence (GSPO); how its tokens'
+    # ratios combine: product or geometric (their geometric mean).
+    p.ratio_level = "auto"
+    p.ratio_form = "auto"
+    # Clip ranges 1 - cliprange_low, 1 + cliprange_high (DAPO's clip-higher); unset: the
+    # record's, else `cliprange`.
+    p.cliprange_low = ml_collections.config_dict.placeholder(float)
+    p.cliprange_high = ml_collections.config_dict.placeholder(float)
+    # Dual-clip PPO (Ye et al., 2019): c > 1 bounds the loss of a negative advantage by c |A|;
+    # unset: off.
+    p.dual_clip = ml_collections.config_dict.placeholder(float)
+    # Dynamic sampling (DAPO; group_size >= 2): m > 1 samples m x batch_size / group_size
+    # prompts a step and trains on the first batch_size / group_size groups whose rewards are
+    # not all equal (a shortfall is masked out of the loss); unset: the record's (dapo: 3), else
+    # off.
+    p.dynamic_sampling_oversample = ml_collections.config_dict.placeholder(int)
+    # DAPO's soft overlong punishment: a penalty rising linearly over the last
+    # `overlong_buffer` tokens of the response budget up to `overlong_penalty`, subtracted from
+    # the score; unset: the record's (dapo: 1/5 of the budget, 1.0), else off (0).
+    p.overlong_buffer = ml_collections.config_dict.placeholder(int)
+    p.overlong_penalty = ml_collections.config_dict.placeholder(float)
+    # Responses that hit the budget without EOS leave the loss (DAPO's overlong filtering).
+    p.mask_truncated = False
     p.cliprange_value = 0.2
     p.vf_coef = 0.5
     # auto: the estimator's published aggregation (its record in `estimators.ESTIMATORS`);

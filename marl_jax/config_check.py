@@ -26,8 +26,9 @@ from marl_jax.config import (
     get_field,
     remat_policy,
 )
-from marl_jax.estimators import ESTIMATORS
-from marl_jax.losses import KL_ESTIMATORS, POLICY_AGGREGATIONS, ROLLOUT_CORRECTIONS
+from marl_jax.estimators import ESTIMATORS, objective
+from marl_jax.losses import (KL_ESTIMATORS, POLICY_AGGREGATIONS, RATIO_FORMS, RATIO_LEVELS,
+                             ROLLOUT_CORRECTIONS)
 from marl_jax.macro.advantage import REWARD_AGGREGATIONS, VALUE_WEIGHTINGS
 from marl_jax.models import lora
 from marl_jax.xla_flags import MODES as XLA_GPU_FLAG_MODES
@@ -172,6 +173,7 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
           "ppo.mc_branch_points", "must be an integer >= 0 (0: every macro start)")
     check(not ESTIMATORS[p.estimator].branches or p.reward_source in ("rm", "gold"),
           "ppo.reward_source", f"{p.estimator} scores its branches on device: use rm or gold")
+    _check_objective(p, check)
     _warn_once(rollout_correction_warning(p))
     check(c.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
     if "eval" in c:
@@ -185,6 +187,55 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
               "must be a positive integer or -1 (all remaining devices)")
     check(sum(c.mesh[a] == -1 for a in ("data", "fsdp", "tensor")) <= 1, "mesh",
           "at most one mesh axis may be -1")
+
+
+def _check_objective(p, check):
+    """The policy objective's fields (`estimators.objective`: each unset one is the estimator's
+    record's), with the values they resolve to in the messages."""
+    check(p.get("ratio_level", "auto") in ("auto",) + RATIO_LEVELS, "ppo.ratio_level",
+          f"must be one of {('auto',) + RATIO_LEVELS}")
+    check(p.get("ratio_form", "auto") in ("auto",) + RATIO_FORMS, "ppo.ratio_form",
+          f"must be one of {('auto',) + RATIO_FORMS}")
+    for field in ("cliprange_low", "cliprange_high", "dual_clip", "overlong_penalty"):
+        check(p.get(field, None) is None or isinstance(p[field], (int, float)), f"ppo.{field}",
+              "must be a number (or unset)")
+    for field in ("dynamic_sampling_oversample", "overlong_buffer"):
+        check(p.get(field, None) is None or isinstance(p[field], int), f"ppo.{field}",
+              "must be an integer (or unset)")
+    check(isinstance(p.get("mask_truncated", False), bool), "ppo.mask_truncated",
+          "must be True or False")
+    o = objective(p)
+    check(o.cliprange_low > 0, "ppo.cliprange_low", "must be > 0 (the ratio is clipped below at "
+          "1 - cliprange_low)")
+    check(o.cliprange_high > 0, "ppo.cliprange_high", "must be > 0 (the ratio is clipped above "
+          "at 1 + cliprange_high)")
+    check(o.cliprange_high >= o.cliprange_low, "ppo.cliprange_high",
+          f"the upper clip range {o.cliprange_high} is below the lower one {o.cliprange_low} "
+          f"(ppo.estimator={p.estimator!r}, ppo.cliprange={p.cliprange}): clip-higher needs "
+          "cliprange_high >= cliprange_low")
+    check(o.dual_clip is None or o.dual_clip > 1, "ppo.dual_clip",
+          "must be > 1 (a negative advantage's loss is bounded by dual_clip x |A|), or unset")
+    check(not (o.ratio_level == "macro" and p.termination == "fixed" and p.ngram == 1),
+          "ppo.ratio_level", "macro ratios need macro actions, but ppo.termination='fixed' with "
+          "ppo.ngram=1 makes every token its own macro: use token, or ppo.ngram > 1")
+    m = o.dynamic_sampling_oversample
+    check(p.get("dynamic_sampling_oversample", None) is None or m > 1,
+          "ppo.dynamic_sampling_oversample", "must be an integer > 1 (m x the prompts a step "
+          "trains on are sampled), or unset for no dynamic sampling")
+    if m > 1:
+        check(p.group_size >= 2, "ppo.group_size",
+              f"dynamic sampling (ppo.dynamic_sampling_oversample={m}, ppo.estimator="
+              f"{p.estimator!r}) keeps the groups whose rewards differ: set ppo.group_size >= 2")
+        check(p.reward_source in ("rm", "gold") and p.termination != "parsing",
+              "ppo.dynamic_sampling_oversample",
+              f"dynamic sampling (m={m}) selects groups on device: use ppo.reward_source rm or "
+              "gold and an on-device termination (not parsing)")
+    check(o.overlong_buffer >= 0, "ppo.overlong_buffer", "must be >= 0 (0: no overlong penalty)")
+    check(o.overlong_buffer < p.response_length, "ppo.overlong_buffer",
+          f"the overlong buffer ({o.overlong_buffer} tokens) must be below the response budget "
+          f"ppo.response_length={p.response_length}")
+    check(o.overlong_penalty >= 0, "ppo.overlong_penalty",
+          "must be >= 0 (it is subtracted from the score)")
 
 
 # Longest macro (tokens) above which macro-level correction weights under top-k / top-p warn.

@@ -2,9 +2,11 @@
 group baselines, REINFORCE++, Monte Carlo macro values.
 
 Every estimator's rules live in its `Estimator` record: its advantage function, whether the KL to
-the reference is in the reward or a loss term of its own, its published loss aggregation, the
+the reference is in the reward or a loss term of its own, its published loss aggregation and
+policy objective (the ratio's unit, the clip ranges, dynamic sampling, overlong shaping), the
 samples per prompt it needs and whether it trains a critic. The PPO step, the config check and
-the experiment's arms read them here.
+the experiment's arms read them here (`objective` resolves a config's fields over its record).
+GSPO and DAPO are records too: GRPO's advantages under their published objectives.
 
 Per-token advantages are float `[B, R]` over the response positions, 0 on padding; responses are
 left-aligned (`response_mask[b, :L_b] == 1`). They are targets: no gradient flows through them.
@@ -81,8 +83,10 @@ class Estimator:
       `AdvantageInputs` to float `[B, R]`; "gae" is macro GAE over the critic's values
       (`macro_gae`, run per variant of the run by the step, with the returns the critic fits).
     kl_in_loss: True: the KL to the reference is a loss term of its own, beta x k3 per token,
-      aggregated as the policy loss, and the advantages see the score alone; False: the KL is
-      in the reward (per token, or per sequence before a group baseline).
+      aggregated as the policy loss, and the advantages see the score alone; False: no KL loss
+      term (the KL is in the reward where the advantage function reads it, per token or per
+      sequence before a group baseline; GSPO's and DAPO's advantages see the score alone, so
+      they have no KL term at all).
     loss_aggregation: the published aggregation of per-token losses (`losses.aggregate_tokens`),
       used when `config.ppo.loss_aggregation` is "auto"; RLOO's paper has no per-token loss
       (one clipped ratio per response), its record the token mean of PPO.
@@ -90,6 +94,13 @@ class Estimator:
     needs_critic: it trains a critic (and builds one).
     branches: it samples Monte Carlo continuations from macro starts every step
       (`AdvantageInputs.branches`), which score on device.
+    ratio_level, ratio_form: the unit whose ratio is clipped and how its tokens' ratios combine
+      (`losses.ppo_policy_loss`), used when `config.ppo.ratio_level` / `ratio_form` are "auto".
+    clipranges: (low, high) published clip ranges; None: `config.ppo.cliprange` for both.
+    dynamic_sampling_oversample: m > 1 samples m times the prompts a step trains on and keeps
+      the groups whose rewards differ (`informative_groups`); 1: off.
+    overlong_buffer_fraction, overlong_penalty: the soft overlong punishment
+      (`losses.overlong_penalty`) over the last fraction of the response budget; 0: off.
     """
 
     advantages: Callable
@@ -98,6 +109,61 @@ class Estimator:
     min_group_size: int = 1
     needs_critic: bool = False
     branches: bool = False
+    ratio_level: str = "token"
+    ratio_form: str = "product"
+    clipranges: Optional[tuple] = None
+    dynamic_sampling_oversample: int = 1
+    overlong_buffer_fraction: float = 0.0
+    overlong_penalty: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """The policy objective of a config: its `config.ppo` fields, each unset one ("auto" or
+    None) taken from the estimator's record (`objective`).
+
+    ratio_level, ratio_form: `losses.ppo_policy_loss`'s.
+    cliprange_low, cliprange_high: the clip ranges 1 - low, 1 + high of the ratio.
+    dual_clip: c > 1 bounds a negative advantage's loss by c |A|; None: off.
+    dynamic_sampling_oversample: m (1: off).
+    overlong_buffer: tokens at the end of the response budget over which the overlong penalty
+      rises (0: off); overlong_penalty: its largest value.
+    """
+
+    ratio_level: str
+    ratio_form: str
+    cliprange_low: float
+    cliprange_high: float
+    dual_clip: Optional[float]
+    dynamic_sampling_oversample: int
+    overlong_buffer: int
+    overlong_penalty: float
+
+    @property
+    def overlong_shaping(self) -> bool:
+        return self.overlong_buffer > 0 and self.overlong_penalty > 0
+
+
+def objective(ppo_config) -> Objective:
+    """The `Objective` of `config.ppo` (a ConfigDict or a dict): a field set in the config wins,
+    an unset one ("auto", None) is the record's of `ppo_config.estimator`. The clip ranges
+    default to `cliprange` where the record publishes none; the overlong buffer, a fraction of
+    the response budget in the record, is rounded to tokens of `response_length`."""
+    record = ESTIMATORS[ppo_config.get("estimator", "gae")]
+    unset = lambda field: ppo_config.get(field, None) in (None, "auto")  # noqa: E731
+    value = lambda field, default: default if unset(field) else ppo_config[field]  # noqa: E731
+    low, high = record.clipranges or (ppo_config["cliprange"],) * 2
+    buffer = int(round(record.overlong_buffer_fraction * int(ppo_config["response_length"])))
+    return Objective(
+        ratio_level=value("ratio_level", record.ratio_level),
+        ratio_form=value("ratio_form", record.ratio_form),
+        cliprange_low=float(value("cliprange_low", low)),
+        cliprange_high=float(value("cliprange_high", high)),
+        dual_clip=None if unset("dual_clip") else float(ppo_config["dual_clip"]),
+        dynamic_sampling_oversample=int(value("dynamic_sampling_oversample",
+                                              record.dynamic_sampling_oversample)),
+        overlong_buffer=int(value("overlong_buffer", buffer)),
+        overlong_penalty=float(value("overlong_penalty", record.overlong_penalty)))
 
 
 def sequence_advantages(scores, kl_sums, *, method, group_size, beta):
@@ -159,6 +225,38 @@ def group_advantages(scores, group_size, *, method):
         raise ValueError(f"group_size={group_size} must divide the number of scores "
                          f"{np.shape(scores)[0]}")
     return _group_advantages(scores, group_size=group_size, method=method)
+
+
+def informative_groups(scores, group_size, keep):
+    """Dynamic sampling (DAPO, Yu et al., 2025): the first `keep` groups whose scores are not
+    all equal, as a fixed number of rows.
+
+    Rows `g * k .. g * k + k - 1` (k = `group_size`) are the k samples of prompt g. A group of
+    equal scores has zero advantages under a group baseline: it carries no signal. The kept
+    groups are the informative ones in their order, then, when fewer than `keep` are, the
+    first uninformative ones in theirs, which `trained` marks False (a shortfall the loss
+    leaves out).
+
+    Args:
+      scores: float `[G * k]`, one score per response.
+      group_size: samples per prompt k >= 2, a Python int.
+      keep: groups kept, a Python int in [1, G].
+
+    Returns:
+      `(rows, trained, informative)`: int32 `[keep * k]` the kept groups' rows in order; bool
+      `[keep * k]` True on the rows of informative groups; int32 the number of informative
+      groups among all G.
+    """
+    check_rank(scores, 1, "scores")
+    group_size = _static_int(group_size, "group_size", 2)
+    if np.shape(scores)[0] % group_size:
+        raise ValueError(f"group_size={group_size} must divide the number of scores "
+                         f"{np.shape(scores)[0]}")
+    groups = np.shape(scores)[0] // group_size
+    keep = _static_int(keep, "keep", 1)
+    if keep > groups:
+        raise ValueError(f"keep={keep} exceeds the {groups} groups of the scores")
+    return _informative_groups(scores, group_size=group_size, keep=keep)
 
 
 def sequence_advantages_to_tokens(advantages, response_mask):
@@ -326,6 +424,17 @@ def _group_advantages(scores, *, group_size, method):
     return advantages.reshape(-1)
 
 
+@functools.partial(jax.jit, static_argnames=("group_size", "keep"))
+def _informative_groups(scores, *, group_size, keep):
+    groups = jnp.asarray(scores).reshape(-1, group_size)
+    informative = jnp.any(groups != groups[:, :1], axis=1)
+    # A stable sort on "uninformative" puts the informative groups first, each part in order.
+    order = jnp.argsort(~informative, stable=True)[:keep]
+    rows = (order[:, None] * group_size + jnp.arange(group_size)).reshape(-1)
+    trained = jnp.repeat(informative[order], group_size)
+    return rows.astype(jnp.int32), trained, informative.sum().astype(jnp.int32)
+
+
 @jax.jit
 def _sequence_advantages_to_tokens(advantages, response_mask):
     advantages = jax.lax.stop_gradient(jnp.asarray(advantages, _float_dtype(advantages)))
@@ -467,3 +576,20 @@ ESTIMATORS = {
 # The group methods: one advantage per response from the other samples of its prompt, so at
 # least two samples per prompt.
 GROUP_METHODS = tuple(name for name, e in ESTIMATORS.items() if e.min_group_size > 1)
+# Published recipes on GRPO's advantages (the score alone, normalised in its group; no KL term):
+ESTIMATORS.update(
+    # GSPO (Zheng et al., 2025, "Group Sequence Policy Optimization", arXiv 2507.18071): one
+    # length-normalised ratio per response, exp(mean_t log r_t), clipped to [1 - 3e-4, 1 + 4e-4]
+    # (section 5.1), the mean over responses, the KL coefficient 0.
+    gspo=Estimator(_group_estimator("grpo"), kl_in_loss=False, loss_aggregation="sequence_mean",
+                   min_group_size=2, ratio_level="sequence", ratio_form="geometric",
+                   clipranges=(3e-4, 4e-4)),
+    # DAPO (Yu et al., 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale",
+    # arXiv 2503.14476): clip-higher (0.2 / 0.28), token-level loss (the mean over every token
+    # of the batch), dynamic sampling (3 x the prompts per generation round, as verl's DAPO
+    # recipe), the soft overlong punishment over the last 4096 tokens of a 20480-token budget
+    # (1/5 of it) up to 1 (the score's scale: DAPO's rewards are +-1), no KL term.
+    dapo=Estimator(_group_estimator("grpo"), kl_in_loss=False, loss_aggregation="token_mean",
+                   min_group_size=2, clipranges=(0.2, 0.28), dynamic_sampling_oversample=3,
+                   overlong_buffer_fraction=0.2, overlong_penalty=1.0),
+)

@@ -79,7 +79,9 @@ TRACED_FIELDS = ("lam", "gamma", "kl_coef", "ngram", "termination", "value_weigh
 # Fields that change the compiled step (the estimator, its loss and the batch shapes): runs that
 # differ in them are separate groups, each one vmapped program, run one after the other.
 STATIC_FIELDS = ("estimator", "group_size", "batch_size", "mc_rollouts", "mc_branch_points",
-                 "loss_aggregation")
+                 "loss_aggregation", "ratio_level", "ratio_form", "cliprange_low",
+                 "cliprange_high", "dual_clip", "dynamic_sampling_oversample", "overlong_buffer",
+                 "overlong_penalty", "mask_truncated")
 # Critic-free estimators (configs/synthetic_estimators.py), one arm each by the estimator's
 # name (`estimators.ESTIMATORS`); sizes are set by the config.
 ARMS.update({name: (lambda p, name=name: dict(TOKEN_PPO, estimator=name))
@@ -92,6 +94,21 @@ ARMS.update({
     # A branch point at every 5-gram start: ceil(R / 5) slots hold all of them.
     "macro_mc_n5_all": lambda p: dict(TOKEN_PPO, estimator="macro_mc", ngram=5,
                                       mc_branch_points=-(-int(p.response_length) // 5)),
+})
+_GSPO = estimators.ESTIMATORS["gspo"]
+ARMS.update({
+    # The ratio's unit (configs/synthetic_objectives.py): the semi-MDP MA-PPO with one ratio
+    # per macro action, clipped once with its advantage: the product of its tokens' ratios (the
+    # paper's) or their geometric mean.
+    "ma_ppo_smdp_macro_product": lambda p: dict(ARMS["ma_ppo_smdp"](p), ratio_level="macro",
+                                                ratio_form="product"),
+    "ma_ppo_smdp_macro_geometric": lambda p: dict(ARMS["ma_ppo_smdp"](p), ratio_level="macro",
+                                                  ratio_form="geometric"),
+    # Token PPO (GAE with the critic) with GSPO's ratio: one length-normalised ratio per
+    # response, GSPO's clip ranges.
+    "ppo_sequence_geometric": lambda p: dict(
+        TOKEN_PPO, ratio_level=_GSPO.ratio_level, ratio_form=_GSPO.ratio_form,
+        cliprange_low=_GSPO.clipranges[0], cliprange_high=_GSPO.clipranges[1]),
 })
 
 
@@ -135,11 +152,21 @@ def mean_macro_length(fields: dict, ppo_cfg):
 def matched_control(fields: dict, length: float) -> dict:
     """Token PPO with the hyper-parameters a macro arm implies: lam' = lam^(1/L) and, when the
     arm aggregates rewards with `weighted` (a mean over the macro), kl_coef / L; every other
-    field (gamma, critic start) as the arm's."""
+    field (gamma, critic start, the policy objective) as the arm's, a macro ratio becoming the
+    token's."""
     kl = fields["kl_coef"] / length if fields["reward_aggregation"] == "weighted" \
         else fields["kl_coef"]
-    return dict(fields, **TOKEN_PPO, lam=fields["lam"] ** (1.0 / length), kl_coef=kl,
-                mean_macro_length=length)
+    return without_macro_ratio(dict(fields, **TOKEN_PPO, lam=fields["lam"] ** (1.0 / length),
+                                    kl_coef=kl, mean_macro_length=length))
+
+
+def without_macro_ratio(fields: dict) -> dict:
+    """`fields` with ratio_level "macro" made "token" where its macros are single tokens (fixed
+    1-grams: token PPO, whatever the base config's ratio)."""
+    if fields["ratio_level"] == "macro" and fields["termination"] == "fixed" \
+            and int(fields["ngram"]) == 1:
+        return dict(fields, ratio_level="token")
+    return fields
 
 
 def resolve_arm(name: str, ppo_cfg) -> dict:
@@ -152,14 +179,18 @@ def resolve_arm(name: str, ppo_cfg) -> dict:
             raise ValueError(f"config.experiment.arms: {name!r} is the control of {base_name!r}, "
                              "which is token PPO already; controls exist for macro arms only")
         if base["mean_macro_length"] is None:
-            return dict(base, **TOKEN_PPO, mean_macro_length=None)
+            return without_macro_ratio(dict(base, **TOKEN_PPO, mean_macro_length=None))
         return matched_control(base, base["mean_macro_length"])
     if name not in ARMS:
         raise ValueError(f"config.experiment.arms: unknown arm {name!r}; known: {sorted(ARMS)} "
                          f"and <macro arm>{CONTROL_SUFFIX}")
     fields = {k: ppo_cfg[k] for k in TRACED_FIELDS + STATIC_FIELDS}
-    fields.update(ARMS[name](ppo_cfg))
+    fields = without_macro_ratio(dict(fields, **ARMS[name](ppo_cfg)))
     fields.update(dict(ppo_cfg.get("arm_overrides", {}).get(name, {})))
+    if fields["ratio_level"] == "macro" and fields["termination"] == "fixed" \
+            and int(fields["ngram"]) == 1:
+        raise ValueError(f"arm {name!r}: ratio_level='macro' needs macro actions, but fixed "
+                         "1-grams make every token its own macro: use token, or ngram > 1")
     if fields["termination"] == "parsing":
         raise ValueError(f"arm {name!r}: parsing termination runs host-side and cannot be "
                          "vmapped; run it as a single pipeline (--config.stage=all)")

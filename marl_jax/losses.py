@@ -20,52 +20,139 @@ from marl_jax.macro.checks import (
 POLICY_AGGREGATIONS = ("token_mean", "sequence_mean", "token_sum")
 KL_ESTIMATORS = ("k1", "k3")
 ROLLOUT_CORRECTIONS = ("none", "token", "sequence", "macro")
+RATIO_LEVELS = ("token", "macro", "sequence")
+RATIO_FORMS = ("product", "geometric")
 
 
 def ppo_policy_loss(logprobs, old_logprobs, advantages, mask, *, cliprange=0.2,
-                    aggregation="token_mean", is_weights=None):
-    """PPO clipped surrogate: each token's own ratio times its (macro) advantage.
+                    aggregation="token_mean", is_weights=None, ratio_level="token",
+                    ratio_form="product", segment_ids=None, cliprange_low=None,
+                    cliprange_high=None, dual_clip=None):
+    """PPO's clipped surrogate, with the ratio of a token, a macro action or a whole response.
 
-    loss_t = w_t max(-A_t r_t, -A_t clip(r_t, 1 - c, 1 + c)), r_t = exp(logp_t - old_logp_t),
-    w_t the rollout-correction weight (`rollout_correction_weights`; 1 without).
+    The unit u whose ratio is clipped (`ratio_level`): each valid token ("token": PPO, and the
+    official MA-RLHF code, each token's own ratio with its macro's advantage), each macro action
+    of `segment_ids` ("macro": the MA-RLHF paper's objective) or each response ("sequence":
+    GSPO). With d_t = logp_t - old_logp_t over the unit's n_u valid tokens:
+
+        s_u = sum_t d_t            ("product": r_u = exp(s_u), the product of its tokens' ratios)
+        s_u = (1 / n_u) sum_t d_t  ("geometric": their geometric mean, GSPO's length-normalised
+                                    ratio)
+        l_u = w_u max(-A_u r_u, -A_u clip(r_u, 1 - c_low, 1 + c_high)),
+
+    A_u and w_u the means over the unit's tokens of `advantages` and `is_weights` (the macro's
+    advantage and weight wherever they are constant over the unit: macro GAE, the group
+    estimators, a rollout correction at the unit's level or a coarser one). With `dual_clip` = c
+    > 1 (Ye et al., 2019; verl's clip_ratio_c, Tunix's epsilon_c), a unit with A_u < 0 has
+    l_u = w_u min(max(...), -c A_u): its loss is bounded by c |A_u|. The gradient of l_u reaches
+    every token of the unit, through s_u (d s_u / d logp_t = 1, or 1 / n_u for "geometric").
+
+    The units' terms become the loss as tokens do in `aggregate_tokens`, the unit in the
+    token's place: "token_mean" is the mean over every unit of the batch, "sequence_mean" the
+    mean over each response's units then over the responses, "token_sum" each response's sum of
+    unit terms over the constant R (the most units a response can have), then the mean over the
+    responses. So "token" is the per-token loss exactly; "macro" with one-token macros equals
+    "token"; "sequence" with "geometric" is GSPO's mean_i max(-A_i s_i, -A_i clip(s_i)) under
+    either mean (one unit per response).
 
     Args:
       logprobs, old_logprobs, advantages: float `[B, T]`.
       mask: `[B, T]` 0/1 mask of the tokens that are trained.
-      cliprange: c > 0.
-      aggregation: how per-token terms become the loss (`aggregate_tokens`).
-      is_weights: optional float `[B, T]` constant per-token weights.
+      cliprange: c > 0, both clip ranges unless `cliprange_low` / `cliprange_high` set one.
+      aggregation: how the units' terms become the loss (above).
+      is_weights: optional float `[B, T]` constant per-token weights (rollout correction).
+      ratio_level: "token", "macro" or "sequence"; static.
+      ratio_form: "product" or "geometric" (units of one token are the same either way); static.
+      segment_ids: int `[B, T]` macro index of each token, contiguous from 0 on each row
+        (`marl_jax.macro.termination`); required for "macro".
+      cliprange_low, cliprange_high: c_low, c_high > 0 (None: `cliprange`), DAPO's clip-higher.
+      dual_clip: None (off) or c > 1.
 
     Returns:
-      `(loss, metrics)` with metrics clipfrac, approxkl, policy_kl (mean old_logp - logp),
-      ratio_mean, ratio_var (token means).
+      `(loss, metrics)` with metrics over units: clipfrac (the clipped term is the active one),
+      clipfrac_low (A_u < 0 and r_u < 1 - c_low), clipfrac_high (A_u > 0 and r_u > 1 + c_high),
+      dual_clipfrac (the dual bound is the active term), ratio_mean, ratio_var; and over
+      tokens: approxkl, policy_kl (mean old_logp - logp).
     """
     check_rank(logprobs, 2, "logprobs")
     check_same_shape(logprobs, "logprobs", old_logprobs=old_logprobs, advantages=advantages,
                      mask=mask)
     check_mask(mask, "mask", left_aligned=False)
     check_choice(aggregation, POLICY_AGGREGATIONS, "aggregation")
+    check_choice(ratio_level, RATIO_LEVELS, "ratio_level")
+    check_choice(ratio_form, RATIO_FORMS, "ratio_form")
     _check_positive(cliprange, "cliprange")
+    low = cliprange if cliprange_low is None else cliprange_low
+    high = cliprange if cliprange_high is None else cliprange_high
+    _check_positive(low, "cliprange_low")
+    _check_positive(high, "cliprange_high")
+    if dual_clip is not None and is_concrete(dual_clip) and not float(dual_clip) > 1:
+        raise ValueError(f"dual_clip must be > 1 (None: off), got {dual_clip!r}")
     valid = jnp.asarray(mask) != 0
     log_ratio = jnp.where(valid, jnp.asarray(logprobs, jnp.float32) - old_logprobs, 0)
-    ratio = jnp.exp(log_ratio)
     advantages = jnp.where(valid, jnp.asarray(advantages, jnp.float32), 0)
-    unclipped = -advantages * ratio
-    clipped = -advantages * jnp.clip(ratio, 1 - cliprange, 1 + cliprange)
-    per_token = jnp.maximum(unclipped, clipped)
-    if is_weights is not None:
+    weights = None if is_weights is None else jnp.asarray(is_weights, jnp.float32)
+    if weights is not None:
         check_same_shape(logprobs, "logprobs", is_weights=is_weights)
-        per_token = per_token * jax.lax.stop_gradient(jnp.asarray(is_weights, jnp.float32))
-    loss = aggregate_tokens(per_token, valid, aggregation)
-    ratio_mean = masked_mean(ratio, valid)
+    if ratio_level == "token":
+        unit_log_ratio, unit_advantages, unit_valid, unit_weights = (
+            log_ratio, advantages, valid, weights)
+    else:
+        if ratio_level == "macro":
+            if segment_ids is None:
+                raise ValueError("segment_ids is required for ratio_level='macro'")
+            check_same_shape(logprobs, "logprobs", segment_ids=segment_ids)
+            units = segment_ids
+        else:
+            units = jnp.zeros(np.shape(logprobs), jnp.int32)
+        counts = unit_sums(valid.astype(jnp.float32), units, valid)
+        unit_valid = counts > 0
+        per_unit = jnp.maximum(counts, 1.0)
+        unit_log_ratio = unit_sums(log_ratio, units, valid)
+        if ratio_form == "geometric":
+            unit_log_ratio = unit_log_ratio / per_unit
+        unit_advantages = unit_sums(advantages, units, valid) / per_unit
+        unit_weights = None if weights is None else unit_sums(weights, units, valid) / per_unit
+    ratio = jnp.exp(unit_log_ratio)
+    unclipped = -unit_advantages * ratio
+    clipped = -unit_advantages * jnp.clip(ratio, 1 - low, 1 + high)
+    per_unit_loss = jnp.maximum(unclipped, clipped)
+    dual_active = jnp.zeros_like(per_unit_loss, bool)
+    if dual_clip is not None:
+        bound = -unit_advantages * dual_clip
+        dual_active = (unit_advantages < 0) & (bound < per_unit_loss)
+        per_unit_loss = jnp.where(dual_active, bound, per_unit_loss)
+    if unit_weights is not None:
+        per_unit_loss = per_unit_loss * jax.lax.stop_gradient(unit_weights)
+    loss = aggregate_tokens(per_unit_loss, unit_valid, aggregation)
+    ratio_mean = masked_mean(ratio, unit_valid)
+    as_share = lambda x: masked_mean(x.astype(jnp.float32), unit_valid)  # noqa: E731
     metrics = {
-        "clipfrac": masked_mean((clipped > unclipped).astype(jnp.float32), valid),
+        "clipfrac": as_share(clipped > unclipped),
+        "clipfrac_low": as_share((unit_advantages < 0) & (ratio < 1 - low)),
+        "clipfrac_high": as_share((unit_advantages > 0) & (ratio > 1 + high)),
+        "dual_clipfrac": as_share(dual_active),
         "approxkl": 0.5 * masked_mean(log_ratio * log_ratio, valid),
         "policy_kl": masked_mean(-log_ratio, valid),
         "ratio_mean": ratio_mean,
-        "ratio_var": masked_mean(jnp.square(ratio - ratio_mean), valid),
+        "ratio_var": masked_mean(jnp.square(ratio - ratio_mean), unit_valid),
     }
     return loss, metrics
+
+
+def unit_sums(values, segment_ids, valid):
+    """Per-unit sums in unit slots, float32 `[B, R]`: slot (b, u) holds the sum of `values`
+    `[B, R]` over the valid tokens of row b whose segment id is u (0 on slots no token fills).
+    `segment_ids` `[B, R]`: each row's unit index of its tokens, in [0, R); invalid tokens are
+    left out. One `jax.ops.segment_sum` over the flattened rows."""
+    batch, width = np.shape(values)
+    slots = (jnp.arange(batch)[:, None] * width
+             + jnp.clip(jnp.asarray(segment_ids, jnp.int32), 0, width - 1))
+    # Invalid tokens go to slot B * R, past the last segment: segment_sum drops them.
+    slots = jnp.where(jnp.asarray(valid) != 0, slots, batch * width)
+    sums = jax.ops.segment_sum(jnp.asarray(values, jnp.float32).reshape(-1), slots.reshape(-1),
+                               num_segments=batch * width)
+    return sums.reshape(batch, width)
 
 
 def aggregate_tokens(per_token, mask, aggregation):
@@ -149,14 +236,15 @@ def kl_penalty_loss(logprobs, ref_logprobs, mask, *, kl_coef, aggregation="token
 
 def assemble_rewards(logprobs, ref_logprobs, scores, response_mask, *, kl_coef,
                      kl_estimator="k1", reward_clip=2.5, missing_eos_penalty=None,
-                     ended_with_eos=None):
+                     ended_with_eos=None, length_penalties=None):
     """Per-token PPO rewards: r_t = -kl_coef * kl_t, plus the clipped score on the last token.
 
     The reward-model score is clipped to [-reward_clip, reward_clip] (None: no clipping) and
     added on each sequence's last valid response token. With `missing_eos_penalty` (a positive
     number, as in TRL), sequences whose `ended_with_eos` is False get `score - penalty`; the
-    penalty is applied after clipping, so it always lowers the reward. Rows without any response
-    token get zero rewards.
+    penalty is applied after clipping, so it always lowers the reward; so are
+    `length_penalties` (DAPO's overlong punishment, `overlong_penalty`). Rows without any
+    response token get zero rewards.
 
     Args:
       logprobs, ref_logprobs: float `[B, T]` log-probabilities of the sampled response tokens
@@ -168,6 +256,7 @@ def assemble_rewards(logprobs, ref_logprobs, scores, response_mask, *, kl_coef,
       reward_clip: positive float or None.
       missing_eos_penalty: None or a float >= 0.
       ended_with_eos: bool `[B]`, required with `missing_eos_penalty`.
+      length_penalties: None or float `[B]` >= 0, subtracted from the clipped score.
 
     Returns:
       `(rewards [B, T], metrics)`; metrics are means over the rows that have a response:
@@ -204,6 +293,11 @@ def assemble_rewards(logprobs, ref_logprobs, scores, response_mask, *, kl_coef,
             raise ValueError(
                 f"missing_eos_penalty must be >= 0 (it is subtracted), got {missing_eos_penalty!r}")
         scores = jnp.where(jnp.asarray(ended_with_eos), scores, scores - missing_eos_penalty)
+    if length_penalties is not None:
+        if np.shape(length_penalties) != np.shape(scores):
+            raise ValueError(f"length_penalties must have shape {np.shape(scores)}, got "
+                             f"{np.shape(length_penalties)}")
+        scores = scores - jnp.asarray(length_penalties, jnp.float32)
 
     next_valid = jnp.concatenate([valid[:, 1:], jnp.zeros_like(valid[:, :1])], axis=1)
     is_last = valid & ~next_valid
@@ -219,6 +313,27 @@ def assemble_rewards(logprobs, ref_logprobs, scores, response_mask, *, kl_coef,
         "rlhf_reward": score_mean + non_score_sum,
     }
     return rewards, metrics
+
+
+def overlong_penalty(lengths, *, budget, buffer, penalty):
+    """DAPO's soft overlong punishment (Yu et al., 2025, eq. 13) as the amount subtracted from a
+    response's score: float32 `[B]`, 0 for a length L <= budget - buffer, rising linearly over
+    the last `buffer` tokens of the budget to `penalty` at L = budget:
+
+        penalty x clip((L - (budget - buffer)) / buffer, 0, 1).
+
+    Args:
+      lengths: int `[B]` response lengths (tokens, EOS included).
+      budget: the response budget (`ppo.response_length`), an int.
+      buffer: its last tokens where the penalty rises, an int in [1, budget).
+      penalty: the largest amount, a float >= 0.
+    """
+    if not 1 <= int(buffer) < int(budget):
+        raise ValueError(f"buffer must be in [1, budget={budget}), got {buffer!r}")
+    if not float(penalty) >= 0:
+        raise ValueError(f"penalty must be >= 0, got {penalty!r}")
+    excess = jnp.asarray(lengths, jnp.float32) - (int(budget) - int(buffer))
+    return jnp.float32(penalty) * jnp.clip(excess / int(buffer), 0.0, 1.0)
 
 
 def bradley_terry_loss(chosen, rejected, weights=None):
@@ -342,13 +457,8 @@ def rollout_correction_weights(trainer_logprobs, sampler_logprobs, response_mask
         if segment_ids is None:
             raise ValueError("segment_ids is required for level='macro'")
         check_same_shape(trainer_logprobs, "trainer_logprobs", segment_ids=segment_ids)
-        batch, width = log_ratio.shape
-        # One segment per (row, macro): macro ids lie in [0, R).
-        slots = (jnp.arange(batch)[:, None] * width
-                 + jnp.clip(jnp.asarray(segment_ids, jnp.int32), 0, width - 1))
-        sums = jax.ops.segment_sum(log_ratio.reshape(-1), slots.reshape(-1),
-                                   num_segments=batch * width)
-        log_ratio = sums[slots]
+        ids = jnp.clip(jnp.asarray(segment_ids, jnp.int32), 0, log_ratio.shape[1] - 1)
+        log_ratio = jnp.take_along_axis(unit_sums(log_ratio, ids, valid), ids, axis=1)
     # exp of the clipped log-ratio: a huge log-ratio cannot overflow before the cap applies.
     weights = jnp.exp(jnp.minimum(log_ratio, jnp.log(jnp.asarray(cap, jnp.float32))))
     return jnp.where(valid, weights, 0.0).astype(jnp.float32)

@@ -321,9 +321,12 @@ def _win_rate(arm_finals, base_finals):
 
 
 def _comparisons(report):
-    """(arm, versus key, metric, comparison) for every paired comparison of the report."""
+    """(arm, versus key, metric, comparison) for every paired comparison of the report, once
+    (an arm whose control is the baseline is compared with it once)."""
     for arm, c in report["comparisons"].items():
         for key in ("versus_ppo", "versus_control"):
+            if key == "versus_control" and c["control"] == report["baseline"]:
+                continue
             for metric, cmp in (c[key] or {}).items():
                 yield arm, key, metric, cmp
 
@@ -413,7 +416,7 @@ def comparison_table(report: dict) -> list[str]:
              "|---|---|" + "---|" * len(METRICS)]
     for arm, c in report["comparisons"].items():
         for key in ("versus_ppo", "versus_control"):
-            if c[key]:
+            if c[key] and not (key == "versus_control" and c["control"] == report["baseline"]):
                 versus = c[key][METRICS[0]]["versus"]
                 role = " (control)" if key == "versus_control" else ""
                 lines.append(f"| `{arm}` | `{versus}`{role} | " + " | ".join(

@@ -171,7 +171,7 @@ def ppo_step_flops(static, policy: ModelFlops, critic: ModelFlops, reward: Model
     positions and 2N per generated token (`generated_tokens`, a host number: the step's
     `budget/generated_tokens`), each attending to the prompt and the tokens before it (at the
     mean response length `response_length_mean`, default the whole budget). score: a forward
-    over `[B, P + R]` of the actor (unless the sampler's logprobs are reused), the reference,
+    over the `[prompts_per_step x group_size, P + R]` rows sampled of the actor (unless the sampler's logprobs are reused), the reference,
     the critic (with one) and the reward model (when it scores). update: `ppo_epochs` x the
     actor's (and critic's) forward and backward over `[B, P + R]`. advantages: none counted
     (Monte Carlo branches' tokens are in `generated_tokens`; their scoring is not counted).
@@ -180,6 +180,8 @@ def ppo_step_flops(static, policy: ModelFlops, critic: ModelFlops, reward: Model
     length = max(float(r if response_length_mean is None else response_length_mean), 1.0)
     rollout = (static.prompts_per_step * policy.prefill(p)
                + float(np.sum(generated_tokens)) / length * policy.generation(p, length))
+    # Scoring covers every sampled row (dynamic sampling scores m x the rows it trains on).
+    sampled = static.prompts_per_step * static.group_size
     positions, keys = b * (p + r), p + r
     scorers = [reward] if static.reward_source == "rm" else []
     if not static.reuses_sampler_logprobs:
@@ -187,7 +189,8 @@ def ppo_step_flops(static, policy: ModelFlops, critic: ModelFlops, reward: Model
     scorers.append(policy)  # the reference
     if static.uses_critic:
         scorers.append(critic)
-    score = sum(m.forward(positions, keys, b * r if m is policy else None) for m in scorers)
+    score = sum(m.forward(sampled * (p + r), keys, sampled * r if m is policy else None)
+                for m in scorers)
     trained = [policy] + ([critic] if static.uses_critic else [])
     update = static.ppo_epochs * sum(m.train(positions, keys, b * r if m is policy else None)
                                      for m in trained)

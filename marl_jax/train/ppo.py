@@ -40,6 +40,7 @@ def static_from_config(config, tokenizer, variants=None) -> PPOStatic:
         ppo_epochs=int(p.ppo_epochs), num_minibatches=int(p.num_minibatches),
         grad_accum_steps=int(p.get("grad_accum_steps", 1)),
         cliprange=float(p.cliprange), cliprange_value=float(p.cliprange_value),
+        **objective_fields(p),
         vf_coef=float(p.vf_coef), kl_estimator=p.kl_estimator, reward_clip=float(p.reward_clip),
         normalize_reward=bool(p.normalize_reward),
         missing_eos_penalty=float(p.missing_eos_penalty),
@@ -60,6 +61,18 @@ def static_from_config(config, tokenizer, variants=None) -> PPOStatic:
         reference_adapters=bool(config.model.get("lora", {}).get("rank", 0))
         and not config.model.lora.get("merge_sft", True),
         rollout_chunks=int(p.get("rollout_chunks", 1)))
+
+
+def objective_fields(p) -> dict:
+    """The `PPOStatic` fields of the policy objective: `estimators.objective` of `config.ppo`
+    (unset fields from the estimator's record)."""
+    o = estimators.objective(p)
+    return dict(ratio_level=o.ratio_level, ratio_form=o.ratio_form,
+                cliprange_low=o.cliprange_low, cliprange_high=o.cliprange_high,
+                dual_clip=o.dual_clip, dynamic_sampling_oversample=o.dynamic_sampling_oversample,
+                overlong_buffer=o.overlong_buffer if o.overlong_shaping else 0,
+                overlong_penalty=o.overlong_penalty if o.overlong_shaping else 0.0,
+                mask_truncated=bool(p.get("mask_truncated", False)))
 
 
 def validate_decode_slots(config, mesh) -> None:

@@ -25,21 +25,25 @@ from marl_jax.train.ppo_types import (Experience, Frozen, Models, PPOState, PPOS
 
 def score_phase(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, prompt_ids,
                 prompt_mask, sample, documents=None, host_scores=None, first_step=None):
-    """The score phase on a rollout's `sample` (a `SampleOutput` `[B, R]`): the prompts `[B /
-    group_size, P]` (and documents) repeated to one row per sample, then `score.score`:
-    (Experience, metrics)."""
+    """The score phase on a rollout's `sample` (a `SampleOutput` `[prompts_per_step *
+    group_size, R]`): the prompts `[prompts_per_step, P]` (and documents) repeated to one row
+    per sample, then `score.score`; with dynamic sampling the groups trained on are kept
+    (`rollout.keep_informative_groups`): (Experience `[B, ...]`, metrics)."""
     prompt_ids, prompt_mask, documents = rollout_phases.repeat_groups(
         static, prompt_ids, prompt_mask, documents)
-    return score.score(static, models, state, frozen, prompt_ids, prompt_mask, sample.tokens,
-                       sample.mask.astype(jnp.int32), documents, host_scores,
-                       sampled_logprobs=sample.logprobs, sampled_entropy=sample.entropy,
-                       first_step=first_step)
+    exp, metrics = score.score(static, models, state, frozen, prompt_ids, prompt_mask,
+                               sample.tokens, sample.mask.astype(jnp.int32), documents,
+                               host_scores, sampled_logprobs=sample.logprobs,
+                               sampled_entropy=sample.entropy, first_step=first_step)
+    exp, group_metrics = rollout_phases.keep_informative_groups(static, exp)
+    return exp, {**metrics, **group_metrics}
 
 
 def rollout(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, prompt_ids,
             prompt_mask, key, documents=None, first_step=None):
-    """The rollout phase then the score phase: (Experience, metrics). The prompts `[B /
-    group_size, P]` (and documents) are repeated to one row per sample."""
+    """The rollout phase then the score phase: (Experience, metrics). The prompts
+    `[prompts_per_step, P]` (and documents) are repeated to one row per sample; with dynamic
+    sampling the groups trained on are kept (`rollout.keep_informative_groups`)."""
     sample = rollout_phases.generate_responses(static, models, state, prompt_ids, prompt_mask,
                                                key, frozen)
     return score_phase(static, models, state, frozen, prompt_ids, prompt_mask, sample, documents,

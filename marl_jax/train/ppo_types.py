@@ -44,6 +44,21 @@ class PPOStatic:
     grad_accum_steps: int = 1  # micro-batches per optimizer update (per minibatch)
     cliprange: float = 0.2
     cliprange_value: float = 0.2
+    # The policy objective (`losses.ppo_policy_loss`, resolved by `estimators.objective`): the
+    # ratio's unit and form, the clip ranges (None: `cliprange`), dual clip (None: off).
+    ratio_level: str = "token"
+    ratio_form: str = "product"
+    cliprange_low: Any = None
+    cliprange_high: Any = None
+    dual_clip: Any = None
+    # Dynamic sampling: m x the prompts of a step are sampled and the first batch_size /
+    # group_size groups whose rewards differ are trained on (1: off).
+    dynamic_sampling_oversample: int = 1
+    # DAPO's soft overlong punishment (`losses.overlong_penalty`; buffer 0: off), and whether
+    # responses that hit the budget without EOS leave the loss.
+    overlong_buffer: int = 0
+    overlong_penalty: float = 0.0
+    mask_truncated: bool = False
     vf_coef: float = 0.5
     kl_estimator: str = "k1"
     reward_clip: float = 2.5
@@ -113,9 +128,14 @@ class PPOStatic:
         return self.old_logprobs == "sampler"
 
     @property
-    def prompts_per_step(self) -> int:
-        """Prompts sampled per step: `batch_size` rows are `group_size` samples of each."""
+    def groups_per_step(self) -> int:
+        """Prompts trained on per step: `batch_size` rows are `group_size` samples of each."""
         return self.batch_size // self.group_size
+
+    @property
+    def prompts_per_step(self) -> int:
+        """Prompts sampled per step: those trained on, `dynamic_sampling_oversample` times."""
+        return self.groups_per_step * self.dynamic_sampling_oversample
 
 
 @flax.struct.dataclass
@@ -176,6 +196,12 @@ class Experience:
     trunk: Any = None  # [B, P + R, D] the shared trunk's output (`shared_trunk`), or None
     # [B, R] the sampler's logprobs of the tokens, where a rollout correction weighs them.
     sampler_logprobs: Any = None
+    # [B] bool: the rows that enter the loss (dynamic sampling masks a shortfall of informative
+    # groups); None: every row.
+    loss_rows: Any = None
+    # The `budget/*` metrics (`phases.advantages.rollout_budget`) of the whole rollout when it
+    # sampled more rows than it trains on (dynamic sampling); None: those of these rows.
+    sampled_budget: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ from marl_jax import estimators, losses
 from marl_jax import rollout as rollout_engine
 from marl_jax.macro import advantage, termination
 from marl_jax.models.heads import continuation_scores
-from marl_jax.train.phases import score
+from marl_jax.train.phases import rollout as rollout_phase, score
 from marl_jax.train.ppo_types import (Experience, Frozen, Models, PPOState, PPOStatic,
                                       RunHparams, role_model, role_params)
 
@@ -26,6 +26,9 @@ class Advantages:
     returns: Any  # [B, R] the critic's targets; None for the critic-free estimators
     is_weights: Any  # [B, R] rollout-correction weights; None without a correction
     segment_ids: jax.Array  # [B, R] int32 the run variant's macro segment ids
+    # [B] bool: the rows that enter the loss (dynamic sampling's shortfall and, with
+    # `mask_truncated`, responses that hit the budget without EOS leave it); None: every row.
+    loss_rows: Any = None
 
 
 def compute_advantages(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen,
@@ -41,10 +44,8 @@ def compute_advantages(static: PPOStatic, models: Models, state: PPOState, froze
     segments = segment_ids_for(static, hparams, exp, key)
     if host_segments is not None:
         segments["parsing"] = host_segments
-    budget = {"budget/generated_tokens": exp.response_mask.sum().astype(jnp.float32),
-              # Each prompt is prefilled once for its group of samples.
-              "budget/prefill_tokens": exp.prompt_mask.sum().astype(jnp.float32)
-              / static.group_size}
+    budget = exp.sampled_budget or rollout_phase.rollout_budget(static, exp.prompt_mask,
+                                                                exp.response_mask)
     if static.uses_critic:
         adv, ret = advantages_and_returns(static, hparams, exp, segments)
         est_metrics = {}
@@ -54,9 +55,23 @@ def compute_advantages(static: PPOStatic, models: Models, state: PPOState, froze
             static, models, state, frozen, hparams, exp, segments, jax.random.fold_in(key, 1))
         budget = {k: v + branch_budget.get(k, 0.0) for k, v in budget.items()}
     weights, weight_metrics = correction_weights(static, exp, segments, hparams.variant)
-    out = Advantages(adv, ret, weights, variant_segments(static, segments, hparams.variant))
-    return out, {**est_metrics, **budget, **weight_metrics,
+    loss_rows, row_metrics = rows_in_loss(static, exp)
+    out = Advantages(adv, ret, weights, variant_segments(static, segments, hparams.variant),
+                     loss_rows)
+    return out, {**est_metrics, **budget, **weight_metrics, **row_metrics,
                  **segment_stats(segments, hparams.variant, static, exp.response_mask)}
+
+
+def rows_in_loss(static: PPOStatic, exp: Experience):
+    """(`[B]` bool rows that enter the loss or None for every row, metrics): the rollout's
+    (`exp.loss_rows`), without the truncated responses (the budget reached without EOS) when
+    `static.mask_truncated`, whose share is `overlong/truncated_frac`."""
+    rows = exp.loss_rows
+    if not static.mask_truncated:
+        return rows, {}
+    truncated = ~exp.ended_with_eos & (exp.response_mask.sum(axis=1) >= static.response_length)
+    kept = ~truncated if rows is None else rows & ~truncated
+    return kept, {"overlong/truncated_frac": truncated.astype(jnp.float32).mean()}
 
 
 def segment_ids_for(static: PPOStatic, hparams: RunHparams, exp: Experience, key):
@@ -119,7 +134,8 @@ def critic_free_advantages(static: PPOStatic, models: Models, state: PPOState, f
     kl = losses.kl_per_token(exp.old_logprobs, exp.ref_logprobs, static.kl_estimator)
     inputs = estimators.AdvantageInputs(
         scores=jnp.where(mask.sum(axis=1) > 0,
-                         score.terminal_reward(static, exp.scores, exp.ended_with_eos), 0.0),
+                         score.terminal_reward(static, exp.scores, exp.ended_with_eos,
+                                               mask.sum(axis=1)), 0.0),
         kl=jnp.where(mask != 0, kl, 0.0), kl_coef=state.kl_coef, rewards=exp.rewards,
         response_mask=mask, group_size=static.group_size)
     if not estimator.branches:
@@ -165,7 +181,8 @@ def monte_carlo_returns(static: PPOStatic, models: Models, actor_params, frozen:
     cont_scores, _ = score.sequence_score(static, models, frozen, prompt_ids, prompt_mask, cont.tokens,
                                     cont_mask, documents)
     returns = score.terminal_reward(static, cont_scores,
-                              score.ends_with_eos(cont.tokens, cont_mask, static.eos_id))
+                                    score.ends_with_eos(cont.tokens, cont_mask, static.eos_id),
+                                    cont_mask.sum(axis=1))
     sampled = cont_mask * (jnp.arange(cont_mask.shape[1])[None] >= jnp.repeat(prefix, m)[:, None])
     cont_args = (prompt_ids, prompt_mask, cont.tokens, cont_mask)
     ref = continuation_scores(role_model(static, models, "reference"),

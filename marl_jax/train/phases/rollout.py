@@ -1,11 +1,15 @@
-"""The rollout phase: `group_size` responses to each prompt, sampled by the current actor."""
+"""The rollout phase: `group_size` responses to each prompt, sampled by the current actor; with
+dynamic sampling, the groups of the scored rollout a step trains on."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from marl_jax import estimators
 from marl_jax import rollout as rollout_engine
-from marl_jax.train.ppo_types import Frozen, Models, PPOState, PPOStatic, in_row_chunks, role_params
+from marl_jax.train.phases import score
+from marl_jax.train.ppo_types import (Experience, Frozen, Models, PPOState, PPOStatic,
+                                      in_row_chunks, role_params)
 
 
 def generate_responses(static: PPOStatic, models: Models, state: PPOState, prompt_ids,
@@ -41,3 +45,42 @@ def repeat_groups(static: PPOStatic, *arrays):
     if static.group_size == 1:
         return arrays
     return tuple(None if a is None else jnp.repeat(a, static.group_size, axis=0) for a in arrays)
+
+
+def rollout_budget(static: PPOStatic, prompt_mask, response_mask):
+    """`budget/generated_tokens` (every sampled token) and `budget/prefill_tokens` of a rollout
+    of `response_mask [B, R]` from `prompt_mask [B, P]` (each prompt prefilled once for its
+    group of samples), float32 scalars."""
+    return {"budget/generated_tokens": response_mask.sum().astype(jnp.float32),
+            "budget/prefill_tokens": prompt_mask.sum().astype(jnp.float32) / static.group_size}
+
+
+def keep_informative_groups(static: PPOStatic, exp: Experience):
+    """Dynamic sampling on a scored rollout: (Experience, metrics).
+
+    With `group_size` >= 2 the metrics hold `dynamic/informative_share`, the share of the
+    rollout's groups whose terminal rewards (`score.terminal_reward`: clipped score and
+    penalties, what the group baselines see) are not all equal. With
+    `dynamic_sampling_oversample` m > 1 the rollout holds m x `groups_per_step` groups; the
+    Experience returned holds `batch_size` rows, the first `groups_per_step` informative groups
+    in order (`estimators.informative_groups`), a shortfall filled with uninformative groups
+    that `loss_rows` leaves out of the loss; `dynamic/groups_trained` says how many are
+    informative, and `sampled_budget` keeps the whole rollout's budget. Otherwise `exp` is
+    returned unchanged.
+    """
+    if static.group_size < 2:
+        return exp, {}
+    lengths = exp.response_mask.sum(axis=1)
+    rewards = jnp.where(lengths > 0, score.terminal_reward(static, exp.scores, exp.ended_with_eos,
+                                                           lengths), 0.0)
+    rows, trained, informative = estimators.informative_groups(rewards, static.group_size,
+                                                               static.groups_per_step)
+    sampled_groups = static.prompts_per_step
+    metrics = {"dynamic/informative_share": informative.astype(jnp.float32) / sampled_groups}
+    if static.dynamic_sampling_oversample == 1:
+        return exp, metrics
+    budget = rollout_budget(static, exp.prompt_mask, exp.response_mask)
+    exp = jax.tree.map(lambda x: x[rows], exp)
+    metrics["dynamic/groups_trained"] = jnp.minimum(informative, static.groups_per_step).astype(
+        jnp.float32)
+    return exp.replace(loss_rows=trained, sampled_budget=budget), metrics

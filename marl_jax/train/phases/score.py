@@ -113,13 +113,25 @@ def sequence_score(static: PPOStatic, models: Models, frozen: Frozen, prompt_ids
     return raw, raw
 
 
-def terminal_reward(static: PPOStatic, scores, ended_with_eos):
+def terminal_reward(static: PPOStatic, scores, ended_with_eos, lengths):
     """The score as the last token's reward: clipped to +-reward_clip, minus the missing-EOS
-    penalty (what `losses.assemble_rewards` adds on the last token)."""
+    penalty and the overlong penalty of responses of `lengths` tokens (what
+    `losses.assemble_rewards` adds on the last token)."""
     out = jnp.clip(scores, -static.reward_clip, static.reward_clip)
     if static.missing_eos_penalty:
         out = jnp.where(ended_with_eos, out, out - static.missing_eos_penalty)
-    return out
+    penalties = length_penalties(static, lengths)
+    return out if penalties is None else out - penalties
+
+
+def length_penalties(static: PPOStatic, lengths):
+    """DAPO's overlong penalties `[B]` of responses of `lengths` tokens
+    (`losses.overlong_penalty`), or None without overlong shaping."""
+    if not static.overlong_buffer:
+        return None
+    return losses.overlong_penalty(lengths, budget=static.response_length,
+                                   buffer=static.overlong_buffer,
+                                   penalty=static.overlong_penalty)
 
 
 def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, prompt_ids,
@@ -172,10 +184,12 @@ def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, pr
     scores, raw_scores = in_row_chunks(n, lambda *a: sequence_score(
         static, models, frozen, *a, trunk), *args, documents, host_scores)
     ended_with_eos = ends_with_eos(response_ids, response_mask, static.eos_id)
+    penalties = length_penalties(static, response_mask.sum(axis=1))
     rewards, reward_metrics = losses.assemble_rewards(
         old_logprobs, ref.logprobs, scores, response_mask, kl_coef=state.kl_coef,
         kl_estimator=static.kl_estimator, reward_clip=static.reward_clip,
-        missing_eos_penalty=static.missing_eos_penalty or None, ended_with_eos=ended_with_eos)
+        missing_eos_penalty=static.missing_eos_penalty or None, ended_with_eos=ended_with_eos,
+        length_penalties=penalties)
     exp = Experience(prompt_ids, prompt_mask, response_ids, response_mask, old_logprobs,
                      ref.logprobs, ref.base_logprobs,
                      jnp.zeros_like(old_logprobs) if values is None else values, scores, rewards,
@@ -195,6 +209,8 @@ def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, pr
         "val/num_eos_tokens": ended_with_eos.sum().astype(jnp.float32),
         "val/response_length": response_mask.sum(axis=1).mean().astype(jnp.float32),
     }
+    if penalties is not None:
+        metrics["overlong/penalty_mean"] = penalties.mean()
     if final_values is not None:
         # How far the critic is from the reward's scale where the score is read (0 at the first
         # step when the critic starts from the reward model, rescaled to normalised scores).

@@ -22,12 +22,18 @@ def update_batch(static: PPOStatic, models: Models, state: PPOState, exp: Experi
     """(the rows every minibatch draws from: a dict of `[B, ...]` arrays, the shared trunk's
     layer count or None). The frozen trunk's output is computed once for every epoch and
     minibatch of actor and critic (the score phase's, when the experience carries it)."""
+    # The forward passes read `response_mask`; the losses `loss_mask`, without the rows that
+    # leave the loss (`adv.loss_rows`).
+    loss_mask = exp.response_mask if adv.loss_rows is None else (
+        exp.response_mask * adv.loss_rows[:, None].astype(exp.response_mask.dtype))
     data = dict(prompt_ids=exp.prompt_ids, prompt_mask=exp.prompt_mask,
                 response_ids=exp.response_ids, response_mask=exp.response_mask,
-                old_logprobs=exp.old_logprobs, old_values=exp.values,
+                loss_mask=loss_mask, old_logprobs=exp.old_logprobs, old_values=exp.values,
                 advantages=adv.advantages, returns=adv.returns)
     if adv.is_weights is not None:
         data["is_weights"] = adv.is_weights
+    if static.ratio_level == "macro":
+        data["segment_ids"] = adv.segment_ids
     if static.kl_in_loss:
         data["ref_logprobs"] = exp.ref_logprobs
     if exp.trunk is not None and static.shared_trunk_layers:
@@ -47,23 +53,29 @@ def _trunk_of(batch, trunk_layers):
 
 def actor_loss(static: PPOStatic, models: Models, frozen: Frozen, kl_coef, trunk_layers,
                params, batch, rngs=None):
-    """(the policy loss of one micro-batch, metrics): the clipped surrogate of each token's
-    ratio with its macro's advantage, plus kl_coef x the k3 KL to the reference where the
-    estimator puts the KL in the loss (GRPO, Dr. GRPO). The weights are cast to the compute
-    dtype once here, not at every layer call."""
+    """(the policy loss of one micro-batch, metrics): the clipped surrogate of the ratio of each
+    token, macro or response (`static.ratio_level`) with its advantage, plus kl_coef x the k3
+    KL to the reference where the estimator puts the KL in the loss (GRPO, Dr. GRPO). The
+    weights are cast to the compute dtype once here, not at every layer call."""
     logprobs, entropy = score.token_logprobs(
         models.policy, compute_weights(role_params(static, "actor", frozen, params),
                                        models.policy.config),
         batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"],
         batch["response_mask"], static.temperature, _trunk_of(batch, trunk_layers), rngs)
     loss, m = losses.ppo_policy_loss(logprobs, batch["old_logprobs"], batch["advantages"],
-                                     batch["response_mask"], cliprange=static.cliprange,
+                                     batch["loss_mask"], cliprange=static.cliprange,
                                      aggregation=static.loss_aggregation,
-                                     is_weights=batch.get("is_weights"))
-    m = dict(m, entropy=losses.masked_mean(entropy, batch["response_mask"] != 0))
+                                     is_weights=batch.get("is_weights"),
+                                     ratio_level=static.ratio_level,
+                                     ratio_form=static.ratio_form,
+                                     segment_ids=batch.get("segment_ids"),
+                                     cliprange_low=static.cliprange_low,
+                                     cliprange_high=static.cliprange_high,
+                                     dual_clip=static.dual_clip)
+    m = dict(m, entropy=losses.masked_mean(entropy, batch["loss_mask"] != 0))
     if static.kl_in_loss:
         kl_loss = losses.kl_penalty_loss(logprobs, batch["ref_logprobs"],
-                                         batch["response_mask"], kl_coef=kl_coef,
+                                         batch["loss_mask"], kl_coef=kl_coef,
                                          aggregation=static.loss_aggregation)
         loss, m = loss + kl_loss, dict(m, kl_loss=kl_loss)
     return loss, m
@@ -79,17 +91,33 @@ def critic_loss(static: PPOStatic, models: Models, frozen: Frozen, trunk_layers,
                              batch["prompt_ids"], batch["prompt_mask"], batch["response_ids"],
                              batch["response_mask"], _trunk_of(batch, trunk_layers), rngs)
     loss, m = losses.ppo_value_loss(values, batch["old_values"], batch["returns"],
-                                    batch["response_mask"],
+                                    batch["loss_mask"],
                                     cliprange_value=static.cliprange_value)
     return static.vf_coef * loss, dict(m, value_loss=loss)
 
 
 def token_count(batch):
-    return batch["response_mask"].sum()
+    return batch["loss_mask"].sum()
 
 
 def sequence_count(batch):
-    return (batch["response_mask"].sum(axis=1) > 0).sum()
+    return (batch["loss_mask"].sum(axis=1) > 0).sum()
+
+
+def macro_count(batch):
+    """Macros with a token in the loss: a row's segment ids run from 0 to its last one."""
+    ids = jnp.where(batch["loss_mask"] != 0, batch["segment_ids"], -1)
+    return (ids.max(axis=1) + 1).sum()
+
+
+def actor_weight(static: PPOStatic):
+    """The weight of a micro-batch's policy loss in its minibatch's (`accumulate_gradients`):
+    the units the loss averages over (tokens, macros or responses), or responses for the
+    per-response aggregations."""
+    if static.loss_aggregation != "token_mean":
+        return sequence_count
+    return {"token": token_count, "macro": macro_count,
+            "sequence": sequence_count}[static.ratio_level]
 
 
 def uses_dropout(static: PPOStatic, models: Models) -> bool:
@@ -109,10 +137,9 @@ def minibatch_step(static: PPOStatic, models: Models, frozen: Frozen, kl_coef, t
         jax.random.fold_in(dropout_key, 0), jax.random.fold_in(dropout_key, 1))
     actor_params, actor_opt, critic_params, critic_opt, skipped = carry
     k = static.grad_accum_steps
-    actor_weight = token_count if static.loss_aggregation == "token_mean" else sequence_count
     (a_loss, a_m), a_grads = accumulate_gradients(
         functools.partial(actor_loss, static, models, frozen, kl_coef, trunk_layers),
-        actor_params, batch, k, actor_weight, static.num_layers_unfrozen, actor_key)
+        actor_params, batch, k, actor_weight(static), static.num_layers_unfrozen, actor_key)
     actor_params, actor_opt, a_skip = apply_if_finite(
         a_loss, a_grads, actor_params, actor_opt, models.actor_optimizer)
     metrics = {
@@ -123,6 +150,11 @@ def minibatch_step(static: PPOStatic, models: Models, frozen: Frozen, kl_coef, t
     }
     if static.kl_in_loss:
         metrics["loss/kl_avg"] = a_m["kl_loss"]
+    if static.ratio_level != "token" or static.cliprange_high != static.cliprange_low:
+        metrics["policy/clipfrac_low_avg"] = a_m["clipfrac_low"]
+        metrics["policy/clipfrac_high_avg"] = a_m["clipfrac_high"]
+    if static.dual_clip is not None:
+        metrics["policy/dual_clipfrac_avg"] = a_m["dual_clipfrac"]
     if static.uses_critic:
         (c_loss, c_m), c_grads = accumulate_gradients(
             functools.partial(critic_loss, static, models, frozen, trunk_layers),
@@ -162,6 +194,9 @@ def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience,
     metrics = jax.tree.map(jnp.mean, metrics)
     valid = exp.response_mask != 0
     metrics["objective/advantage_avg"] = losses.masked_mean(adv.advantages, valid)
+    if static.ratio_level == "macro":
+        metrics["policy/ratio_units_avg"] = (macro_count(data) / jnp.maximum(
+            sequence_count(data), 1)).astype(jnp.float32)
     if static.uses_critic:
         metrics["critic/explained_variance"] = explained_variance(exp.values, adv.returns,
                                                                   exp.response_mask)
