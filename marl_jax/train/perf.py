@@ -171,8 +171,9 @@ def ppo_step_flops(static, policy: ModelFlops, critic: ModelFlops, reward: Model
     positions and 2N per generated token (`generated_tokens`, a host number: the step's
     `budget/generated_tokens`), each attending to the prompt and the tokens before it (at the
     mean response length `response_length_mean`, default the whole budget). score: a forward
-    over the `[prompts_per_step x group_size, P + R]` rows sampled of the actor (unless the sampler's logprobs are reused), the reference,
-    the critic (with one) and the reward model (when it scores). update: `ppo_epochs` x the
+    over every sampled row `[prompts_per_step x group_size, P + R]` of the actor (unless the
+    sampler's logprobs are reused), the reference, the critic (with one) and the reward model
+    (when it scores). update: `ppo_epochs` x the
     actor's (and critic's) forward and backward over `[B, P + R]`. advantages: none counted
     (Monte Carlo branches' tokens are in `generated_tokens`; their scoring is not counted).
     """
