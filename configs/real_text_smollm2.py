@@ -132,6 +132,30 @@ def get_config():
     c.size_applied = ""
     c.sizes = ml_collections.ConfigDict(dict(
         cpu=dict(),
+        # The study on a 2-core CPU: token PPO, MA-PPO as released and its matched control
+        # (lam^(1/5) = 1 at lam = 1, and kl_coef / 5 for the mean aggregation), 4 seeds; the
+        # cpu size's data, SFT, reward model and PPO settings, every arm of a seed on the same
+        # prompts and sampling keys. Time, from the cpu size's measured rates (README, "Real
+        # text": sampling ~2 min, SFT 52 s, reward model 3 min 20 s, 512 evaluation responses
+        # ~1 min 50 s, a PPO step <= 16 s, a run's first step ~30 s longer: its compile):
+        # 7 min + 4 seeds' SFT evaluations (4 x 55 s) + 12 runs x (12 steps x 16 s + 2
+        # evaluations x 55 s + 40 s) = 7 + 3.7 + 68.4 = ~79 min alone on the machine.
+        cpu_study=dict(
+            # 4 seeds: with n = 4 a 95% bootstrap interval is ~0.85 sd of the per-seed
+            # differences wide on each side.
+            seeds=(0, 1, 2, 3),
+            # 64 prompts x 4 responses (256): half the cpu size's evaluation, which pays for
+            # the mid-training one that mean gold over training needs. Resolution: on seeds
+            # 92-94 (cpu size, 512 responses) `ma_ppo` - `ppo` final gold was +0.006, +0.001,
+            # -0.001 (sd 0.0036) against a gain over SFT of +0.031; at 256 responses that sd
+            # is at most 0.0036 x sqrt(2) = 0.005 (half-width ~0.0043), and 12 of 20 steps
+            # keep ~0.6 of the gain if it grows linearly: 0.019 / 0.0043 = ~4.4.
+            task=dict(num_eval_prompts=64),
+            # 12 steps x 8 responses, evaluated at steps 0 (the SFT policy), 6 and 12: the
+            # most steps that fit the 90 minutes with two evaluations per run.
+            ppo=dict(steps=12, eval_every=6),
+            experiment=dict(arms=("ppo", "ma_ppo", "ma_ppo_ctrl")),
+        ),
         # One GPU or a v5e-8 in about an hour: 4 arms x 5 seeds, 128-token responses, batch 64,
         # bf16.
         accelerator=dict(

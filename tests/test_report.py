@@ -274,13 +274,16 @@ def test_report_smoothing_moves_the_step_counts():
 
 def _expected_claims():
     """ma_ppo: the same final gold as ppo (E has mean 0), J lower by 0.05 x (4 - 2) KL, mean gold
-    over training higher ((1 + 5 E_i) / 30); the same against its control; the control: the
-    same as ppo on all three; ppo_lam1: four seeds far lower, four equal."""
+    over training higher ((1 + 5 E_i) / 30), KL higher by 2; the same against its control; the
+    control: the same as ppo on all four; ppo_lam1: four seeds far lower, four equal, the same
+    KL."""
     return [
         {"arm": "ma_ppo", "versus": "ppo", "metric": "J", "direction": -1},
         {"arm": "ma_ppo", "versus": "ppo", "metric": "auc_gold", "direction": 1},
+        {"arm": "ma_ppo", "versus": "ppo", "metric": "kl", "direction": 1},
         {"arm": "ma_ppo", "versus": "ma_ppo_ctrl", "metric": "J", "direction": -1},
         {"arm": "ma_ppo", "versus": "ma_ppo_ctrl", "metric": "auc_gold", "direction": 1},
+        {"arm": "ma_ppo", "versus": "ma_ppo_ctrl", "metric": "kl", "direction": 1},
         {"arm": "ppo_lam1", "versus": "ppo", "metric": "final_gold", "direction": -1},
         {"arm": "ppo_lam1", "versus": "ppo", "metric": "J", "direction": -1},
         {"arm": "ppo_lam1", "versus": "ppo", "metric": "auc_gold", "direction": -1},
@@ -301,12 +304,13 @@ def test_claims_are_exactly_the_comparisons_excluding_zero():
     def metric(arm, seed, name):
         g = [gold[arm, seed, t][0] for t in STEPS]
         return {"final_gold": g[-1], "J": g[-1] - 0.05 * gold[arm, seed, 30][1],
-                "auc_gold": sum((g[k] + g[k + 1]) / 2 * 10 for k in range(3)) / 30}[name]
+                "auc_gold": sum((g[k] + g[k + 1]) / 2 * 10 for k in range(3)) / 30,
+                "kl": gold[arm, seed, 30][1]}[name]
 
     found = []
     for arm, versus in (("ma_ppo", "ppo"), ("ma_ppo", "ma_ppo_ctrl"), ("ma_ppo_ctrl", "ppo"),
                         ("ppo_lam1", "ppo")):
-        for name in ("final_gold", "J", "auc_gold"):
+        for name in ("final_gold", "J", "auc_gold", "kl"):
             d = [metric(arm, s, name) - metric(versus, s, name) for s in range(8)]
             lo, hi = _bootstrap_by_hand(d)
             if lo > 0 or hi < 0:
