@@ -2,8 +2,12 @@
 
     python experiments/run.py --config=configs/real_text_smollm2.py --config.size=cpu \\
         --config.seeds="(0,)"                       # ppo and ma_ppo, one seed, a 2-core CPU
+    python experiments/run.py --config=configs/real_text_smollm2.py --config.size=cpu_study
+                                # ppo, ma_ppo and its matched control x 4 seeds, a 2-core CPU
+    python experiments/run.py --config=configs/real_text_smollm2.py --config.size=window
+                                # the same arms x 3 seeds at full size, 10 minutes of one H200
     python experiments/run.py --config=configs/real_text_smollm2.py --config.size=accelerator
-                                                     # the study: 4 arms x 5 seeds, one GPU / v5e-8
+                                                     # 4 arms x 5 seeds, one GPU / v5e-8
 
 The task (marl_jax/data/reviews.py): prompts such as "In two short sentences, review the
 Riverside Inn (a hotel). Mention the room and the breakfast. The last word must be "again"."
@@ -178,6 +182,46 @@ def get_config():
             # v5e chip (16 GiB), two fit (experiments/bench.py memory --topology=v5e-8).
             experiment=dict(arms=("ppo", "ma_ppo", "ma_ppo_ctrl", "ma_ppo_smdp"),
                             runs_per_program=2),
+        ),
+        # The study in one 10-minute window of one H200 (or a v5e-8): the cpu_study's arms, 3
+        # seeds, 128-token responses, batch 64, every layer trained with bfloat16 compute (float32
+        # master weights in the optimizer), the accelerator size's PPO settings (the paper's:
+        # critic from the reward model, lam 0.95, no whitening). NOT RUN YET (no accelerator
+        # was at hand). The plan, from the H200 rows of the README's device suite (bfloat16,
+        # scanned layers): a train step of the SmolLM2 shape at 8 x 1024, remat none, cuDNN,
+        # 45.9 ms (178k tokens/s); decoding 4.48 ms a step at batch 256 (2.56 at 32); the
+        # sampler's compile 6.8 s; and the review gold on the host, 3.3 ms a response (this
+        # 2-core CPU, loaded):
+        #   data: 576 prompts x 4 samples, 9 calls of 256 rows x 128 steps x 4.48 ms = 5 s,
+        #     gold 2,304 x 3.3 ms = 8 s                                               13 s
+        #   SFT 64 and reward model 96 steps, each <= one 46 ms train step            8 s
+        #   PPO: 3 programs (one arm's 3 seeds, vmapped) x 64 steps x (decode 128 x 4.48 ms
+        #     = 0.57 s; scoring 4 forwards + actor and critic updates = 20N of a train
+        #     step's 6N a token, 3 x 64 x 196 tokens x 3.3 / 178k = 0.70 s)         244 s
+        #   evaluation: 7 (step 0 once, steps 32 and 64 of 3 programs) x 1,536 responses
+        #     (decode 128 x 6 x 4.48 ms = 3.4 s, scoring 1.1 s, gold 5.1 s)          67 s
+        #   compiles: sampler 7 s measured; SFT, RM, PPO step, evaluation not measured
+        #     on an H200, allowed 20 + 20 + 60 + 20 s                               127 s
+        #   model load and checkpoints (3 x 9.7 GB of runs' states at the end)       30 s
+        #   total                                                   489 s = 8.2 min of 10
+        window=dict(
+            seeds=(0, 1, 2), checkpoint_every=64, max_to_keep=1,
+            model=dict(dtype="bfloat16", scan_layers=True),
+            mesh=dict(data=1, fsdp=-1),
+            # Half the accelerator size's data (SFT and reward-model passes kept); 4,096 RL
+            # prompts: one pass in 64 steps of 64. 128 held-out prompts x 4 responses.
+            task=dict(num_eval_prompts=128, num_rm_eval=64, num_sft=256, num_pairs=256,
+                      num_rl_prompts=4096, sample_batch_size=64),
+            sft=dict(steps=64, batch_size=16, num_layers_unfrozen=-1),
+            rm=dict(steps=96, batch_size=8, learning_rate=1e-5, num_layers_unfrozen=-1),
+            # Evaluations at 0, 32 and 64: mean gold over training from three points.
+            ppo=dict(steps=64, batch_size=64, ppo_epochs=1, num_minibatches=1,
+                     response_length=128, eval_every=32, learning_rate=3e-6,
+                     critic_learning_rate=1e-5, num_layers_unfrozen=-1,
+                     critic_init="rm", whiten_advantages=False, lam=0.95),
+            # Three runs per vmapped program (one arm's seeds): one compile for all nine runs,
+            # and it fits a v5e chip (experiments/bench.py memory --topology=v5e-8).
+            experiment=dict(arms=("ppo", "ma_ppo", "ma_ppo_ctrl"), runs_per_program=3),
         ),
     ))
     return c
