@@ -188,25 +188,29 @@ def get_config():
         # master weights in the optimizer), the accelerator size's PPO settings (the paper's:
         # critic from the reward model, lam 0.95, no whitening). NOT RUN YET (no accelerator
         # was at hand). The plan, from the H200 rows of the README's device suite (bfloat16,
-        # scanned layers): a train step of the SmolLM2 shape at 8 x 1024, remat none, cuDNN,
-        # 45.9 ms (178k tokens/s); decoding 4.48 ms a step at batch 256 (2.56 at 32); the
+        # scanned layers): a train step of the SmolLM2 shape at 8 x 1024, remat full, cuDNN,
+        # 41.5 ms (197k tokens/s); decoding 4.48 ms a step at batch 256 (2.56 at 32); the
         # sampler's compile 6.8 s; and the review gold on the host, 3.3 ms a response (this
         # 2-core CPU, loaded):
         #   data: 576 prompts x 4 samples, 9 calls of 256 rows x 128 steps x 4.48 ms = 5 s,
         #     gold 2,304 x 3.3 ms = 8 s                                               13 s
-        #   SFT 64 and reward model 96 steps, each <= one 46 ms train step            8 s
+        #   SFT 64 and reward model 96 steps, each <= one 41.5 ms train step          7 s
         #   PPO: 3 programs (one arm's 3 seeds, vmapped) x 64 steps x (decode 128 x 4.48 ms
-        #     = 0.57 s; scoring 4 forwards + actor and critic updates = 20N of a train
-        #     step's 6N a token, 3 x 64 x 196 tokens x 3.3 / 178k = 0.70 s)         244 s
+        #     = 0.57 s; scoring, 4 forwards = 8N a token, one train step's work with remat,
+        #     and the actor and critic updates, two: 3 x 64 x 196 tokens x 3 / 197k
+        #     = 0.57 s)                                                               219 s
         #   evaluation: 7 (step 0 once, steps 32 and 64 of 3 programs) x 1,536 responses
         #     (decode 128 x 6 x 4.48 ms = 3.4 s, scoring 1.1 s, gold 5.1 s)          67 s
         #   compiles: sampler 7 s measured; SFT, RM, PPO step, evaluation not measured
         #     on an H200, allowed 20 + 20 + 60 + 20 s                               127 s
         #   model load and checkpoints (3 x 9.7 GB of runs' states at the end)       30 s
-        #   total                                                   489 s = 8.2 min of 10
+        #   total                                                   463 s = 7.7 min of 10
         window=dict(
             seeds=(0, 1, 2), checkpoint_every=64, max_to_keep=1,
-            model=dict(dtype="bfloat16", scan_layers=True),
+            # Remat full: without it the PPO step of 3 vmapped runs needs 18.1 GiB of
+            # temporaries on a v5e chip (16 GiB of HBM), with it its peak is 3.8 GiB; on the
+            # H200 a train step is faster with it too (41.5 against 45.9 ms at 8 x 1024).
+            model=dict(dtype="bfloat16", scan_layers=True, remat="full"),
             mesh=dict(data=1, fsdp=-1),
             # Half the accelerator size's data (SFT and reward-model passes kept); 4,096 RL
             # prompts: one pass in 64 steps of 64. 128 held-out prompts x 4 responses.
@@ -219,8 +223,9 @@ def get_config():
                      response_length=128, eval_every=32, learning_rate=3e-6,
                      critic_learning_rate=1e-5, num_layers_unfrozen=-1,
                      critic_init="rm", whiten_advantages=False, lam=0.95),
-            # Three runs per vmapped program (one arm's seeds): one compile for all nine runs,
-            # and it fits a v5e chip (experiments/bench.py memory --topology=v5e-8).
+            # Three runs per vmapped program (one arm's seeds): one compile for all nine runs;
+            # its step peaks at 3.8 GiB a v5e chip, the evaluation at 5.9 GiB
+            # (experiments/bench.py memory --topology=v5e-8).
             experiment=dict(arms=("ppo", "ma_ppo", "ma_ppo_ctrl"), runs_per_program=3),
         ),
     ))

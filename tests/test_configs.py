@@ -101,11 +101,12 @@ def test_the_cpu_study_is_the_cpu_size_with_its_stated_changes():
 
 def test_the_window_size_is_the_full_size_in_bfloat16():
     """window: 128-token responses, batch 64, every layer of every stage trained with bfloat16
-    compute over scanned layers, the paper's critic and lam, three runs per program."""
+    compute over scanned, rematerialised layers, the paper's critic and lam, three runs per
+    program."""
     w = _real_text_size("window")
     assert w.ppo.response_length == 128 and w.ppo.batch_size >= 64
-    assert (w.model.dtype, w.model.param_dtype, w.model.scan_layers) == ("bfloat16", "float32",
-                                                                        True)
+    assert (w.model.dtype, w.model.param_dtype, w.model.scan_layers, w.model.remat) == (
+        "bfloat16", "float32", True, "full")
     assert w.sft.num_layers_unfrozen == w.rm.num_layers_unfrozen == w.ppo.num_layers_unfrozen == -1
     assert (w.ppo.critic_init, w.ppo.lam, w.ppo.whiten_advantages) == ("rm", 0.95, False)
     assert (w.ppo.steps, w.ppo.eval_every, w.task.num_eval_prompts) == (64, 32, 128)
