@@ -83,7 +83,7 @@ def get_config():
     # The reward model: 4 prompts a step with all their pairs (`rm.group_by_prompt`, each
     # response scored once: ~6 labelled pairs per prompt for 4 forward passes), 64 steps (1.6
     # passes over the 160 prompts' pairs), lr 1e-3 on its top 8 layers and fresh head; chosen
-    # with experiments/review_rm_study.py (README, "Real text").
+    # with experiments/review_rm_study.py (docs/real_text.md).
     c.rm.update(dict(steps=64, batch_size=4, group_by_prompt=True, learning_rate=1e-3,
                      schedule="cosine", warmup_ratio=0.05, weight_decay=0.0,
                      num_layers_unfrozen=8))
@@ -118,7 +118,7 @@ def get_config():
     # A fresh value head explains ~3% of the returns' variance in these 20 steps, so lam < 1
     # bootstraps from values that are noise, and with lam = 0.95 the score reaches the first of
     # ~32 tokens scaled by 0.95^32 = 0.19 (seed 91, `ppo` gold - SFT: +0.013 at lam 0.95,
-    # +0.048 at lam 1; README, "Real text").
+    # +0.048 at lam 1; docs/real_text.md).
     p.lam = 1.0
 
     c.experiment = ml_collections.ConfigDict(dict(
@@ -139,9 +139,10 @@ def get_config():
         # The study on a 2-core CPU: token PPO, MA-PPO as released and its matched control
         # (lam^(1/5) = 1 at lam = 1, and kl_coef / 5 for the mean aggregation), 4 seeds; the
         # cpu size's data, SFT, reward model and PPO settings, every arm of a seed on the same
-        # prompts and sampling keys. Time, from the cpu size's measured rates (README, "Real
-        # text": sampling ~2 min, SFT 52 s, reward model 3 min 20 s, 512 evaluation responses
-        # ~1 min 50 s, a PPO step <= 16 s, a run's first step ~30 s longer: its compile):
+        # prompts and sampling keys. Time, from the cpu size's measured rates
+        # (docs/real_text.md: sampling ~2 min, SFT 52 s, reward model 3 min 20 s, 512
+        # evaluation responses ~1 min 50 s, a PPO step <= 16 s, a run's first step ~30 s
+        # longer: its compile):
         # 7 min + 4 seeds' SFT evaluations (4 x 55 s) + 12 runs x (12 steps x 16 s + 2
         # evaluations x 55 s + 40 s) = 7 + 3.7 + 68.4 = ~79 min alone on the machine.
         cpu_study=dict(
@@ -187,7 +188,7 @@ def get_config():
         # seeds, 128-token responses, batch 64, every layer trained with bfloat16 compute (float32
         # master weights in the optimizer), the accelerator size's PPO settings (the paper's:
         # critic from the reward model, lam 0.95, no whitening). NOT RUN YET (no accelerator
-        # was at hand). The plan, from the H200 rows of the README's device suite (bfloat16,
+        # was at hand). The plan, from the device suite's H200 rows (docs/accelerators.md; bf16,
         # scanned layers): a train step of the SmolLM2 shape at 8 x 1024, remat full, cuDNN,
         # 41.5 ms (197k tokens/s); decoding 4.48 ms a step at batch 256 (2.56 at 32); the
         # sampler's compile 6.8 s; and the review gold on the host, 3.3 ms a response (this

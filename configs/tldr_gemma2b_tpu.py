@@ -25,7 +25,7 @@ DeepSpeed-Chat scripts (SFT: LR 5e-5 cosine, 10% warmup, weight decay 0.01, 1 ep
 Compute in bfloat16 with float32 master weights, rematerialised layers in one scan, parameters
 and optimizer state sharded over all chips (fsdp). Sized for a v4-16 slice (8 chips of 32 GiB):
 `python experiments/bench.py memory --config=configs/tldr_gemma2b_tpu.py` compiles every stage
-for it with the TPU compiler and reports the per-chip peak (docs/SCALING.md).
+for it with the TPU compiler and reports the per-chip peak (docs/scaling.md).
 """
 from marl_jax.config import base_config
 
@@ -40,7 +40,7 @@ def gemma_tldr_config(model_path: str, *, tpu_topology: str, kl_coef: float = 0.
     c.checkpoint_every = 50
     c.log_every = 1
     # The slice this config is sized for: `python experiments/bench.py memory --config=...`
-    # compiles every stage for it and checks the fit (docs/SCALING.md has the numbers).
+    # compiles every stage for it and checks the fit (docs/scaling.md has the numbers).
     c.tpu_topology = tpu_topology
 
     c.mesh.update(dict(data=1, fsdp=-1, tensor=1))

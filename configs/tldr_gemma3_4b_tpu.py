@@ -12,7 +12,7 @@ offline. Memory: actor and critic hold float32 weights and Adam moments (16 byte
 124 GB), the frozen reference and reward model 16 GB each: about 155 GB before activations,
 sharded over the slice (fsdp). Sized for a v4-32 slice (16 chips of 32 GiB), the PPO update in
 two micro-batches; `python experiments/bench.py memory --config=configs/tldr_gemma3_4b_tpu.py`
-checks the fit (docs/SCALING.md has the numbers).
+checks the fit (docs/scaling.md has the numbers).
 """
 from configs.tldr_gemma2b_tpu import gemma_tldr_config
 

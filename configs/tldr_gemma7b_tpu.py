@@ -9,7 +9,7 @@ Memory: each trained model (actor, critic) holds float32 weights and Adam moment
 for 8.5B parameters, and the frozen reference and reward model 34 GB each: about 270 GB before
 activations, sharded over the slice (fsdp). Sized for a v4-64 slice (32 chips of 32 GiB), the
 PPO update in micro-batches; `python experiments/bench.py memory --config=...` checks the fit
-(docs/SCALING.md has the numbers).
+(docs/scaling.md has the numbers).
 """
 from configs.tldr_gemma2b_tpu import gemma_tldr_config
 

@@ -508,7 +508,7 @@ class Suite:
 
     def mismatch_f32(self):
         from marl_jax import rollout
-        from marl_jax.train import ppo_core as core
+        from marl_jax.train import phases
 
         batch, prompt, new = (4, 16, 16) if self.small else (16, 64, 64)
         _, module, params, _ = self._policy("smollm2", dtype="float32")
@@ -519,7 +519,7 @@ class Suite:
             module, p, ids, mask, key=jax.random.key(3), max_new_tokens=new, temperature=0.8, top_k=0,
             eos_id=module.config.eos_token_id, pad_id=module.config.pad_token_id))(params)
         response_mask = out.mask.astype(jnp.int32)
-        trainer = jax.jit(lambda p: core.token_logprobs(module, p, ids, mask, out.tokens, response_mask, 0.8)[0])(
+        trainer = jax.jit(lambda p: phases.score.token_logprobs(module, p, ids, mask, out.tokens, response_mask, 0.8)[0])(
             params)
         diff = np.abs(np.asarray((trainer - out.logprobs) * response_mask))
         valid = np.asarray(response_mask).astype(bool)

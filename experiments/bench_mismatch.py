@@ -5,7 +5,7 @@
 
 For float32 and bfloat16 compute, without and with top-k: samples `response` tokens for each of
 `prompts` real prompts (`rollout.generate`, the KV-cache decode loop), scores the same tokens
-with `ppo_core.token_logprobs` (the one forward pass PPO trains through) from the same float32
+with `phases.score.token_logprobs` (the one forward pass PPO trains through) from the same float32
 params, and prints the three numbers PPO logs every step (`ppo_core.rollout_mismatch`): the mean
 and max |trainer - sampler| over response tokens, and the share of tokens whose
 exp(trainer - sampler) lies outside [0.8, 1.2]; then the largest whole-response log-ratio, and
@@ -62,7 +62,7 @@ def measure(policy, params, prompt_ids, prompt_mask, *, top_k, key, eos_id, pad_
     import jax.numpy as jnp
 
     from marl_jax import rollout
-    from marl_jax.train import ppo_core as core
+    from marl_jax.train import phases
 
     def generate(p, i, m, k):
         return rollout.generate(policy, p, i, m, key=k, max_new_tokens=FLAGS.response,
@@ -70,7 +70,7 @@ def measure(policy, params, prompt_ids, prompt_mask, *, top_k, key, eos_id, pad_
                                  eos_id=eos_id, pad_id=pad_id)
 
     def token_logprobs(p, i, m, r, rm):
-        return core.token_logprobs(policy, p, i, m, r, rm, FLAGS.temperature)[0]
+        return phases.score.token_logprobs(policy, p, i, m, r, rm, FLAGS.temperature)[0]
 
     sample, score = jax.jit(generate), jax.jit(token_logprobs)
     out = jax.block_until_ready(sample(params, prompt_ids, prompt_mask, key))  # compile
@@ -83,7 +83,7 @@ def measure(policy, params, prompt_ids, prompt_mask, *, top_k, key, eos_id, pad_
     trainer = jax.block_until_ready(score(params, prompt_ids, prompt_mask, out.tokens, mask))
     score_s = time.perf_counter() - start
     sampler = out.logprobs * mask
-    numbers = {k.split("/")[1]: float(v) for k, v in core.rollout_mismatch(
+    numbers = {k.split("/")[1]: float(v) for k, v in phases.score.rollout_mismatch(
         trainer, sampler, mask, FLAGS.cliprange).items()}
     numbers["seq_log_ratio_max"] = float(jnp.abs(((trainer - sampler) * mask).sum(axis=1)).max())
     numbers.update(sample_s=sample_s, score_s=score_s, tokens=int(mask.sum()))

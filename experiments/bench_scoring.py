@@ -8,7 +8,7 @@ was sampled from, and their gradient with respect to the policy's params, for `p
 sequences of `prompt` + `response` tokens per device (the batch split over all devices, params
 sharded fsdp over all of them, bfloat16 compute on TPUs, rematerialised scanned layers):
 
-  lean   `marl_jax.train.ppo_core.token_logprobs`: the decoder to hidden states, the LM head over
+  lean   `marl_jax.train.phases.score.token_logprobs`: the decoder to hidden states, the LM head over
          response positions only, in chunks (what every PPO stage runs);
   full   the path it replaced: logits `[B, P + R, V]` float32, scaled by the temperature, a
          log-softmax over the vocabulary, the gather, the entropy of the same array.
@@ -74,7 +74,7 @@ def compile_both(cfg, mesh, target, batch: int):
     import jax.numpy as jnp
 
     from marl_jax.train import aot, build, sharding
-    from marl_jax.train import ppo_core as core
+    from marl_jax.train import phases
     from marl_jax.train.programs import jit_program
 
     policy = build.policy_module(cfg)
@@ -86,7 +86,7 @@ def compile_both(cfg, mesh, target, batch: int):
             (ids(FLAGS.prompt), ids(FLAGS.prompt), ids(FLAGS.response), ids(FLAGS.response)))
     rows = {}
     with sharding.mesh_context(mesh, sharding.logical_rules(mesh, build.model_dims(cfg))):
-        for name, fn in (("lean", core.token_logprobs), ("full", full_logits_scores)):
+        for name, fn in (("lean", phases.score.token_logprobs), ("full", full_logits_scores)):
             program = jit_program(loss_and_grad(fn, policy, FLAGS.temperature),
                                   (params_sh, (batch_sh,) * 4),
                                   (sharding.replicated(mesh), params_sh))
@@ -104,7 +104,7 @@ def small_model_differences():
     import numpy as np
 
     from marl_jax import models
-    from marl_jax.train import ppo_core as core
+    from marl_jax.train import phases
 
     jax.config.update("jax_default_matmul_precision", "highest")
     cfg = models.ModelConfig(family="gemma", vocab_size=512, hidden_size=64, intermediate_size=128,
@@ -119,7 +119,7 @@ def small_model_differences():
              jnp.asarray(mask((4, 16), np.array([16, 16, 9, 3]))[:, ::-1]),
              jnp.asarray(rng.integers(0, 512, (4, 24)) * r_mask, jnp.int32), jnp.asarray(r_mask))
     values, grads = [], []
-    for fn in (core.token_logprobs, full_logits_scores):
+    for fn in (phases.score.token_logprobs, full_logits_scores):
         values.append(jax.jit(lambda p, b, fn=fn: fn(policy, p, *b, FLAGS.temperature))(
             params, batch))
         grads.append(jax.jit(loss_and_grad(fn, policy, FLAGS.temperature))(params, batch)[1])

@@ -30,7 +30,7 @@ def main(argv):
 
     from marl_jax.pipeline import Pipeline
     from marl_jax.train import ppo as ppo_lib
-    from marl_jax.train import ppo_core as core
+    from marl_jax.train import ppo_core as core, ppo_types
     from marl_jax import models
 
     config = load_config(args.config)
@@ -41,7 +41,7 @@ def main(argv):
         rm_params = models.init_params(pipe.reward_model, jax.random.key(1))
         ids = jnp.asarray(pipe.task.rl["ids"][:args.batch])
         mask = jnp.asarray(pipe.task.rl["mask"][:args.batch])
-        frozen = core.Frozen(policy_params, rm_params, jnp.float32(0), jnp.float32(1))
+        frozen = ppo_types.Frozen(policy_params, rm_params, jnp.float32(0), jnp.float32(1))
         arms = {"ppo": (1, ("fixed", "equal", "weighted")),
                 "ma_ppo": (config.ppo.ngram, ("fixed", "equal", "weighted"))}
         calls = {}
@@ -52,7 +52,7 @@ def main(argv):
                 config, pipe.critic, policy_params, rm_params, jax.random.key(2),
                 {"mean": 0.0, "std": 1.0})
             state = ppo_lib.initial_state(config, mods, policy_params, critic_params, seed=0)
-            hp = core.RunHparams(lam=jnp.float32(config.ppo.lam), gamma=jnp.float32(1.0),
+            hp = ppo_types.RunHparams(lam=jnp.float32(config.ppo.lam), gamma=jnp.float32(1.0),
                                  ngram=jnp.int32(n), variant=jnp.int32(0))
             rollout = jax.jit(functools.partial(core.rollout_phase, static, mods))
             update = jax.jit(functools.partial(core.update_phase, static, mods))

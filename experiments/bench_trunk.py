@@ -32,7 +32,7 @@ def main(argv):
     from marl_jax import models
     from marl_jax.pipeline import Pipeline
     from marl_jax.train import ppo as ppo_lib
-    from marl_jax.train import ppo_core as core
+    from marl_jax.train import phases, ppo_core as core, ppo_types
 
     config = load_config(args.config)
     config.ppo.batch_size = args.batch
@@ -46,7 +46,7 @@ def main(argv):
         rm_params = dict(fresh, backbone=policy_params["backbone"])
         ids = jnp.asarray(pipe.task.rl["ids"][:args.batch])
         mask = jnp.asarray(pipe.task.rl["mask"][:args.batch])
-        frozen = core.Frozen(policy_params, rm_params, jnp.float32(0), jnp.float32(1))
+        frozen = ppo_types.Frozen(policy_params, rm_params, jnp.float32(0), jnp.float32(1))
         mods = ppo_lib.make_models(config, pipe.policy, pipe.critic, pipe.reward_model)
         critic_params = ppo_lib.initial_critic_params(
             config, pipe.critic, policy_params, rm_params, jax.random.key(2),
@@ -60,7 +60,7 @@ def main(argv):
         for name, static in (("whole", whole), ("shared", shared)):
             state = ppo_lib.initial_state(config, mods, policy_params, critic_params, seed=0)
             generate = jax.jit(functools.partial(core.generate_phase, static, mods))
-            score = jax.jit(functools.partial(core.score, static, mods))
+            score = jax.jit(functools.partial(phases.score.score, static, mods))
             update = jax.jit(functools.partial(core.update_phase, static, mods))
             sample = generate(state, ids, mask)
             scored = functools.partial(score, state, frozen, ids, mask, sample.tokens,

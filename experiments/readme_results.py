@@ -1,22 +1,28 @@
-"""Writes a study's results section of a page and its JSON from the reports of experiment runs.
+"""Writes a study's results page, the README's headline and the study's JSON from its runs.
 
     python experiments/readme_results.py RUN_DIR [CONFIRM_DIR ...] [--readme README.md]
-        [--results docs/results.json] [--curves docs/synthetic_curves.png] [--command CMD]
-        [--marker results] [--paired]
+        [--page docs/synthetic_results.md] [--marker results] [--results docs/results.json]
+        [--curves docs/synthetic_curves.png] [--command CMD] [--paired]
+
+The defaults write the default experiment's (the synthetic study's); the real-text study's
+section of docs/real_text.md is `--page docs/real_text.md --marker real-text-study --readme ''
+--paired --results docs/real_text_results.json --curves docs/real_text_curves.png`.
 
 RUN_DIR and every CONFIRM_DIR hold the report.json of one run of the same experiment command
 (`--command`, as the section shows it) on different seeds. A claim is a paired difference
 between two arms whose 95% bootstrap interval over seeds excludes 0 (`marl_jax.eval.report.claims`);
 only the claims every given run makes, in the same direction, are kept. They go to the JSON
-(`--results`, with every run's key numbers), and the section of the page (`--readme`) between
-the lines `<!-- MARKER:start -->` and `<!-- MARKER:end -->` (`--marker`, default `results`: the
-synthetic study in the README; `real-text-study`: the real-text study) is replaced by: the
-command and seeds of each run, RUN_DIR's per-arm table, with `--paired` each run's table of
-paired differences (every arm against the baseline and every macro arm against its matched
-control), the resolution of each run (PPO's gain against the widest paired interval), RUN_DIR's
-curves, one sentence per kept claim, and for every macro arm against token PPO and against its
-matched control each difference that was not distinguishable or not replicated. Nothing else
-in the page changes.
+(`--results`, with every run's key numbers: per-arm means, paired differences per seed,
+resolution). The page's section between the lines `<!-- MARKER:start -->` and
+`<!-- MARKER:end -->` (`--marker`, default `results`) is replaced by: the command and seeds of
+each run, RUN_DIR's per-arm table, with `--paired` each run's table of paired differences
+(every arm against the baseline, every macro arm against its matched control), the resolution
+of each run (PPO's gain against the widest paired interval), RUN_DIR's curves, one sentence per
+kept claim, and for every macro arm against token PPO and against its matched control each
+difference that was not distinguishable or not replicated. The README's section between
+`<!-- headline:start -->` and `<!-- headline:end -->` (`--readme`; '' for none) is replaced by
+the headline: columns of the same table, the curves, the kept claims and the differences no run
+could tell apart, in words, with a link to the page. Nothing else in either file changes.
 """
 from __future__ import annotations
 
@@ -37,6 +43,12 @@ MARKER = "results"
 def markers(name: str = MARKER) -> tuple[str, str]:
     """The lines that delimit a generated section: `<!-- name:start -->`, `<!-- name:end -->`."""
     return f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+
+
+START, END = markers()
+HEADLINE_START, HEADLINE_END = "<!-- headline:start -->", "<!-- headline:end -->"
+HEADLINE_COLUMNS = ("arm", "gold", "RM score", "KL (nats)", "J = gold - beta KL",
+                    "reward hacking")
 
 
 def load_report(run_dir: str) -> dict:
@@ -98,12 +110,12 @@ def claim_sentence(runs, claim) -> str:
             f"{_versus(runs[0][1], arm, versus)}: {_across_runs(runs, arm, versus, metric)}.")
 
 
-def open_lines(runs, claims) -> list[str]:
-    """For every macro arm of the first run against the baseline and against its control, each
-    metric without a kept claim: "not distinguishable" when no run separates the two, else "no
-    difference that holds on every run"."""
+def open_comparisons(runs, claims) -> list[tuple[str, str, str, bool]]:
+    """(arm, versus, metric, separated) for every macro arm of the first run against the
+    baseline and against its control, each metric without a kept claim; separated is False
+    when no run separates the two."""
     claimed = {c[:3] for c in map(_key, claims)}
-    lines = []
+    found = []
     for arm, c in runs[0][1]["comparisons"].items():
         if not c["macro"]:
             continue
@@ -112,18 +124,83 @@ def open_lines(runs, claims) -> list[str]:
                 if versus is None or (arm, versus, metric) in claimed:
                     continue
                 made = [comparison(r, arm, versus, metric) for _, r in runs]
-                word = ("not distinguishable" if all(m and m["direction"] == 0 for m in made)
-                        else "no difference that holds on every run")
-                lines.append(f"`{arm}` vs {_versus(runs[0][1], arm, versus)}, "
-                             f"{report_lib.METRIC_WORDS[metric]}: {word}: "
-                             f"{_across_runs(runs, arm, versus, metric)}.")
-    return lines
+                separated = not all(m and m["direction"] == 0 for m in made)
+                found.append((arm, versus, metric, separated))
+    return found
 
 
-def results_section(runs, claims, *, command: str, curves_link: str,
-                    generated_by: str, paired: bool = False) -> str:
-    """The generated section (without its marker lines). runs: [(dir, report)], the first one's
-    table and curves shown; with `paired`, every run's paired-difference table too."""
+def open_lines(runs, claims) -> list[str]:
+    """Each open comparison with its numbers: "not distinguishable" when no run separates the
+    two, else "no difference that holds on every run"."""
+    return [f"`{arm}` vs {_versus(runs[0][1], arm, versus)}, "
+            f"{report_lib.METRIC_WORDS[metric]}: "
+            f"{'no difference that holds on every run' if separated else 'not distinguishable'}: "
+            f"{_across_runs(runs, arm, versus, metric)}."
+            for arm, versus, metric, separated in open_comparisons(runs, claims)]
+
+
+def _metric_list(metrics) -> str:
+    words = [report_lib.METRIC_WORDS[m] for m in metrics]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
+def _grouped(items) -> list[tuple[tuple, list[str]]]:
+    """[(key, metrics)] from (key, metric) pairs, keys in order of first appearance."""
+    groups: dict[tuple, list[str]] = {}
+    for key, metric in items:
+        groups.setdefault(key, []).append(metric)
+    return list(groups.items())
+
+
+def claim_headlines(claims, report: dict) -> list[str]:
+    """The kept claims in words, one line per arm, versus and direction: "`ma_ppo` has lower
+    final gold and J than `ppo`."."""
+    return [f"`{arm}` has {'higher' if direction > 0 else 'lower'} {_metric_list(metrics)} than "
+            f"{_versus(report, arm, versus)}."
+            for (arm, versus, direction), metrics in _grouped(
+                ((c["arm"], c["versus"], c["direction"]), c["metric"]) for c in claims)]
+
+
+def headline_table(table: list[str]) -> list[str]:
+    """The columns HEADLINE_COLUMNS of a per-arm table (`report_lib.arm_table`'s lines)."""
+    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in table]
+    keep = [rows[0].index(name) for name in HEADLINE_COLUMNS]
+    return ["| " + " | ".join(row[i] for i in keep) + " |" if n != 1
+            else "|" + "---|" * len(keep) for n, row in enumerate(rows)]
+
+
+def headline_section(runs, claims, *, page_link: str, curves_link: str,
+                     generated_by: str) -> str:
+    """The README's headline (without its marker lines): columns of the first run's table, its
+    curves, the claims of every run and the comparisons no run separates, in words."""
+    (first_dir, first), confirm = runs[0], runs[1:]
+    repeats = ("the repeats on seeds " + " and ".join(
+        report_lib.format_seeds(r["seeds"]) for _, r in confirm) + ", " if confirm else "")
+    lines = [
+        f"<!-- generated by `{generated_by}`; do not edit by hand -->", "",
+        f"Seeds {report_lib.format_seeds(first['seeds'])} (`{first_dir}`), final evaluation; "
+        f"means over seeds with 95% bootstrap intervals; SFT gold = {first['sft_gold']:.3f} "
+        f"([every column, {repeats}every paired difference]({page_link})):", "",
+    ]
+    lines += headline_table(report_lib.arm_table(first))
+    lines += ["", f"![gold, J and RM score over PPO steps]({curves_link})", ""]
+    runs_word = "every run" if confirm else "this run"
+    lines += [f"Differences whose 95% interval excludes 0 on {runs_word}:", ""]
+    lines += [f"- {line}" for line in claim_headlines(claims, first)] or ["- none."]
+    unseparated = _grouped(((arm, versus), metric) for arm, versus, metric, separated
+                           in open_comparisons(runs, claims) if not separated)
+    if unseparated:
+        lines += ["", f"Not distinguishable on {'any run' if confirm else 'this run'}:", ""]
+        lines += [f"- `{arm}` vs {_versus(first, arm, versus)}: {_metric_list(metrics)}."
+                  for (arm, versus), metrics in unseparated]
+    return "\n".join(lines)
+
+
+def results_section(runs, claims, *, command: str, curves_link: str, generated_by: str,
+                    paired: bool = False, results_name: str = "docs/results.json") -> str:
+    """The generated results page section (without its marker lines). runs: [(dir, report)], the
+    first one's table and curves shown; with `paired`, every run's paired-difference table;
+    `results_name`: the JSON file named as listing the claims."""
     (first_dir, first), confirm = runs[0], runs[1:]
     where = f"`{command}` on seeds {report_lib.format_seeds(first['seeds'])} (`{first_dir}`)"
     if confirm:
@@ -156,7 +233,7 @@ def results_section(runs, claims, *, command: str, curves_link: str,
               f"{report_lib.resolution_line(r)}" for _, r in runs]
     lines += ["", f"![gold, J and RM score over PPO steps]({curves_link})", "",
               "What it shows (only differences whose 95% interval excludes 0 on every run; "
-              "`docs/results.json` lists them):", ""]
+              f"`{results_name}` lists them):", ""]
     lines += [f"- {claim_sentence(runs, c)}" for c in claims] or [
         "- No difference between two arms has an interval excluding 0 on every run."]
     rest = open_lines(runs, claims)
@@ -167,9 +244,10 @@ def results_section(runs, claims, *, command: str, curves_link: str,
     return "\n".join(lines)
 
 
-def replace_section(text: str, section: str, path: str, marker: str = MARKER) -> str:
-    """`text` with everything between the marker lines of `marker` replaced by `section`."""
-    start, end = markers(marker)
+def replace_section(text: str, section: str, path: str, start: str = START,
+                    end: str = END) -> str:
+    """`text` with everything between the marker lines `start` and `end` replaced by
+    `section`."""
     starts, ends = text.count(start), text.count(end)
     if starts != 1 or ends != 1 or text.index(start) > text.index(end):
         raise ValueError(f"{path}: needs exactly one {start!r} and, after it, one {end!r}; "
@@ -200,21 +278,30 @@ def run_numbers(report: dict) -> dict:
                            "gain_over_max_half_width": res["gain_over_max_half_width"]}}
 
 
+def _link(target: str, document: str) -> str:
+    """`target` relative to the folder of `document`, as a markdown link writes it."""
+    link = os.path.relpath(os.path.abspath(target), os.path.dirname(os.path.abspath(document)))
+    return pathlib.PurePath(link).as_posix()
+
+
 def main(argv) -> int:
     parser = argparse.ArgumentParser(prog="readme_results.py",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("run_dir")
     parser.add_argument("confirm_dirs", nargs="*")
-    parser.add_argument("--readme", default="README.md")
-    parser.add_argument("--results", default="docs/results.json")
-    parser.add_argument("--curves", default="docs/synthetic_curves.png")
-    parser.add_argument("--command", default="python experiments/run.py",
-                        help="the experiment command the runs come from, as the README shows it")
+    parser.add_argument("--readme", default="README.md",
+                        help="the file whose headline section is replaced ('': none)")
+    parser.add_argument("--page", default="docs/synthetic_results.md",
+                        help="the file whose results section is replaced")
     parser.add_argument("--marker", default=MARKER,
-                        help="the section replaced: between <!-- MARKER:start --> and "
+                        help="the page's section replaced: between <!-- MARKER:start --> and "
                              "<!-- MARKER:end -->")
     parser.add_argument("--paired", action="store_true",
                         help="also show every run's table of paired differences")
+    parser.add_argument("--results", default="docs/results.json")
+    parser.add_argument("--curves", default="docs/synthetic_curves.png")
+    parser.add_argument("--command", default="python experiments/run.py",
+                        help="the experiment command the runs come from, as the page shows it")
     args = parser.parse_args(argv)
     try:
         dirs = [args.run_dir, *args.confirm_dirs]
@@ -222,16 +309,24 @@ def main(argv) -> int:
         curves_src = os.path.join(args.run_dir, "curves.png")
         if not os.path.exists(curves_src):
             raise FileNotFoundError(f"{curves_src} does not exist")
-        with open(args.readme) as f:
-            readme = f.read()
+        with open(args.page) as f:
+            page = f.read()
         claims = replicated_claims([r for _, r in runs])
         generated_by = " ".join(["experiments/readme_results.py", *argv])
-        link = os.path.relpath(os.path.abspath(args.curves),
-                               os.path.dirname(os.path.abspath(args.readme)))
         section = results_section(runs, claims, command=args.command,
-                                  curves_link=pathlib.PurePath(link).as_posix(),
-                                  generated_by=generated_by, paired=args.paired)
-        new_readme = replace_section(readme, section, args.readme, args.marker)
+                                  curves_link=_link(args.curves, args.page),
+                                  generated_by=generated_by, paired=args.paired,
+                                  results_name=args.results)
+        new_page = replace_section(page, section, args.page, *markers(args.marker))
+        new_readme = None
+        if args.readme:
+            with open(args.readme) as f:
+                readme = f.read()
+            headline = headline_section(runs, claims, page_link=_link(args.page, args.readme),
+                                        curves_link=_link(args.curves, args.readme),
+                                        generated_by=generated_by)
+            new_readme = replace_section(readme, headline, args.readme, HEADLINE_START,
+                                         HEADLINE_END)
     except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -244,8 +339,11 @@ def main(argv) -> int:
                    "generated_by": generated_by}, f, indent=2)
         f.write("\n")
     shutil.copyfile(curves_src, args.curves)
-    with open(args.readme, "w") as f:
-        f.write(new_readme)
+    with open(args.page, "w") as f:
+        f.write(new_page)
+    if new_readme is not None:
+        with open(args.readme, "w") as f:
+            f.write(new_readme)
     return 0
 
 

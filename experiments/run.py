@@ -7,11 +7,15 @@
 `--config.stage` in {sft, rm, ppo, all, experiment, eval}; every field of the config file can be
 overridden as `--config.<section>.<field>=<value>`. Running the same command again resumes.
 
-A configuration or input error (a bad config field, a missing data file or checkpoint) ends the
-run with one line `error: <message>` on stderr and exit status 2; `--traceback` shows its
-traceback instead. Any other error is a bug and always shows its traceback. Before anything
-else, an installed dependency outside the range setup.cfg supports is named in one line: older
-stops the run (status 2), newer continues (marl_jax/dependencies.py).
+A SIGTERM (the notice a Spot or preemptible VM gets before it goes away) stops the run at the
+next step boundary with a checkpoint there, every process at the same step, and ends it with one
+line `preempted: ...` on stderr and exit status 75 (marl_jax/train/preemption.py); the same
+command resumes there. A configuration or input error (a bad config field, a missing data file
+or checkpoint) ends the run with one line `error: <message>` on stderr and exit status 2;
+`--traceback` shows its traceback instead. Any other error is a bug and always shows its
+traceback. Before anything else, an installed dependency outside the range setup.cfg supports
+is named in one line: older stops the run (status 2), newer continues
+(marl_jax/dependencies.py).
 """
 import logging as std_logging
 import os
@@ -154,12 +158,17 @@ def main(argv):
     config = flags.FLAGS.config
     config_file = flags.FLAGS["config"].config_filename
     workdir = flags.FLAGS.workdir or os.path.join("runs", pathlib.Path(config_file).stem)
+    from marl_jax.train import preemption
+
     try:
         from marl_jax import config as config_lib, config_check, stages
 
         config_lib.resolve_size(config, overridden=config_lib.command_line_fields(sys.argv)[1])
         config_check.validate_config(config, config_file=_shown(config_file))
         stages.run(config, workdir)
+    except preemption.Preempted as stop:
+        print(stop, file=sys.stderr, flush=True)
+        return preemption.EXIT_STATUS
     except INPUT_ERRORS as error:
         if flags.FLAGS.traceback or not is_input_error(error):
             raise

@@ -31,7 +31,8 @@ from marl_jax.pipeline import Pipeline
 from marl_jax.train import loop, programs, sharding
 from marl_jax.train.metrics import status_line
 from marl_jax.train import ppo as ppo_lib
-from marl_jax.train import ppo_core as core
+from marl_jax.train import phases, ppo_core as core
+from marl_jax.train.ppo_types import Frozen, Models, PPOStatic, RunHparams, step_keys
 
 
 # Token-level PPO: every macro field reset, whatever the base config says (n = 1 with any
@@ -325,13 +326,13 @@ def group_config(config, run: Run):
 class _GroupProgram:
     """One group's vmapped training step and its device inputs: the runs' stacked states
     (leading run axis), the frozen models, the traced hyper-parameters and the prompts."""
-    static: core.PPOStatic
-    mods: core.Models
+    static: PPOStatic
+    mods: Models
     step_fn: object
     state: object
     state_sh: object
-    frozen: core.Frozen
-    hparams: core.RunHparams
+    frozen: Frozen
+    hparams: RunHparams
     variants: tuple
     step_prompts: object  # step -> the runs' prompts of that step, sharded `[runs, B/G, P]`
 
@@ -379,7 +380,7 @@ def _group_program(config, pipe, runs, sft_params, rm_params, stats) -> _GroupPr
         states.append(s.replace(kl_coef=jnp.float32(r.ppo["kl_coef"])))
     frozen_sh = programs.frozen_shardings(mods, mesh, run_sh, rm_params)
     state_sh = jax.tree.map(programs.with_run_axis, run_sh)
-    frozen = jax.device_put(core.Frozen(ref_params=sft_params, rm_params=rm_params,
+    frozen = jax.device_put(Frozen(ref_params=sft_params, rm_params=rm_params,
                                         reward_mean=jnp.float32(stats["mean"]),
                                         reward_std=jnp.float32(stats["std"])), frozen_sh)
     return _GroupProgram(
@@ -604,8 +605,8 @@ def plan_row(config, runs, num_eval_prompts: int) -> dict:
         eval_samples_per_prompt=int(config.ppo.eval_samples_per_prompt))
 
 
-def _run_hparams(runs, variants) -> core.RunHparams:
-    return _stack([core.RunHparams(
+def _run_hparams(runs, variants) -> RunHparams:
+    return _stack([RunHparams(
         lam=jnp.float32(r.ppo["lam"]), gamma=jnp.float32(r.ppo["gamma"]),
         ngram=jnp.int32(r.ppo["ngram"]), variant=jnp.int32(variants.index(r.variant)))
         for r in runs])
@@ -616,9 +617,9 @@ def _mean_macro_length_at_start(static, mods, state, frozen, hparams, prompt_ids
     """Tokens per macro of a run's first rollout (the SFT policy's, on its step-0 prompts and
     keys: exactly what the run sees at step 0), under the run's own termination."""
     exp, _ = core.rollout_phase(static, mods, state, frozen, prompt_ids, prompt_mask, documents)
-    _, k_segment, _ = core.step_keys(state)
-    segments = core.segment_ids_for(static, hparams, exp, k_segment)
-    return core.segment_stats(segments, hparams.variant, static, exp.response_mask)[
+    _, k_segment, _ = step_keys(state)
+    segments = phases.advantages.segment_ids_for(static, hparams, exp, k_segment)
+    return phases.advantages.segment_stats(segments, hparams.variant, static, exp.response_mask)[
         "macro/len_avg"]
 
 

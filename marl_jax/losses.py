@@ -57,13 +57,13 @@ def ppo_policy_loss(logprobs, old_logprobs, advantages, mask, *, cliprange=0.2,
         check_same_shape(logprobs, "logprobs", is_weights=is_weights)
         per_token = per_token * jax.lax.stop_gradient(jnp.asarray(is_weights, jnp.float32))
     loss = aggregate_tokens(per_token, valid, aggregation)
-    ratio_mean = _masked_mean(ratio, valid)
+    ratio_mean = masked_mean(ratio, valid)
     metrics = {
-        "clipfrac": _masked_mean((clipped > unclipped).astype(jnp.float32), valid),
-        "approxkl": 0.5 * _masked_mean(log_ratio * log_ratio, valid),
-        "policy_kl": _masked_mean(-log_ratio, valid),
+        "clipfrac": masked_mean((clipped > unclipped).astype(jnp.float32), valid),
+        "approxkl": 0.5 * masked_mean(log_ratio * log_ratio, valid),
+        "policy_kl": masked_mean(-log_ratio, valid),
         "ratio_mean": ratio_mean,
-        "ratio_var": _masked_mean(jnp.square(ratio - ratio_mean), valid),
+        "ratio_var": masked_mean(jnp.square(ratio - ratio_mean), valid),
     }
     return loss, metrics
 
@@ -81,10 +81,10 @@ def aggregate_tokens(per_token, mask, aggregation):
     valid = jnp.asarray(mask) != 0
     per_token = jnp.where(valid, jnp.asarray(per_token, jnp.float32), 0)
     if aggregation == "token_mean":
-        return _masked_mean(per_token, valid)
+        return masked_mean(per_token, valid)
     counts = jnp.sum(valid, axis=1)
     divisor = jnp.maximum(counts, 1) if aggregation == "sequence_mean" else per_token.shape[1]
-    return _masked_mean(jnp.sum(per_token, axis=1) / divisor, counts > 0)
+    return masked_mean(jnp.sum(per_token, axis=1) / divisor, counts > 0)
 
 
 def ppo_value_loss(values, old_values, returns, mask, *, cliprange_value=0.2):
@@ -110,14 +110,14 @@ def ppo_value_loss(values, old_values, returns, mask, *, cliprange_value=0.2):
     clipped_values = old_values + jnp.clip(values - old_values, -cliprange_value, cliprange_value)
     unclipped_error = jnp.square(values - returns)
     clipped_error = jnp.square(clipped_values - returns)
-    loss = 0.5 * _masked_mean(jnp.maximum(unclipped_error, clipped_error), valid)
-    returns_mean = _masked_mean(returns, valid)
+    loss = 0.5 * masked_mean(jnp.maximum(unclipped_error, clipped_error), valid)
+    returns_mean = masked_mean(returns, valid)
     metrics = {
-        "clipfrac": _masked_mean((clipped_error > unclipped_error).astype(jnp.float32), valid),
-        "vpred": _masked_mean(values, valid),
-        "error": _masked_mean(unclipped_error, valid),
+        "clipfrac": masked_mean((clipped_error > unclipped_error).astype(jnp.float32), valid),
+        "vpred": masked_mean(values, valid),
+        "error": masked_mean(unclipped_error, valid),
         "returns_mean": returns_mean,
-        "returns_var": _masked_mean(jnp.square(returns - returns_mean), valid),
+        "returns_var": masked_mean(jnp.square(returns - returns_mean), valid),
     }
     return loss, metrics
 
@@ -208,9 +208,9 @@ def assemble_rewards(logprobs, ref_logprobs, scores, response_mask, *, kl_coef,
     is_last = valid & ~next_valid
     rewards = non_score + jnp.where(is_last, scores[:, None], 0)
     has_response = jnp.any(valid, axis=1)
-    kl_sum = _masked_mean(jnp.sum(kl, axis=1), has_response)
-    non_score_sum = _masked_mean(jnp.sum(non_score, axis=1), has_response)
-    score_mean = _masked_mean(scores, has_response)
+    kl_sum = masked_mean(jnp.sum(kl, axis=1), has_response)
+    non_score_sum = masked_mean(jnp.sum(non_score, axis=1), has_response)
+    score_mean = masked_mean(scores, has_response)
     metrics = {
         "kl": kl_sum,
         "non_score_reward": non_score_sum,
@@ -294,8 +294,8 @@ def token_cross_entropy(target_logprobs, correct, mask):
     check_rank(target_logprobs, 2, "target_logprobs")
     check_same_shape(target_logprobs, "target_logprobs", correct=correct, mask=mask)
     valid = jnp.asarray(mask) != 0
-    loss = _masked_mean(-jnp.asarray(target_logprobs, jnp.float32), valid)
-    metrics = {"accuracy": _masked_mean(correct, valid), "perplexity": jnp.exp(loss)}
+    loss = masked_mean(-jnp.asarray(target_logprobs, jnp.float32), valid)
+    metrics = {"accuracy": masked_mean(correct, valid), "perplexity": jnp.exp(loss)}
     return loss, metrics
 
 
@@ -353,7 +353,7 @@ def rollout_correction_weights(trainer_logprobs, sampler_logprobs, response_mask
     return jnp.where(valid, weights, 0.0).astype(jnp.float32)
 
 
-def _masked_mean(x, valid):
+def masked_mean(x, valid):
     """Mean of x over valid entries; 0 when there are none."""
     count = jnp.sum(valid)
     return (jnp.sum(jnp.where(valid, x, 0)) / jnp.maximum(count, 1)).astype(jnp.float32)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import jax
 
-from marl_jax import experiment
+from marl_jax import distributed, experiment
 from marl_jax import pipeline as pipeline_lib
 from marl_jax.config import resolve_size
 from marl_jax.eval import run_eval
-from marl_jax.train import compile_cache
+from marl_jax.train import compile_cache, preemption
 from marl_jax.train import metrics as metrics_lib
 
 SUMMARY_COLUMNS = {
@@ -21,9 +21,20 @@ SUMMARY_COLUMNS = {
 
 
 def run(config, workdir: str) -> None:
-    """Runs `config.stage` in `workdir` and prints a closing summary table."""
+    """Runs `config.stage` in `workdir` and prints a closing summary table.
+
+    Raises:
+      preemption.Preempted: a preemption notice (SIGTERM) stopped the run at a step boundary,
+        every step until there checkpointed; running the same command again resumes there.
+    """
     resolve_size(config)
     compile_cache.use_run_cache()
+    distributed.initialize(config.distributed)
+    with preemption.watching():
+        _run_stage(config, workdir)
+
+
+def _run_stage(config, workdir: str) -> None:
     stage = config.stage
     if stage == "experiment":
         experiment.run_experiment(config, workdir)

@@ -14,7 +14,7 @@ from marl_jax import config_check
 from marl_jax import models, rollout
 from marl_jax.models import attention, splash
 from marl_jax.models.config import ModelConfig
-from marl_jax.train import ppo_core as core
+from marl_jax.train import phases, ppo_types
 
 from train_util import tiny_config
 
@@ -200,7 +200,7 @@ def _programs(model, params):
     yield "forward_logits", jax.jit(functools.partial(models.forward_logits, model)).lower(params, ids, mask)
     sample = functools.partial(rollout.generate, model, max_new_tokens=4, temperature=0.8, eos_id=1, pad_id=0)
     yield "sampler", jax.jit(lambda p, i, m: sample(p, i, m, key=jax.random.key(0))).lower(params, ids, mask)
-    score = lambda p: core.token_logprobs(model, p, ids, mask, ids, mask, 0.8)[0]
+    score = lambda p: phases.score.token_logprobs(model, p, ids, mask, ids, mask, 0.8)[0]
     yield "token_logprobs", jax.jit(score).lower(params)
     assert cfg.precision in ("highest", "default")
 
@@ -254,7 +254,7 @@ def test_the_tpu_compiler_compiles_the_highest_precision_forward():
 
 def test_old_logprobs_auto_reuses_the_sampler_only_at_highest_float32():
     base = dict(batch_size=8, response_length=4, eos_id=0, pad_id=0, top_k=0)
-    assert core.PPOStatic(**base).reuses_sampler_logprobs
+    assert ppo_types.PPOStatic(**base).reuses_sampler_logprobs
     for precision in ("default", "high"):
-        assert not core.PPOStatic(**base, matmul_precision=precision).reuses_sampler_logprobs
-    assert core.PPOStatic(**base, matmul_precision="default", old_logprobs="sampler").reuses_sampler_logprobs
+        assert not ppo_types.PPOStatic(**base, matmul_precision=precision).reuses_sampler_logprobs
+    assert ppo_types.PPOStatic(**base, matmul_precision="default", old_logprobs="sampler").reuses_sampler_logprobs

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from marl_jax import experiment
-from marl_jax.train import ppo as ppo_lib, ppo_core as core
+from marl_jax.train import ppo as ppo_lib, phases, ppo_core as core, ppo_types
 from marl_jax.train.metrics import read_metrics
 
 from train_util import tiny_config, trained_tiny_pipeline
@@ -31,7 +31,7 @@ def _setup(tiny_pipe, **overrides):
     mods = ppo_lib.make_models(cfg, pipe.policy, pipe.critic, pipe.reward_model, pipe.task.gold_fn)
     critic = ppo_lib.initial_critic_params(cfg, pipe.critic, sft, rm, jax.random.key(0), stats)
     state = ppo_lib.initial_state(cfg, mods, sft, critic, seed=0)
-    frozen = core.Frozen(sft, rm, jnp.float32(stats["mean"]), jnp.float32(stats["std"]))
+    frozen = ppo_types.Frozen(sft, rm, jnp.float32(stats["mean"]), jnp.float32(stats["std"]))
     return cfg, static, mods, state, frozen
 
 
@@ -55,7 +55,7 @@ def test_group_estimators_train_without_a_critic(tiny_pipe):
     assert np.abs(cfg.ppo.kl_coef * kl).max() > 1e-2
     for method in ("grpo", "rloo", "dr_grpo"):
         rewards = ret - cfg.ppo.kl_coef * kl if method == "rloo" else ret
-        adv, _, extra = core.critic_free_advantages(
+        adv, _, extra = phases.advantages.critic_free_advantages(
             dataclasses.replace(static, estimator=method), mods, state, frozen,
             ppo_lib.hparams_from_config(cfg.ppo), exp, {}, jax.random.key(1))
         assert extra == {}
@@ -134,21 +134,21 @@ def test_monte_carlo_values_are_unbiased_kl_regularised_values(tmp_path):
     def gold(documents, ids, mask):
         return (jnp.asarray(weights, jnp.float32)[ids] * mask).sum(axis=1)
 
-    static = core.PPOStatic(batch_size=1, response_length=3, eos_id=eos, pad_id=0,
+    static = ppo_types.PPOStatic(batch_size=1, response_length=3, eos_id=eos, pad_id=0,
                             temperature=temperature, top_k=0, reward_source="gold",
                             estimator="macro_mc", mc_rollouts=4000, reward_clip=10.0)
-    mods = core.Models(policy=policy, critic=None, reward=None, actor_optimizer=None,
+    mods = ppo_types.Models(policy=policy, critic=None, reward=None, actor_optimizer=None,
                        critic_optimizer=None, gold_fn=gold)
-    frozen = core.Frozen(ref_params, None, jnp.float32(0.0), jnp.float32(1.0))
+    frozen = ppo_types.Frozen(ref_params, None, jnp.float32(0.0), jnp.float32(1.0))
     prompt = np.array([1, 2, 3], np.int32)
     response = np.array([[2, 1, 3]], np.int32)
     z = jnp.zeros((1, 3))
-    exp = core.Experience(jnp.asarray(prompt[None]), jnp.ones((1, 3), jnp.int32),
+    exp = ppo_types.Experience(jnp.asarray(prompt[None]), jnp.ones((1, 3), jnp.int32),
                           jnp.asarray(response), jnp.ones((1, 3), jnp.int32), z, z, z, z,
                           jnp.zeros(1), z, jnp.zeros(1, bool))
     starts = jnp.array([[0, 1, 2]], jnp.int32)
     valid = jnp.ones((1, 3), bool)
-    returns, budget = jax.jit(functools.partial(core.monte_carlo_returns, static, mods))(
+    returns, budget = jax.jit(functools.partial(phases.advantages.monte_carlo_returns, static, mods))(
         params, frozen, exp, starts, valid, jax.random.key(5), jnp.float32(beta))
     returns = np.asarray(returns)[0]  # [3 points, 4000 rollouts]
 

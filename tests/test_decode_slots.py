@@ -17,7 +17,7 @@ from marl_jax.rollout.draws import categorical_rows
 from marl_jax.config_check import validate_config
 from marl_jax.rollout import continue_responses, generate
 from marl_jax.train import ppo as ppo_lib
-from marl_jax.train import ppo_core as core
+from marl_jax.train import ppo_core as core, ppo_types
 from marl_jax.train import sharding
 import test_sampling
 from models_util import padded_batch, random_hf_model, write_checkpoint
@@ -152,7 +152,7 @@ def test_a_ppo_step_over_decode_slots_equals_the_static_step():
     _, config, mods, static, sft, rm, critic_params = test_shared_trunk._setup(num_layers_unfrozen=-1)
     # Ids the random policy emits often, so that responses end at different steps.
     static = dataclasses.replace(static, batch_size=8, group_size=2, response_length=10, eos_id=(1, 5, 9, 17))
-    frozen = core.Frozen(sft, rm, jnp.float32(0.1), jnp.float32(2.0))
+    frozen = ppo_types.Frozen(sft, rm, jnp.float32(0.1), jnp.float32(2.0))
     hp = ppo_lib.hparams_from_config(config.ppo)
     prompts = jnp.asarray(np.random.default_rng(1).integers(2, 32, (4, 5)), jnp.int32)
     prompt_mask = jnp.asarray(np.array([[0, 0, 1, 1, 1], [0, 1, 1, 1, 1], [1] * 5, [0, 0, 0, 1, 1]]), jnp.int32)

@@ -72,7 +72,7 @@ def test_run_goes_on_past_a_newer_tqdm(tmp_path):
         "error: config.ppo.ngram=0: must be an integer >= 1"]
 
 
-# What CI's smoke run holds at both ends of the ranges (README, Installing beside your own stack).
+# What CI's smoke run holds at both ends of the ranges (docs/installing.md).
 SMOKE_SET = {
     # the sampler: its distribution under temperature / top-k / top-p, its row-wise draws
     "tests/test_sampling.py::test_first_token_distribution",

@@ -11,7 +11,7 @@ import pytest
 
 from marl_jax import experiment, losses
 from marl_jax.train import ppo as ppo_lib
-from marl_jax.train import ppo_core as core
+from marl_jax.train import phases, ppo_types
 
 from train_util import tiny_config
 
@@ -24,7 +24,7 @@ def _group_experience(scores, kl_per_row, length=3):
     old = ref + jnp.asarray(kl_per_row)[:, None] / length
     rewards, _ = losses.assemble_rewards(old, ref, jnp.asarray(scores), mask, kl_coef=0.05)
     z = jnp.zeros((batch, length))
-    return core.Experience(jnp.zeros((batch, 2), jnp.int32), jnp.ones((batch, 2), jnp.int32),
+    return ppo_types.Experience(jnp.zeros((batch, 2), jnp.int32), jnp.ones((batch, 2), jnp.int32),
                            jnp.ones((batch, length), jnp.int32), mask, old, ref, ref, z,
                            jnp.asarray(scores, jnp.float32), rewards, jnp.ones(batch, bool))
 
@@ -37,12 +37,12 @@ def test_equal_scores_with_unequal_kl(method):
     before the leave-one-out baseline: [+0.0067, -0.0200, -0.0067, +0.0200] (rewards
     [0.66, 0.64, 0.65, 0.67], each minus the mean of the other three)."""
     exp = _group_experience([0.7] * 4, [0.8, 1.2, 1.0, 0.6])
-    static = core.PPOStatic(batch_size=4, response_length=3, eos_id=1, pad_id=0,
+    static = ppo_types.PPOStatic(batch_size=4, response_length=3, eos_id=1, pad_id=0,
                             estimator=method, group_size=4)
-    hp = core.RunHparams(lam=jnp.float32(1.0), gamma=jnp.float32(1.0), ngram=jnp.int32(1),
+    hp = ppo_types.RunHparams(lam=jnp.float32(1.0), gamma=jnp.float32(1.0), ngram=jnp.int32(1),
                          variant=jnp.int32(0))
     state = types.SimpleNamespace(kl_coef=jnp.float32(0.05))
-    adv, _, _ = core.critic_free_advantages(static, None, state, None, hp, exp, {}, None)
+    adv, _, _ = phases.advantages.critic_free_advantages(static, None, state, None, hp, exp, {}, None)
     want = [0.02 / 3, -0.02, -0.02 / 3, 0.02] if method == "rloo" else [0.0] * 4
     np.testing.assert_allclose(np.asarray(adv), np.asarray(want)[:, None] * np.ones((1, 3)),
                                atol=1e-6)
@@ -51,7 +51,7 @@ def test_equal_scores_with_unequal_kl(method):
     assert static.kl_in_loss == (method != "rloo")
     # Unequal scores move them the same way for every method.
     exp = _group_experience([0.0, 1.0, 0.0, 1.0], [0.8, 1.2, 1.0, 0.6])
-    adv, _, _ = core.critic_free_advantages(static, None, state, None, hp, exp, {}, None)
+    adv, _, _ = phases.advantages.critic_free_advantages(static, None, state, None, hp, exp, {}, None)
     assert np.all(np.asarray(adv)[[1, 3]] > 0) and np.all(np.asarray(adv)[[0, 2]] < 0)
 
 

@@ -8,7 +8,7 @@ import pytest
 from marl_jax import losses
 from marl_jax import models as M
 from marl_jax.models.heads import continuation_scores, token_scores
-from marl_jax.train import ppo_core as core
+from marl_jax.train import phases
 from marl_jax.train.sft import sft_loss
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -82,7 +82,7 @@ def test_token_logprobs_contract_values_and_gradient(case):
     w_lp = jnp.asarray(rng.normal(size=batch[2].shape), jnp.float32)
     w_ent = jnp.asarray(rng.normal(size=batch[2].shape), jnp.float32)
 
-    logprobs, entropy = core.token_logprobs(model, params, *batch, 0.8)
+    logprobs, entropy = phases.score.token_logprobs(model, params, *batch, 0.8)
     want_lp, want_ent, _, _ = _reference(model, params, *batch, 0.8)
     np.testing.assert_allclose(logprobs, want_lp, atol=1e-5)
     np.testing.assert_allclose(entropy, want_ent, atol=1e-5)
@@ -90,7 +90,7 @@ def test_token_logprobs_contract_values_and_gradient(case):
     assert np.all(np.asarray(entropy)[np.asarray(batch[3]) == 0] == 0)
 
     def lean(p):
-        lp, ent = core.token_logprobs(model, p, *batch, 0.8)
+        lp, ent = phases.score.token_logprobs(model, p, *batch, 0.8)
         return jnp.sum(w_lp * lp + w_ent * ent)
 
     def full(p):

@@ -392,7 +392,7 @@ def test_lora_ppo_step_on_eight_devices_with_the_base_sharded_fsdp(monkeypatch):
     critic's training forwards get a dropout rng and the scoring passes none."""
     from marl_jax.models.heads import continuation_scores
     from marl_jax.train import aot, ppo, sharding
-    from marl_jax.train import ppo_core as core
+    from marl_jax.train import phases, ppo_types
 
     config = importlib.import_module("configs.synthetic").get_config()
     config.stage = "ppo"
@@ -415,8 +415,10 @@ def test_lora_ppo_step_on_eight_devices_with_the_base_sharded_fsdp(monkeypatch):
             return fn(*args, **kwargs)
         return wrapped
 
-    monkeypatch.setattr(core, "token_logprobs", recording("policy", core.token_logprobs, 8))
-    monkeypatch.setattr(core, "critic_outputs", recording("critic", core.critic_outputs, 7))
+    monkeypatch.setattr(phases.score, "token_logprobs",
+                        recording("policy", phases.score.token_logprobs, 8))
+    monkeypatch.setattr(phases.score, "critic_outputs",
+                        recording("critic", phases.score.critic_outputs, 7))
     with sharding.mesh_context(mesh, sharding.logical_rules(mesh, build.model_dims(cfg))):
         programs = aot.ppo_programs(config, tokens, policy, critic, reward_model, mesh)
     step, (state_abs, frozen_abs, _, prompt_abs, _, docs_abs) = programs["ppo_step"]
@@ -433,7 +435,7 @@ def test_lora_ppo_step_on_eight_devices_with_the_base_sharded_fsdp(monkeypatch):
                            step.in_shardings[0])
     assert jax.tree.map(lambda x: (x.shape, x.dtype), state) == jax.tree.map(
         lambda x: (x.shape, x.dtype), state_abs)
-    frozen = jax.device_put(core.Frozen(ref_params=base, rm_params=rm_params,
+    frozen = jax.device_put(ppo_types.Frozen(ref_params=base, rm_params=rm_params,
                                         reward_mean=jnp.float32(0), reward_std=jnp.float32(1)),
                             step.in_shardings[1])
     rng = np.random.default_rng(0)
@@ -464,7 +466,7 @@ def test_chunked_scoring_equals_the_whole_batch():
     """`rollout_chunks` only changes memory: scoring the rows in 2 interleaved chunks gives the
     whole batch's experience (logprobs, values, scores, rewards)."""
     from marl_jax.train import ppo
-    from marl_jax.train import ppo_core as core
+    from marl_jax.train import phases, ppo_types
 
     config = importlib.import_module("configs.synthetic").get_config()
     config.ppo.update(dict(batch_size=4, response_length=6))
@@ -475,7 +477,7 @@ def test_chunked_scoring_equals_the_whole_batch():
     mods = ppo.make_models(config, policy, critic, reward_model, None)
     actor = M.init_params(policy, jax.random.key(0))
     state = ppo.initial_state(config, mods, actor, M.init_params(critic, jax.random.key(1)), 0)
-    frozen = core.Frozen(ref_params=jax.tree.map(lambda x: x * 1.05, actor),
+    frozen = ppo_types.Frozen(ref_params=jax.tree.map(lambda x: x * 1.05, actor),
                          rm_params=M.init_params(reward_model, jax.random.key(2)),
                          reward_mean=jnp.float32(0.1), reward_std=jnp.float32(2.0))
     prompt_ids, prompt_mask = padded_batch([5, 3, 4, 5], 5, seed=8, vocab=39)
@@ -487,7 +489,7 @@ def test_chunked_scoring_equals_the_whole_batch():
     for chunks in (1, 2):
         config.ppo.rollout_chunks = chunks
         static = ppo.static_from_config(config, tokens)
-        out[chunks], _ = jax.jit(lambda *a: core.score(static, mods, state, frozen, *a))(
+        out[chunks], _ = jax.jit(lambda *a: phases.score.score(static, mods, state, frozen, *a))(
             prompt_ids, prompt_mask, response_ids, response_mask)
     for name in ("old_logprobs", "ref_logprobs", "values", "scores", "rewards"):
         np.testing.assert_allclose(np.asarray(getattr(out[2], name)),

@@ -18,7 +18,6 @@ import subprocess
 import sys
 
 import jax
-import ml_collections
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
@@ -30,33 +29,13 @@ from marl_jax.train import build, sharding
 from marl_jax.train.metrics import read_metrics
 
 import process_util
-from train_util import ROOT, tiny_config
+from train_util import ROOT, tiny_config, tiny_flags
 
 RUN_PY = str(ROOT / "experiments" / "run.py")
 FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 TWO_PROCESS_TIMEOUT_S = 240
 SINGLE_PROCESS_TIMEOUT_S = 150
 RTOL = 2e-3
-
-
-def _flat(config, prefix=""):
-    out = {}
-    for key, value in config.items():
-        if isinstance(value, ml_collections.ConfigDict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def tiny_flags(**overrides):
-    """`--config.x=v` flags turning configs/synthetic.py into `tiny_config(**overrides)`."""
-    from configs import synthetic
-
-    base, tiny = _flat(synthetic.get_config()), _flat(tiny_config(**overrides))
-    flags = [f"--config.{key}={value}" for key, value in sorted(tiny.items())
-             if base.get(key) != value and not isinstance(value, tuple)]
-    return [f"--config={ROOT / 'configs' / 'synthetic.py'}"] + flags
 
 
 def _env(devices, **extra):

@@ -15,7 +15,7 @@ import pytest
 from marl_jax import pipeline as pipeline_lib
 from marl_jax import stages
 from marl_jax.macro import termination
-from marl_jax.train import exports, ppo as ppo_lib, ppo_core as core
+from marl_jax.train import exports, ppo as ppo_lib, phases, ppo_core as core, ppo_types
 from marl_jax.train.metrics import read_metrics
 
 from train_util import tiny_config, trained_tiny_pipeline
@@ -94,7 +94,7 @@ def test_gradient_accumulation_gives_the_same_ppo_update(tiny_pipe, aggregation)
         mods = ppo_lib.make_models(cfg, pipe.policy, pipe.critic, pipe.reward_model)
         critic = ppo_lib.initial_critic_params(cfg, pipe.critic, sft, rm, jax.random.key(0), stats)
         state = ppo_lib.initial_state(cfg, mods, sft, critic, seed=0)
-        frozen = core.Frozen(sft, rm, jnp.float32(stats["mean"]), jnp.float32(stats["std"]))
+        frozen = ppo_types.Frozen(sft, rm, jnp.float32(stats["mean"]), jnp.float32(stats["std"]))
         hp = ppo_lib.hparams_from_config(cfg.ppo)
         step = jax.jit(functools.partial(core.ppo_step, static, mods))
         results.append(step(state, frozen, hp, pipe.task.rl["ids"][:8], pipe.task.rl["mask"][:8]))
@@ -136,14 +136,14 @@ def test_whitened_advantages_leave_the_returns_unwhitened(tiny_pipe):
     mods = ppo_lib.make_models(cfg, pipe.policy, pipe.critic, pipe.reward_model)
     critic = ppo_lib.initial_critic_params(cfg, pipe.critic, sft, rm, jax.random.key(0), stats)
     state = ppo_lib.initial_state(cfg, mods, sft, critic, seed=0)
-    frozen = core.Frozen(sft, rm, jnp.float32(stats["mean"]), jnp.float32(stats["std"]))
+    frozen = ppo_types.Frozen(sft, rm, jnp.float32(stats["mean"]), jnp.float32(stats["std"]))
     exp, _ = jax.jit(functools.partial(core.rollout, static, mods))(
         state, frozen, pipe.task.rl["ids"][:8], pipe.task.rl["mask"][:8], jax.random.key(1))
     hp = ppo_lib.hparams_from_config(cfg.ppo)
     segments = {"fixed": termination.fixed_ngram(exp.response_mask, 1)}
-    plain_adv, plain_ret = core.advantages_and_returns(
+    plain_adv, plain_ret = phases.advantages.advantages_and_returns(
         dataclasses.replace(static, whiten_advantages=False), hp, exp, segments)
-    adv, ret = core.advantages_and_returns(
+    adv, ret = phases.advantages.advantages_and_returns(
         dataclasses.replace(static, whiten_advantages=True), hp, exp, segments)
     mask = np.asarray(exp.response_mask) != 0
     plain = np.asarray(plain_adv, np.float64)[mask]

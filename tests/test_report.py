@@ -1,7 +1,7 @@
 """The study report: intervals over seeds, paired differences, mean gold over training, steps to
 50% / 90% of PPO's gain, reward-hacking flags and claims, checked against numbers worked out by
-hand or by independent loops; the report recomputed from metrics.jsonl alone; and the README
-results section written from several runs."""
+hand or by independent loops; the report recomputed from metrics.jsonl alone; and the results
+page and the README's headline written from several runs."""
 import importlib.util
 import json
 import math
@@ -431,7 +431,7 @@ def test_format_seeds():
     assert report_lib.format_seeds([907, 911, 919]) == "907, 911, 919"
 
 
-# ---- the README section --------------------------------------------------------------------------
+# ---- the results page and the README's headline ----------------------------------------------
 def _readme_results():
     spec = importlib.util.spec_from_file_location(
         "readme_results", ROOT / "experiments" / "readme_results.py")
@@ -440,18 +440,26 @@ def _readme_results():
     return module
 
 
-README = """# Title
+PAGE = """# Results of the default experiment
 
 Intro text.
-
-## Results of the default experiment
 
 <!-- results:start -->
 old table and old claims
 <!-- results:end -->
 
-## Running other things
 Tail text.
+"""
+
+README = """# Title
+
+## The default experiment
+
+<!-- headline:start -->
+old headline
+<!-- headline:end -->
+
+## Where to go next
 """
 
 
@@ -464,10 +472,13 @@ def test_readme_results_keeps_only_claims_of_every_run(tmp_path):
     report_lib.write_report(str(run))
     report_lib.write_report(str(confirm))
     readme, results = tmp_path / "README.md", tmp_path / "docs" / "results.json"
-    curves = tmp_path / "docs" / "curves.png"
+    page, curves = tmp_path / "docs" / "results.md", tmp_path / "docs" / "curves.png"
     readme.write_text(README)
-    argv = [str(run), str(confirm), "--readme", str(readme), "--results", str(results),
-            "--curves", str(curves), "--command", "python experiments/run.py --config.x=1"]
+    page.parent.mkdir()
+    page.write_text(PAGE)
+    argv = [str(run), str(confirm), "--readme", str(readme), "--page", str(page), "--results",
+            str(results), "--curves", str(curves), "--command",
+            "python experiments/run.py --config.x=1"]
     assert rr.main(argv) == 0
 
     kept = [c for c in _expected_claims() if c["metric"] != "auc_gold" or c["arm"] != "ma_ppo"]
@@ -478,15 +489,15 @@ def test_readme_results_keeps_only_claims_of_every_run(tmp_path):
     assert data["generated_by"] == "experiments/readme_results.py " + " ".join(argv)
     assert curves.read_bytes() == (run / "curves.png").read_bytes()
 
-    text = readme.read_text()
+    text = page.read_text()
     head, rest = text.split("<!-- results:start -->\n")
     section, tail = rest.split("\n<!-- results:end -->")
-    assert head == README.split("<!-- results:start -->")[0]
-    assert tail == README.split("<!-- results:end -->")[1]
+    assert head == PAGE.split("<!-- results:start -->")[0]
+    assert tail == PAGE.split("<!-- results:end -->")[1]
     assert "old table" not in text
     assert "`python experiments/run.py --config.x=1` on seeds 0-7" in section
     assert "repeated on seeds 100-107" in section
-    assert "![gold, J and RM score over PPO steps](docs/curves.png)" in section
+    assert "![gold, J and RM score over PPO steps](curves.png)" in section
     assert "| `ppo_lam1` |" in section and "hacks RM in 4/8 seeds" in section
     assert "Resolution, seeds 0-7:" in section and "Resolution, seeds 100-107:" in section
     reports = [json.loads((d / "report.json").read_text()) for d in (run, confirm)]
@@ -506,20 +517,49 @@ def test_readme_results_keeps_only_claims_of_every_run(tmp_path):
             "distinguishable: ") in section
     assert "`ma_ppo` has higher mean gold over training" not in section
 
+    # The README's headline: the page's numbers, column by column, and its claims in words.
+    text = readme.read_text()
+    head, rest = text.split("<!-- headline:start -->\n")
+    headline, tail = rest.split("\n<!-- headline:end -->")
+    assert head == README.split("<!-- headline:start -->")[0]
+    assert tail == README.split("<!-- headline:end -->")[1]
+    table = [line.split(" | ") for line in section.splitlines() if line.startswith("| `")]
+    shown = [line.split(" | ") for line in headline.splitlines() if line.startswith("| `")]
+    # arm, gold, RM score, KL, J, reward hacking of the page's arm, gold, RM score, KL, J, mean
+    # gold over training, steps to 50%, steps to 90%, reward hacking.
+    assert shown == [row[:5] + row[8:] for row in table]
+    assert "| arm | gold | RM score | KL (nats) | J = gold - beta KL | reward hacking |" in headline
+    assert "the repeats on seeds 100-107, every paired difference](docs/results.md)" in headline
+    assert "![gold, J and RM score over PPO steps](docs/curves.png)" in headline
+    stated = [line for line in headline.splitlines() if " than `" in line]
+    assert len(stated) == len({(c["arm"], c["versus"], c["direction"]) for c in kept})
+    assert stated[0].startswith("- `ma_ppo` has lower ") and "J" in stated[0]
+    assert "- `ma_ppo` vs `ppo`: final gold" in headline
+    assert "- `ma_ppo` vs `ma_ppo_ctrl` (its matched control): final gold" in headline
+    assert "mean gold over training" not in headline.split("- `ma_ppo` vs `ppo`:")[1].split("\n")[0]
+
 
 def test_readme_results_needs_the_markers(tmp_path, capsys):
     rr = _readme_results()
     run = tmp_path / "run"
     _write_metrics(run, _study_rows())
     report_lib.write_report(str(run))
-    readme = tmp_path / "README.md"
-    readme.write_text("# Title\n\n<!-- results:start -->\nno end marker\n")
-    argv = [str(run), "--readme", str(readme), "--results", str(tmp_path / "results.json"),
-            "--curves", str(tmp_path / "curves.png")]
+    readme, page = tmp_path / "README.md", tmp_path / "results.md"
+    readme.write_text(README)
+    page.write_text("# Title\n\n<!-- results:start -->\nno end marker\n")
+    argv = [str(run), "--readme", str(readme), "--page", str(page), "--results",
+            str(tmp_path / "results.json"), "--curves", str(tmp_path / "curves.png")]
     assert rr.main(argv) == 2
     assert "<!-- results:end -->" in capsys.readouterr().err
-    assert readme.read_text() == "# Title\n\n<!-- results:start -->\nno end marker\n"
+    assert page.read_text() == "# Title\n\n<!-- results:start -->\nno end marker\n"
+    assert readme.read_text() == README
     assert not (tmp_path / "results.json").exists()
+    # A README without the headline's markers writes nothing either.
+    page.write_text(PAGE)
+    readme.write_text("# Title\n")
+    assert rr.main(argv) == 2
+    assert "<!-- headline:start -->" in capsys.readouterr().err
+    assert page.read_text() == PAGE and not (tmp_path / "results.json").exists()
     assert rr.main([str(tmp_path / "nowhere"), "--readme", str(readme)]) == 2
     assert "report.json does not exist" in capsys.readouterr().err
 
@@ -706,9 +746,10 @@ def test_real_text_study_paired_differences_and_resolution_by_hand():
 
 
 def test_results_generator_writes_the_real_text_section_with_paired_tables(tmp_path):
-    """`--marker real-text-study --paired`: only that section of the page changes; it names the
-    command and both seed sets, shows each set's paired differences (final gold, J, mean gold
-    over training, KL) and keeps the claims both sets make; the JSON holds every set's
+    """`--page docs/real_text.md --marker real-text-study --readme '' --paired`: only that
+    section of the page changes (no README headline); it names the command and both seed sets,
+    shows each set's paired differences (final gold, J, mean gold over training, KL) and keeps
+    the claims both sets make, naming the JSON that lists them; the JSON holds every set's
     numbers."""
     rr = _readme_results()
     first, second = tmp_path / "set1", tmp_path / "set2"
@@ -729,9 +770,9 @@ def test_results_generator_writes_the_real_text_section_with_paired_tables(tmp_p
     results, curves = tmp_path / "docs" / "real_text_results.json", tmp_path / "docs" / "c.png"
     command = ("python experiments/run.py --config=configs/real_text_smollm2.py "
                "--config.size=cpu_study")
-    argv = [str(first), str(second), "--readme", str(page), "--results", str(results),
-            "--curves", str(curves), "--command", command, "--marker", "real-text-study",
-            "--paired"]
+    argv = [str(first), str(second), "--page", str(page), "--readme", "", "--results",
+            str(results), "--curves", str(curves), "--command", command, "--marker",
+            "real-text-study", "--paired"]
     assert rr.main(argv) == 0
 
     text = page.read_text()
@@ -752,6 +793,7 @@ def test_results_generator_writes_the_real_text_section_with_paired_tables(tmp_p
             if c["arm"] != "ma_ppo_ctrl" or c["metric"] not in ("final_gold", "auc_gold")]
     assert rr.replicated_claims(reports) == kept and len(kept) == 3
     assert "- `ma_ppo` has higher KL than `ppo`: +0.350 [" in text
+    assert f"`{results}` lists them" in text
 
     data = json.loads(results.read_text())
     assert data["claims"] == kept

@@ -294,15 +294,15 @@ def test_the_pipelines_reward_model_and_statistics_do_not_depend_on_the_trunk(tm
 
 
 def test_several_evaluation_samples_per_prompt_average_the_gold_per_prompt():
-    from marl_jax.train import ppo_core as core
+    from marl_jax.train import ppo_types
 
     reward_model, rm_params = _reward_model()
     policy = models.CausalLM(reward_model.config)
     params = models.init_params(policy, jax.random.key(4))
-    mods = core.Models(policy=policy, critic=reward_model, reward=reward_model,
+    mods = ppo_types.Models(policy=policy, critic=reward_model, reward=reward_model,
                        actor_optimizer=None, critic_optimizer=None)
-    static = core.PPOStatic(batch_size=4, response_length=5, eos_id=1, pad_id=0, top_k=0)
-    frozen = core.Frozen(params, rm_params, jnp.float32(0.5), jnp.float32(2.0))
+    static = ppo_types.PPOStatic(batch_size=4, response_length=5, eos_id=1, pad_id=0, top_k=0)
+    frozen = ppo_types.Frozen(params, rm_params, jnp.float32(0.5), jnp.float32(2.0))
     prompts = jnp.asarray(np.random.default_rng(2).integers(2, 32, (3, 4)), jnp.int32)
     prompt_mask = jnp.asarray(np.array([[0, 1, 1, 1], [1, 1, 1, 1], [0, 0, 1, 1]]), jnp.int32)
     documents = jnp.arange(3)[:, None] * 100

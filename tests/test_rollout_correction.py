@@ -109,7 +109,7 @@ def test_weights_reach_the_loss_and_its_gradient_inside_the_update():
     import optax
 
     from marl_jax import models as M
-    from marl_jax.train import ppo_core as core
+    from marl_jax.train import phases, ppo_types
 
     cfg = M.ModelConfig(family="llama", vocab_size=11, hidden_size=16, intermediate_size=32,
                         num_layers=1, num_heads=2, num_kv_heads=2, head_dim=8,
@@ -122,17 +122,17 @@ def test_weights_reach_the_loss_and_its_gradient_inside_the_update():
     mask = jnp.asarray([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]], jnp.int32)
     response_ids = jnp.asarray(rng.integers(2, 11, (3, 4)), jnp.int32) * mask
     args = (prompt_ids, prompt_mask, response_ids, mask)
-    logp = lambda p: core.token_logprobs(policy, p, *args, 1.0)[0]
+    logp = lambda p: phases.score.token_logprobs(policy, p, *args, 1.0)[0]
     old = logp(params)
     zeros = jnp.zeros((3, 4))
-    exp = core.Experience(*args, old, old, old, zeros, jnp.zeros(3), zeros, jnp.zeros(3, bool))
+    exp = ppo_types.Experience(*args, old, old, old, zeros, jnp.zeros(3), zeros, jnp.zeros(3, bool))
     advantages = jnp.asarray(rng.normal(size=(3, 4)), jnp.float32) * mask
     sgd = optax.sgd(1.0)
-    models = core.Models(policy=policy, critic=None, reward=None, actor_optimizer=sgd,
+    models = ppo_types.Models(policy=policy, critic=None, reward=None, actor_optimizer=sgd,
                          critic_optimizer=sgd)
-    static = core.PPOStatic(batch_size=3, response_length=4, eos_id=1, pad_id=0,
+    static = ppo_types.PPOStatic(batch_size=3, response_length=4, eos_id=1, pad_id=0,
                             temperature=1.0, estimator="reinforce_pp", rollout_correction="token")
-    state = core.PPOState(step=jnp.zeros((), jnp.int32), actor_params=params,
+    state = ppo_types.PPOState(step=jnp.zeros((), jnp.int32), actor_params=params,
                           actor_opt_state=sgd.init(params), critic_params={},
                           critic_opt_state=sgd.init({}),
                           key=jax.random.key_data(jax.random.key(1)), kl_coef=jnp.float32(0.05),
@@ -143,8 +143,9 @@ def test_weights_reach_the_loss_and_its_gradient_inside_the_update():
     perturbed = base * jnp.asarray([[2.0], [0.0], [1.0]])
     steps = []
     for weights in (base, perturbed):
-        new, metrics = jax.jit(lambda s, w: core.update(static, models, s, exp, advantages, None,
-                                                        jax.random.key(2), w))(state, weights)
+        new, metrics = jax.jit(lambda s, w: phases.update.update(
+            static, models, s, exp, phases.advantages.Advantages(advantages, None, w, mask),
+            jax.random.key(2)))(state, weights)
         objective = lambda p: -(weights * advantages * logp(p) * m).sum() / m.sum()
         np.testing.assert_allclose(float(metrics["loss/policy_avg"]),
                                    float(-(weights * advantages * m).sum() / m.sum()), rtol=1e-5)

@@ -19,14 +19,14 @@ from marl_jax import losses, models
 from marl_jax import stages
 from marl_jax.macro import termination
 from marl_jax.models.config import ModelConfig
-from marl_jax.train import ppo_core as core
+from marl_jax.train import phases, ppo_core as core, ppo_types
 from marl_jax.train.metrics import read_metrics
 
 from train_util import tiny_config
 
 MISMATCH = ("rollout/logprob_diff_mean", "rollout/logprob_diff_max", "rollout/ratio_outside_clip")
 VOCAB, EOS = 64, 0
-HPARAMS = core.RunHparams(lam=jnp.float32(0.95), gamma=jnp.float32(1.0), ngram=jnp.int32(3),
+HPARAMS = ppo_types.RunHparams(lam=jnp.float32(0.95), gamma=jnp.float32(1.0), ngram=jnp.int32(3),
                           variant=jnp.int32(0))
 
 
@@ -51,18 +51,18 @@ def _setup(dtype, **fields):
     fields = dict(dict(estimator="reinforce_pp", reward_source="gold", batch_size=8,
                        response_length=24, eos_id=EOS, pad_id=EOS, top_k=0,
                        compute_dtype=dtype), **fields)
-    static = core.PPOStatic(**fields)
-    mods = core.Models(policy=_model(dtype), critic=None, reward=None,
+    static = ppo_types.PPOStatic(**fields)
+    mods = ppo_types.Models(policy=_model(dtype), critic=None, reward=None,
                        actor_optimizer=optax.adam(1e-3), critic_optimizer=optax.adam(1e-3),
                        gold_fn=_gold)
     params = _params()
-    state = core.PPOState(
+    state = ppo_types.PPOState(
         step=jnp.zeros((), jnp.int32), actor_params=params,
         actor_opt_state=mods.actor_optimizer.init(params), critic_params={},
         critic_opt_state={}, key=jax.random.key_data(jax.random.key(0)),
         kl_coef=jnp.float32(0.05), skipped_updates=jnp.zeros((), jnp.float32),
         generated_tokens=jnp.zeros((), jnp.float32), prefill_tokens=jnp.zeros((), jnp.float32))
-    frozen = core.Frozen(params, None, jnp.float32(0.0), jnp.float32(1.0))
+    frozen = ppo_types.Frozen(params, None, jnp.float32(0.0), jnp.float32(1.0))
     prompts = jax.random.randint(jax.random.key(1), (static.prompts_per_step, 8), 1, VOCAB)
     return static, mods, state, frozen, prompts, jnp.ones_like(prompts)
 
@@ -90,7 +90,7 @@ def test_mismatch_metrics_by_hand():
     trainer = jnp.array([[-1.0, -2.0, -0.5], [-0.1, 0.0, 0.0]])
     sampler = jnp.array([[-1.5, -2.0, -0.4], [-0.3, 9.0, 9.0]])
     mask = jnp.array([[1, 1, 1], [1, 0, 0]])
-    m = core.rollout_mismatch(trainer, sampler, mask, 0.2)
+    m = phases.score.rollout_mismatch(trainer, sampler, mask, 0.2)
     np.testing.assert_allclose(m["rollout/logprob_diff_mean"], (0.5 + 0 + 0.1 + 0.2) / 4,
                                rtol=1e-6)
     np.testing.assert_allclose(m["rollout/logprob_diff_max"], 0.5, rtol=1e-6)
@@ -100,11 +100,11 @@ def test_mismatch_metrics_by_hand():
 
 def test_default_old_logprobs_are_the_trainers_in_bfloat16_and_under_top_k():
     base = dict(batch_size=8, response_length=4, eos_id=0, pad_id=0, top_k=0)
-    assert core.PPOStatic(**base).reuses_sampler_logprobs
-    assert not core.PPOStatic(**base, compute_dtype="bfloat16").reuses_sampler_logprobs
-    assert not core.PPOStatic(**dict(base, top_k=50)).reuses_sampler_logprobs
-    assert not core.PPOStatic(**base, rollout_correction="token").reuses_sampler_logprobs
-    assert core.PPOStatic(**base, compute_dtype="bfloat16",
+    assert ppo_types.PPOStatic(**base).reuses_sampler_logprobs
+    assert not ppo_types.PPOStatic(**base, compute_dtype="bfloat16").reuses_sampler_logprobs
+    assert not ppo_types.PPOStatic(**dict(base, top_k=50)).reuses_sampler_logprobs
+    assert not ppo_types.PPOStatic(**base, rollout_correction="token").reuses_sampler_logprobs
+    assert ppo_types.PPOStatic(**base, compute_dtype="bfloat16",
                           old_logprobs="sampler").reuses_sampler_logprobs
 
 
@@ -148,10 +148,10 @@ def test_correction_weights_in_the_step_match_their_own_computation(estimator, l
         fields["group_size"] = 2
     exp, roll, metrics = _first_update("bfloat16", **fields)
     assert exp.sampler_logprobs is not None
-    static = core.PPOStatic(batch_size=8, response_length=24, eos_id=EOS, pad_id=EOS,
+    static = ppo_types.PPOStatic(batch_size=8, response_length=24, eos_id=EOS, pad_id=EOS,
                             **{k: v for k, v in fields.items() if k == "variants"})
-    key = core.step_keys(_setup("bfloat16")[2])[1]
-    segments = core.segment_ids_for(static, HPARAMS, exp, key)[term]
+    key = ppo_types.step_keys(_setup("bfloat16")[2])[1]
+    segments = phases.advantages.segment_ids_for(static, HPARAMS, exp, key)[term]
     t = np.asarray(exp.old_logprobs, np.float64)
     s = np.asarray(exp.sampler_logprobs, np.float64)
     valid = np.asarray(exp.response_mask) != 0

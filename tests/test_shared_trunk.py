@@ -16,7 +16,7 @@ from marl_jax import models
 from marl_jax.config import base_config
 from marl_jax.models.heads import backbone_hidden, trunk_states
 from marl_jax.train import ppo as ppo_lib
-from marl_jax.train import ppo_core as core
+from marl_jax.train import ppo_core as core, ppo_types
 
 LAYERS, UNFROZEN = 4, 2
 
@@ -67,7 +67,7 @@ def _setup(num_layers_unfrozen=UNFROZEN):
                            num_layers_unfrozen=num_layers_unfrozen, learning_rate=1e-2,
                            critic_learning_rate=1e-2, warmup_ratio=0.0, steps=4, top_k=0))
     mods = ppo_lib.make_models(config, policy, critic, reward)
-    static = core.PPOStatic(batch_size=4, response_length=6, eos_id=1, pad_id=0, top_k=0,
+    static = ppo_types.PPOStatic(batch_size=4, response_length=6, eos_id=1, pad_id=0, top_k=0,
                             ppo_epochs=2, num_minibatches=2,
                             num_layers_unfrozen=num_layers_unfrozen)
     return cfg, config, mods, static, sft, rm, critic_params
@@ -77,7 +77,7 @@ def test_a_ppo_step_with_the_shared_trunk_equals_the_step_without():
     cfg, config, mods, static, sft, rm, critic_params = _setup()
     shared = ppo_lib.with_shared_trunk(static, LAYERS, sft, rm, [critic_params])
     assert shared.shared_trunk_layers == LAYERS - UNFROZEN
-    frozen = core.Frozen(sft, rm, jnp.float32(0.1), jnp.float32(2.0))
+    frozen = ppo_types.Frozen(sft, rm, jnp.float32(0.1), jnp.float32(2.0))
     hp = ppo_lib.hparams_from_config(config.ppo)
     prompts = jnp.asarray(np.random.default_rng(1).integers(2, 32, (4, 5)), jnp.int32)
     prompt_mask = jnp.asarray(np.array([[0, 1, 1, 1, 1]] + [[1] * 5] * 3), jnp.int32)

@@ -290,6 +290,13 @@ def test_launch_fetch_and_stop_dry_run():
     (["--run-id", "r1", "--stop", "--", "--config=x"], "takes no run.py flags"),
     (["--run-id", "../r1", "--", "--config=x"], "--run-id '../r1'"),
     (["--env", "1X=2", "--", "--config=x"], "must look like KEY=VALUE"),
+    (["--restart-on-preemption"], "needs the create.sh flags of the VM"),
+    (["--create-flag", "--spot"], "takes its value after '='"),
+    (["--setup-flag=--no-check"], "go with --restart-on-preemption"),
+    (["--new-vm-command", "true"], "go with --restart-on-preemption"),
+    (["--run-id", "r1", "--stop", "--restart-on-preemption"], "goes with a launch"),
+    (["--restart-on-preemption", "--create-flag=--spot", "--max-restarts", "x"],
+     "--max-restarts 'x' must be a whole number"),
 ])
 def test_launch_rejects(args, message):
     result = run_script("launch.sh", "--dry-run", *args)
@@ -380,9 +387,186 @@ def test_stop_ends_the_whole_run(fake_worker):
         while group_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not group_alive(pid), "run.py and its wrapper are gone"
-        assert not (home / "marl_jax_runs" / "r2" / "worker-0.exit").exists()
+        # The wrapper outlives the signal to record run.py's status (the stand-in's: killed
+        # by SIGTERM; run.py's own: 75, stopped at a checkpoint), marked as stopped on purpose.
+        assert (home / "marl_jax_runs" / "r2" / "worker-0.exit").read_text().strip() == "143"
+        assert (home / "marl_jax_runs" / "r2" / "stopped").exists()
     finally:
         try:
             os.killpg(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+RESTART = ["--restart-on-preemption", "--create-flag=--accelerator-type=v4-32",
+           "--create-flag=--spot", "--setup-flag=--repo=https://example.com/marl_jax.git",
+           "--setup-flag=--no-check", "--new-vm-command=touch mounted"]
+
+
+def test_restart_dry_run_names_how_the_vm_is_made_again():
+    result = run_script("launch.sh", "--dry-run", "--run-id", "r1", *RESTART, "--",
+                        "--workdir=gs://bucket/r1")
+    assert result.returncode == 0, result.stderr
+    commands = [shlex.split(line) for line in result.stdout.splitlines()
+                if line and not line.startswith("#")]
+    assert [argv[:6] for argv in commands] == [SSH + ["tpu-env"]] * 2
+    assert "--worker=all" in commands[0] and "--worker=0" in commands[1]
+    comments = [line[2:].strip() for line in result.stdout.splitlines()[1:]
+                if line.startswith("#")]
+    scripts = [shlex.split(line)[1:] for line in comments if line.startswith("bash ")]
+    target = ["--name", "tpu-env", "--zone", "us-central2-b", "--project", "proj-env"]
+    assert scripts == [
+        [str(SCRIPTS_DIR / "teardown.sh"), *target],
+        [str(SCRIPTS_DIR / "create.sh"), *target, "--accelerator-type=v4-32", "--spot"],
+        [str(SCRIPTS_DIR / "setup.sh"), *target, "--remote-dir", "marl_jax",
+         "--repo=https://example.com/marl_jax.git", "--no-check"]]
+    assert "on every worker: touch mounted" in comments
+
+
+@pytest.fixture
+def fake_vm(tmp_path):
+    """A TPU VM's worker 0 on this machine: a `gcloud` that keeps the VM's state in a file
+    (describe, create, delete), runs ssh commands in a local home directory as the worker's shell
+    would (setup.sh's, which install, are only logged), answers ssh with 255 unless the VM is
+    READY, and copies logs back with scp; and a venv python that plays
+    run.py, one attempt per line of `<home>/plan`: an exit status, `preempt` (the VM is
+    preempted: its state becomes PREEMPTED, and run.py exits with 75) or `wait` (runs until a
+    SIGTERM, then exits with 75 as run.py does)."""
+    home, bin_dir, state = tmp_path / "home", tmp_path / "bin", tmp_path / "vm_state"
+    (home / "marl_jax").mkdir(parents=True)
+    (home / "marl_jax_venv" / "bin").mkdir(parents=True)
+    bin_dir.mkdir()
+    state.write_text("READY\n")
+    log = tmp_path / "gcloud.log"
+    python = home / "marl_jax_venv" / "bin" / "python"
+    python.write_text(f"""#!/usr/bin/env bash
+n=$(( $(cat "$HOME/attempts" 2>/dev/null || echo 0) + 1 ))
+echo "$n" > "$HOME/attempts"
+printf '%s\\0' "$@" > "$HOME/argv.$n"
+action=$(sed -n "${{n}}p" "$HOME/plan")
+echo "run.py attempt $n: $action"
+case "$action" in
+  preempt) echo PREEMPTED > {shlex.quote(str(state))}; exit 75 ;;
+  wait) trap 'echo "preempted: stopped at a checkpoint"; exit 75' TERM; sleep 60 & wait; exit 1 ;;
+  *) exit "$action" ;;
+esac
+""")
+    gcloud = bin_dir / "gcloud"
+    gcloud.write_text(f"""#!/usr/bin/env bash
+printf '%s\\n' "$*" >> {shlex.quote(str(log))}
+state={shlex.quote(str(state))}
+case "$4" in
+  describe)
+    if [[ -f $state ]]; then cat "$state"; else
+      echo "ERROR: (gcloud.compute.tpus.tpu-vm.describe) NOT_FOUND: node $5 not found" >&2
+      exit 1
+    fi ;;
+  delete) rm -f "$state" ;;
+  create) echo READY > "$state" ;;
+  ssh)
+    [[ $(cat "$state" 2>/dev/null) == READY ]] || exit 255
+    for arg; do [[ $arg == --command=* ]] && command=${{arg#--command=}}; done
+    if [[ $command != *"git clone"* && $command != *"pip install"* ]]; then
+      cd {shlex.quote(str(home))} && HOME={shlex.quote(str(home))} bash -c "$command"
+      exit
+    fi ;;
+  scp)
+    if [[ $5 == *:* ]]; then mkdir -p "$6" && cp -r {shlex.quote(str(home))}/"${{5#*:}}" "$6"/; fi ;;
+esac
+""")
+    (bin_dir / "curl").write_text("#!/bin/sh\necho 0\n")
+    for path in (python, gcloud, bin_dir / "curl"):
+        path.chmod(0o755)
+    env = script_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+    def calls():
+        """The gcloud commands so far, as (what it does, the run id it names or create's
+        flags)."""
+        out = []
+        for line in log.read_text().splitlines():
+            words = line.split()
+            verb = words[3]
+            if verb == "ssh":
+                command = line.split("--command=", 1)[1]
+                run = command.split("marl_jax_runs/")[1].split("/")[0].split(";")[0] \
+                    if "marl_jax_runs/" in command else ""
+                kind = ("launch" if "run.py" in command else "follow" if "tail" in command
+                        else "stopped?" if "test -e" in command
+                        else "setup" if "git clone" in command or "pip install" in command
+                        else command)
+                out.append((kind, run))
+            elif verb == "scp":
+                out.append(("fetch" if words[4].startswith("tpu-env:") else "setup", ""))
+            else:
+                out.append((verb, " ".join(words[7:]) if verb == "create" else ""))
+        return out
+
+    return home, env, state, calls
+
+
+def test_restart_makes_a_preempted_vm_again_and_resumes_the_same_command(fake_vm, tmp_path):
+    home, env, state, calls = fake_vm
+    (home / "plan").write_text("preempt\n0\n")
+    result = run_script("launch.sh", "--run-id", "r1", "--logs-dir", str(tmp_path / "logs"),
+                        *RESTART, "--", "--workdir=gs://bucket/r1", "--config.seeds=(1, 2)",
+                        env=env)
+    assert result.returncode == 0, result.stderr
+    assert calls() == [
+        ("launch", "r1"), ("follow", "r1"), ("describe", ""), ("delete", ""),
+        ("create", "--accelerator-type=v4-32 --version=tpu-ubuntu2204-base --spot"),
+        ("setup", ""), ("setup", ""), ("touch mounted", ""),
+        ("launch", "r1-r1"), ("follow", "r1-r1"), ("fetch", "")]
+    assert "tpu-env is PREEMPTED" in result.stderr and "restart 1 of at most 10" in result.stderr
+    # The same run.py command both times (it resumes from the workdir's checkpoints).
+    argv = [(home / f"argv.{n}").read_text().split("\0")[:-1] for n in (1, 2)]
+    assert argv[0] == argv[1] == ["experiments/run.py", "--workdir=gs://bucket/r1",
+                                  "--config.seeds=(1, 2)"]
+    assert (tmp_path / "logs" / "r1-r1" / "worker-0.exit").read_text().strip() == "0"
+    assert state.read_text().strip() == "READY"
+    assert (home / "mounted").exists()
+
+
+def test_restart_on_a_vm_still_up_relaunches_until_max_restarts(fake_vm, tmp_path):
+    home, env, _, calls = fake_vm
+    (home / "plan").write_text("75\n75\n")
+    result = run_script("launch.sh", "--run-id", "r1", "--logs-dir", str(tmp_path / "logs"),
+                        *RESTART, "--max-restarts=1", "--", "--workdir=gs://bucket/r1", env=env)
+    assert result.returncode == 75, result.stderr
+    assert calls() == [
+        ("launch", "r1"), ("follow", "r1"), ("describe", ""), ("fetch", ""), ("stopped?", "r1"),
+        ("launch", "r1-r1"), ("follow", "r1-r1"), ("describe", ""), ("fetch", ""),
+        ("stopped?", "r1-r1")]
+    assert "giving up" in result.stderr
+    for run in ("r1", "r1-r1"):
+        assert (tmp_path / "logs" / run / "worker-0.exit").read_text().strip() == "75"
+
+
+def test_restart_ends_with_a_failure_or_a_stop_without_relaunching(fake_vm, tmp_path):
+    home, env, _, calls = fake_vm
+    (home / "plan").write_text("3\n")
+    result = run_script("launch.sh", "--run-id", "r1", "--logs-dir", str(tmp_path / "logs"),
+                        *RESTART, env=env)
+    assert result.returncode == 3, result.stderr
+    assert calls()[-2:] == [("describe", ""), ("fetch", "")]
+    assert "ended with exit status 3; not started again" in result.stderr
+
+    (home / "plan").write_text("3\nwait\n")
+    launch = subprocess.Popen(["bash", str(SCRIPTS_DIR / "launch.sh"), "--run-id", "r2",
+                               "--logs-dir", str(tmp_path / "logs"), *RESTART], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (home / "argv.2").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stopped = run_script("launch.sh", "--stop", "--run-id", "r2", env=env)
+        assert stopped.returncode == 0 and "stopped" in stopped.stdout, stopped.stderr
+        _, stderr = launch.communicate(timeout=TIMEOUT_S)
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+            launch.communicate()
+    assert launch.returncode == 75, stderr
+    assert "r2 was stopped with --stop; not started again" in stderr
+    assert "preempted: stopped at a checkpoint" in (home / "marl_jax_runs" / "r2" /
+                                                    "worker-0.log").read_text()
+    assert (home / "attempts").read_text().strip() == "2"

@@ -12,7 +12,8 @@ import pytest
 from marl_jax import pipeline as pipeline_lib
 from marl_jax import stages
 from marl_jax.macro import advantage, termination
-from marl_jax.train import build, ppo as ppo_lib, ppo_core as core, sharding, supervised
+from marl_jax.train import build, phases, ppo as ppo_lib, ppo_core as core, ppo_types, sharding
+from marl_jax.train import supervised
 from marl_jax.train.metrics import read_metrics
 
 from train_util import tiny_config
@@ -76,28 +77,29 @@ def test_macro_update_with_n1_equals_token_update(tiny_pipeline):
     mods = ppo_lib.make_models(cfg, pipe.policy, pipe.critic, pipe.reward_model)
     critic = ppo_lib.initial_critic_params(cfg, pipe.critic, sft, rm, jax.random.key(0), stats)
     state = ppo_lib.initial_state(cfg, mods, sft, critic, seed=0)
-    frozen = core.Frozen(sft, rm, jnp.float32(stats["mean"]), jnp.float32(stats["std"]))
+    frozen = ppo_types.Frozen(sft, rm, jnp.float32(stats["mean"]), jnp.float32(stats["std"]))
     ids, mask = pipe.task.rl["ids"][:8], pipe.task.rl["mask"][:8]
     exp, _ = jax.jit(functools.partial(core.rollout, static, mods))(
         state, frozen, ids, mask, jax.random.key(1))
     # Without top-k / top-p the scoring pass reuses the sampler's logprobs: they must be the
     # training-time logprobs of the sampled tokens.
-    assert core.sampler_logprobs_are_exact(static)
-    recomputed, _ = core.token_logprobs(pipe.policy, state.actor_params, exp.prompt_ids,
+    assert ppo_types.sampler_logprobs_are_exact(static)
+    recomputed, _ = phases.score.token_logprobs(pipe.policy, state.actor_params, exp.prompt_ids,
                                         exp.prompt_mask, exp.response_ids, exp.response_mask,
                                         static.temperature)
     np.testing.assert_allclose(np.asarray(exp.old_logprobs), np.asarray(recomputed), atol=2e-5)
     key = jax.random.key(2)
-    update = jax.jit(functools.partial(core.update, static, mods))
+    update = jax.jit(functools.partial(phases.update.update, static, mods))
+    segments = {"fixed": termination.fixed_ngram(exp.response_mask, 1)}
+    advantages = lambda adv, ret: phases.advantages.Advantages(adv, ret, None, segments["fixed"])
 
     adv, ret = advantage.gae(exp.values, exp.rewards, exp.response_mask, gamma=1.0, lam=0.95)
-    token_state, token_metrics = update(state, exp, adv, ret, key)
-    segments = {"fixed": termination.fixed_ngram(exp.response_mask, 1)}
+    token_state, token_metrics = update(state, exp, advantages(adv, ret), key)
     for i in range(len(variants)):
-        hp = core.RunHparams(lam=jnp.float32(0.95), gamma=jnp.float32(1.0),
+        hp = ppo_types.RunHparams(lam=jnp.float32(0.95), gamma=jnp.float32(1.0),
                              ngram=jnp.int32(1), variant=jnp.int32(i))
-        m_adv, m_ret = core.advantages_and_returns(static, hp, exp, segments)
-        macro_state, macro_metrics = update(state, exp, m_adv, m_ret, key)
+        m_adv, m_ret = phases.advantages.advantages_and_returns(static, hp, exp, segments)
+        macro_state, macro_metrics = update(state, exp, advantages(m_adv, m_ret), key)
         for a, b in zip(jax.tree.leaves(token_state.actor_params),
                         jax.tree.leaves(macro_state.actor_params)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -2,6 +2,8 @@
 import pathlib
 import sys
 
+import ml_collections
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -26,6 +28,25 @@ def tiny_config(**overrides):
     for dotted, value in overrides.items():
         set_field(c, dotted, value)
     return c
+
+
+def _flat(config, prefix=""):
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, ml_collections.ConfigDict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def tiny_flags(**overrides):
+    """`--config.x=v` flags turning configs/synthetic.py into `tiny_config(**overrides)`
+    (tuple fields, which a flag spells differently, excepted)."""
+    base, tiny = _flat(synthetic.get_config()), _flat(tiny_config(**overrides))
+    flags = [f"--config.{key}={value}" for key, value in sorted(tiny.items())
+             if base.get(key) != value and not isinstance(value, tuple)]
+    return [f"--config={ROOT / 'configs' / 'synthetic.py'}"] + flags
 
 
 def trained_tiny_pipeline(workdir):

@@ -42,7 +42,7 @@ from marl_jax.data.real_tasks import decode_responses, extract_code
 from marl_jax.eval import judges, scores
 from marl_jax.eval.unit_test_reward import unit_test_options
 from marl_jax.train import build, exports, sharding
-from marl_jax.train import ppo_core as core
+from marl_jax.train import phases
 from marl_jax.train.metrics import summary_table
 
 JUDGES = ("rm", "gold", "openai", "none")
@@ -230,12 +230,12 @@ def rollout_batch(sampler: Sampler, policy, reward_model, gold_fn, params, ref_p
         eos_id=sampler.eos_id, pad_id=sampler.pad_id, decode_slots=sampler.decode_slots)
     ids, mask = sample.tokens, sample.mask.astype(jnp.int32)
     args = (prompt_ids, prompt_mask, ids, mask)
-    logp, _ = core.token_logprobs(policy, params, *args, sampler.temperature)
-    ref, _ = core.token_logprobs(policy, ref_params, *args, sampler.temperature)
+    logp, _ = phases.score.token_logprobs(policy, params, *args, sampler.temperature)
+    ref, _ = phases.score.token_logprobs(policy, ref_params, *args, sampler.temperature)
     out = {"response_ids": ids, "response_mask": mask, "kl": ((logp - ref) * mask).sum(axis=1),
            "length": mask.sum(axis=1).astype(jnp.float32)}
     if rm_params is not None:
-        out["rm_score"] = core.sequence_scores(reward_model, rm_params, *args)
+        out["rm_score"] = phases.score.sequence_scores(reward_model, rm_params, *args)
     if gold_fn is not None:
         out["gold"] = gold_fn(documents, ids, mask)
     return out

@@ -21,8 +21,8 @@ from marl_jax import models
 from marl_jax.models import lora
 from marl_jax.data import tasks
 from marl_jax.train import build, ppo, programs, reward, sft, sharding, supervised
-from marl_jax.train import ppo_core as core
 from marl_jax.train.optim import adapter_weight_decay, make_optimizer, stage_schedule
+from marl_jax.train.ppo_types import Frozen, RunHparams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +179,7 @@ def ppo_programs(config, tokenizer, policy, critic, reward_model, mesh,
         lambda a, c: ppo.initial_state(config, mods, a, c, config.seed), actor, critic_params),
         state_sh)
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
-    frozen = with_shardings(core.Frozen(ref_params=actor if base is None else base,
+    frozen = with_shardings(Frozen(ref_params=actor if base is None else base,
                                         rm_params=rm_params, reward_mean=scalar,
                                         reward_std=scalar, ref_adapters=ref_adapters), frozen_sh)
     hparams = with_shardings(build.abstract(ppo.hparams_from_config(p)), rep)
@@ -235,9 +235,9 @@ def experiment_programs(config, tokenizer, policy, critic, reward_model, mesh, n
         lambda a, c: ppo.initial_state(config, mods, a, c, config.seed), actor, critic_params)
     state = with_shardings(runs_of(one_run), step.in_shardings[0])
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
-    frozen = with_shardings(core.Frozen(ref_params=actor, rm_params=rm_params,
+    frozen = with_shardings(Frozen(ref_params=actor, rm_params=rm_params,
                                         reward_mean=scalar, reward_std=scalar), frozen_sh)
-    hparams = with_shardings(runs_of(core.RunHparams(
+    hparams = with_shardings(runs_of(RunHparams(
         lam=scalar, gamma=scalar, ngram=jax.ShapeDtypeStruct((), jnp.int32),
         variant=jax.ShapeDtypeStruct((), jnp.int32))), rep)
     prompts_sh = sharding.batch_sharding(mesh, axis=1)

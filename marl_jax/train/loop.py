@@ -3,7 +3,9 @@
 A stage's state lives in `<workdir>/checkpoints/<stage>/<step>`. Running the same command again
 restores the latest complete checkpoint, drops metrics rows logged after it, and continues, so a
 run killed at any moment loses at most `checkpoint_every` steps and never duplicates a row. A
-stage whose final checkpoint exists is complete and is not run again.
+stage whose final checkpoint exists is complete and is not run again. Under
+`preemption.watching()` a preemption notice (SIGTERM) loses no step: every process saves the
+checkpoint of the same step boundary and the loop raises `preemption.Preempted`.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import jax
 import numpy as np
 
 from marl_jax.train import checkpoint as ckpt_lib
+from marl_jax.train import preemption
 from marl_jax.train.metrics import ProgressBar
 
 
@@ -73,31 +76,41 @@ def run(stage: Stage, *, state, total_steps: int, step_fn: Callable, writer, met
         writer.truncate_after(name, start, **row_keys)
     if start >= total_steps:
         return state, start
-    bar = ProgressBar(total_steps, initial=start, desc=stage.name)
-    last_time, last_logged = time.perf_counter(), start
-    for step in range(start, total_steps):
-        state, metrics = step_fn(state, step)
-        done = step + 1
-        if done % log_every == 0 or done == total_steps:
-            row = {k: _host_value(v) for k, v in jax.device_get(metrics).items()}
-            now = time.perf_counter()
-            elapsed = (now - last_time) / (done - last_logged)
-            last_time, last_logged = now, done
-            row["timing/step_s"] = elapsed
-            if tokens_per_step:
-                row["tokens/s"] = tokens_per_step / max(elapsed, 1e-9)
-            row = {"stage": stage.name, "step": done, **row_keys, **row}
-            writer.write(row)
-            bar.update(done, {k: float(np.mean(row[k])) for k in progress_keys if k in row})
-        else:
-            bar.update(done)
-        if hooks is not None:
-            for extra in hooks(state, done):
-                writer.write({"step": done, **row_keys, **extra})
-        if ckpt_lib.should_save(done, checkpoint_every, total_steps):
-            stage.save(done, state, metadata)
-    bar.close()
-    stage.checkpointer.wait()
+    with preemption.steps(stage.name):
+        if preemption.at_boundary():
+            stage.close()
+            raise preemption.Preempted(stage.name, start, stage.checkpointer.directory)
+        bar = ProgressBar(total_steps, initial=start, desc=stage.name)
+        last_time, last_logged = time.perf_counter(), start
+        for step in range(start, total_steps):
+            state, metrics = step_fn(state, step)
+            done = step + 1
+            if done % log_every == 0 or done == total_steps:
+                row = {k: _host_value(v) for k, v in jax.device_get(metrics).items()}
+                now = time.perf_counter()
+                elapsed = (now - last_time) / (done - last_logged)
+                last_time, last_logged = now, done
+                row["timing/step_s"] = elapsed
+                if tokens_per_step:
+                    row["tokens/s"] = tokens_per_step / max(elapsed, 1e-9)
+                row = {"stage": stage.name, "step": done, **row_keys, **row}
+                writer.write(row)
+                bar.update(done, {k: float(np.mean(row[k])) for k in progress_keys if k in row})
+            else:
+                bar.update(done)
+            if hooks is not None:
+                for extra in hooks(state, done):
+                    writer.write({"step": done, **row_keys, **extra})
+            # Every row of this step is written: the checkpoint of `done` resumes after them.
+            stop = preemption.at_boundary()
+            if stop or ckpt_lib.should_save(done, checkpoint_every, total_steps):
+                stage.save(done, state, metadata)
+            if stop:
+                bar.close()
+                stage.close()  # waits until the checkpoint is on disk
+                raise preemption.Preempted(stage.name, done, stage.checkpointer.directory)
+        bar.close()
+        stage.checkpointer.wait()
     return state, start
 
 

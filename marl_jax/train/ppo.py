@@ -19,16 +19,18 @@ from marl_jax import rollout
 from marl_jax.data import batches
 from marl_jax.models import lora
 from marl_jax.train import build, checkpoint, loop, programs, sharding
-from marl_jax.train import ppo_core as core
+from marl_jax.train import phases, ppo_core as core
 from marl_jax.train.optim import adapter_weight_decay, make_optimizer, stage_schedule
+from marl_jax.train.ppo_types import (Frozen, Models, PPOState, PPOStatic, RunHparams, role_model,
+                                      role_params, sampler_logprobs_are_exact)
 
 
-def static_from_config(config, tokenizer, variants=None) -> core.PPOStatic:
+def static_from_config(config, tokenizer, variants=None) -> PPOStatic:
     p = config.ppo
     eos = tokenizer.eos_token_id
     if variants is None:
         variants = ((p.termination, p.value_weighting, p.reward_aggregation),)
-    return core.PPOStatic(
+    return PPOStatic(
         batch_size=p.batch_size, response_length=p.response_length, eos_id=eos,
         pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
         temperature=float(p.temperature), top_k=int(p.top_k), top_p=float(p.top_p),
@@ -90,8 +92,8 @@ def lora_roles(policy, critic, sft_params, rm_params, critic_params, key):
     return base, reference, actor, lora.trainable(rm_params), critic_params
 
 
-def with_shared_trunk(static: core.PPOStatic, num_layers: int, actor_params, rm_params,
-                      critics=()) -> core.PPOStatic:
+def with_shared_trunk(static: PPOStatic, num_layers: int, actor_params, rm_params,
+                      critics=()) -> PPOStatic:
     """`static` with `shared_trunk_layers` = k = L - n when the actor trains only its top n
     layers (`num_layers_unfrozen` = n >= 0, unrolled layers) and the reward model (when it
     scores) and every critic have the actor's embeddings and first k layers, value for value
@@ -122,19 +124,19 @@ def with_shared_trunk(static: core.PPOStatic, num_layers: int, actor_params, rm_
     return dataclasses.replace(static, shared_trunk_layers=k)
 
 
-def hparams_from_config(p, variant: int = 0) -> core.RunHparams:
-    return core.RunHparams(lam=jnp.float32(p.lam), gamma=jnp.float32(p.gamma),
+def hparams_from_config(p, variant: int = 0) -> RunHparams:
+    return RunHparams(lam=jnp.float32(p.lam), gamma=jnp.float32(p.gamma),
                            ngram=jnp.int32(p.ngram), variant=jnp.int32(variant))
 
 
-def make_models(config, policy, critic, reward_model, gold_fn=None) -> core.Models:
+def make_models(config, policy, critic, reward_model, gold_fn=None) -> Models:
     p = config.ppo
     if p.reward_source == "gold" and gold_fn is None:
         raise ValueError("config.ppo.reward_source='gold' needs a task with a gold reward "
                          "(the synthetic task)")
     updates = ppo_updates(p)
     decay = adapter_weight_decay(config)
-    return core.Models(
+    return Models(
         policy=policy, critic=critic, reward=reward_model,
         actor_optimizer=make_optimizer(p, updates, lora_weight_decay=decay),
         critic_optimizer=make_optimizer(p, updates, learning_rate=p.critic_learning_rate,
@@ -186,8 +188,8 @@ def initial_critic_params(config, critic, sft_params, rm_params, key, reward_sta
     return fresh
 
 
-def initial_state(config, mods: core.Models, actor_params, critic_params, seed: int):
-    return core.PPOState(
+def initial_state(config, mods: Models, actor_params, critic_params, seed: int):
+    return PPOState(
         step=jnp.zeros((), jnp.int32), actor_params=actor_params,
         actor_opt_state=mods.actor_optimizer.init(actor_params), critic_params=critic_params,
         critic_opt_state=mods.critic_optimizer.init(critic_params),
@@ -196,12 +198,12 @@ def initial_state(config, mods: core.Models, actor_params, critic_params, seed: 
         prefill_tokens=jnp.zeros((), jnp.float32))
 
 
-def state_shardings(mods: core.Models, mesh, actor_params, critic_params):
+def state_shardings(mods: Models, mesh, actor_params, critic_params):
     a_sh = build.param_shardings(mods.policy, mesh, build.abstract(actor_params))
     c_sh = build.param_shardings(mods.critic, mesh, build.abstract(critic_params)) \
         if critic_params else {}
     rep = sharding.replicated(mesh)
-    return core.PPOState(
+    return PPOState(
         step=rep, actor_params=a_sh,
         actor_opt_state=sharding.opt_state_shardings(mods.actor_optimizer, a_sh, mesh,
                                                      params=build.abstract(actor_params)),
@@ -211,7 +213,7 @@ def state_shardings(mods: core.Models, mesh, actor_params, critic_params):
         key=rep, kl_coef=rep, skipped_updates=rep, generated_tokens=rep, prefill_tokens=rep)
 
 
-def evaluate(static: core.PPOStatic, mods: core.Models, actor_params, frozen: core.Frozen,
+def evaluate(static: PPOStatic, mods: Models, actor_params, frozen: Frozen,
              prompt_ids, prompt_mask, documents, key, gold_fn=None, samples_per_prompt=1):
     """Held-out evaluation of `prompt_ids [E, P]`, jittable: per prompt `[E]` the gold, length
     and KL to the reference (nats) and RM score.
@@ -222,8 +224,8 @@ def evaluate(static: core.PPOStatic, mods: core.Models, actor_params, frozen: co
     (scoring is the costly part: one sample per prompt keeps it at E sequences).
     """
     m = int(samples_per_prompt)
-    actor_params = core.role_params(static, "actor", frozen, actor_params)
-    ref_params = core.role_params(static, "reference", frozen)
+    actor_params = role_params(static, "actor", frozen, actor_params)
+    ref_params = role_params(static, "reference", frozen)
     sample = rollout.generate(
         mods.policy, actor_params, prompt_ids, prompt_mask, key=key,
         max_new_tokens=static.response_length, temperature=static.temperature,
@@ -232,16 +234,16 @@ def evaluate(static: core.PPOStatic, mods: core.Models, actor_params, frozen: co
     all_ids, all_mask = sample.tokens, sample.mask.astype(jnp.int32)
     ids, mask = all_ids[::m], all_mask[::m]  # the first sample of every prompt
     args = (prompt_ids, prompt_mask, ids, mask)
-    trunk = core.shared_trunk(static, mods, ref_params, *args)
-    if core.sampler_logprobs_are_exact(static):
+    trunk = phases.score.shared_trunk(static, mods, ref_params, *args)
+    if sampler_logprobs_are_exact(static):
         logp = sample.logprobs[::m] * mask
     else:
-        logp, _ = core.token_logprobs(mods.policy, actor_params, *args, static.temperature,
+        logp, _ = phases.score.token_logprobs(mods.policy, actor_params, *args, static.temperature,
                                       trunk)
-    ref, _ = core.token_logprobs(core.role_model(static, mods, "reference"), ref_params, *args,
+    ref, _ = phases.score.token_logprobs(role_model(static, mods, "reference"), ref_params, *args,
                                  static.temperature, trunk)
     kl = ((logp - ref) * mask).sum(axis=1)
-    score = core.sequence_scores(mods.reward, core.role_params(static, "reward", frozen), *args,
+    score = phases.score.sequence_scores(mods.reward, role_params(static, "reward", frozen), *args,
                                  trunk if static.reward_source == "rm" else None)
     if static.normalize_reward:
         score = (score - frozen.reward_mean) / frozen.reward_std
@@ -304,7 +306,7 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
     rep, batch_sh = sharding.replicated(mesh), sharding.batch_sharding(mesh)
     hparams = jax.device_put(hparams_from_config(p), rep)
 
-    frozen = jax.device_put(core.Frozen(
+    frozen = jax.device_put(Frozen(
         ref_params=ref_params, rm_params=rm_params,
         reward_mean=jnp.float32(reward_stats["mean"]),
         reward_std=jnp.float32(reward_stats["std"]), ref_adapters=ref_adapters), frozen_sh)
@@ -377,7 +379,7 @@ class _host_phased_step:
         p = config.ppo
         self.task, self.reward_source = task, p.reward_source
         self.generate = jax.jit(functools.partial(core.generate_phase, static, mods))
-        self.score = jax.jit(functools.partial(core.score, static, mods))
+        self.score = jax.jit(functools.partial(phases.score.score, static, mods))
         self.static = static
         self.update = jax.jit(functools.partial(core.update_phase, static, mods),
                               out_shardings=(state_sh, None), donate_argnums=0)
@@ -391,7 +393,7 @@ class _host_phased_step:
     def __call__(self, state, frozen, hparams, prompts, rows):
         sample = self.generate(state, prompts["ids"], prompts["mask"], frozen)
         ids, mask = sample.tokens, sample.mask.astype(jnp.int32)
-        prompt_ids, prompt_mask, documents = core.repeat_groups(
+        prompt_ids, prompt_mask, documents = phases.rollout.repeat_groups(
             self.static, prompts["ids"], prompts["mask"], prompts.get("documents"))
         rows = np.repeat(rows, self.static.group_size)
         # This process's rows of the responses, in the order of `rows`.

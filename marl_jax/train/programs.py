@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from marl_jax.train import build, sharding
 from marl_jax.train import ppo_core as core
+from marl_jax.train.ppo_types import Frozen, Models, PPOState, PPOStatic
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +59,8 @@ def supervised_program(train_step: Callable, state_shardings, mesh, base_shardin
                        donate_argnums=(0,))
 
 
-def frozen_shardings(mods: core.Models, mesh, state_sh: core.PPOState, rm_params,
-                     ref_params=None, ref_adapters=None) -> core.Frozen:
+def frozen_shardings(mods: Models, mesh, state_sh: PPOState, rm_params,
+                     ref_params=None, ref_adapters=None) -> Frozen:
     """The reference policy shares the actor's shardings (with LoRA, `ref_params`, the base,
     gets the whole policy's, and the reference's SFT adapter, when it has one, the adapters');
     the reward model gets its own."""
@@ -68,14 +69,14 @@ def frozen_shardings(mods: core.Models, mesh, state_sh: core.PPOState, rm_params
         mods.policy, mesh, build.abstract(ref_params))
     adapters_sh = None if ref_adapters is None else build.param_shardings(
         mods.policy, mesh, build.abstract(ref_adapters))
-    return core.Frozen(ref_params=ref_sh,
+    return Frozen(ref_params=ref_sh,
                        rm_params=build.param_shardings(mods.reward, mesh,
                                                        build.abstract(rm_params)),
                        reward_mean=rep, reward_std=rep, ref_adapters=adapters_sh)
 
 
-def ppo_step_program(static: core.PPOStatic, mods: core.Models, state_sh: core.PPOState,
-                     frozen_sh: core.Frozen, mesh) -> Program:
+def ppo_step_program(static: PPOStatic, mods: Models, state_sh: PPOState,
+                     frozen_sh: Frozen, mesh) -> Program:
     """One whole PPO step (`ppo_core.ppo_step`), the state donated."""
     rep, batch_sh = sharding.replicated(mesh), sharding.batch_sharding(mesh)
     return jit_program(functools.partial(core.ppo_step, static, mods),
@@ -83,16 +84,16 @@ def ppo_step_program(static: core.PPOStatic, mods: core.Models, state_sh: core.P
                        (state_sh, rep), donate_argnums=(0,))
 
 
-def rollout_program(static: core.PPOStatic, mods: core.Models, state_sh: core.PPOState,
-                    frozen_sh: core.Frozen, mesh) -> Program:
+def rollout_program(static: PPOStatic, mods: Models, state_sh: PPOState,
+                    frozen_sh: Frozen, mesh) -> Program:
     """Generation and scoring (`ppo_core.rollout_phase`); the state is read, not donated."""
     rep, batch_sh = sharding.replicated(mesh), sharding.batch_sharding(mesh)
     return jit_program(functools.partial(core.rollout_phase, static, mods),
                        (state_sh, frozen_sh, batch_sh, batch_sh, batch_sh), (batch_sh, rep))
 
 
-def update_program(static: core.PPOStatic, mods: core.Models, state_sh: core.PPOState,
-                   frozen_sh: core.Frozen, mesh) -> Program:
+def update_program(static: PPOStatic, mods: Models, state_sh: PPOState,
+                   frozen_sh: Frozen, mesh) -> Program:
     """Termination, advantages and the updates (`ppo_core.update_phase`: state, experience,
     rollout metrics, hparams, the host's segment ids `[B, R]` or None, and the frozen models
     that score Monte Carlo branches), the state donated."""
@@ -107,8 +108,8 @@ def with_run_axis(named_sharding: NamedSharding) -> NamedSharding:
     return NamedSharding(named_sharding.mesh, PartitionSpec(None, *named_sharding.spec))
 
 
-def experiment_step_program(static: core.PPOStatic, mods: core.Models, run_state_sh: core.PPOState,
-                            frozen_sh: core.Frozen, mesh) -> Program:
+def experiment_step_program(static: PPOStatic, mods: Models, run_state_sh: PPOState,
+                            frozen_sh: Frozen, mesh) -> Program:
     """`ppo_core.ppo_step` vmapped over runs: state `[runs, ...]` (one run's shardings
     `run_state_sh` under a replicated run axis), the frozen models shared, hparams `[runs]`
     replicated, prompts `[runs, B, P]` split over the batch axes along B; the state donated."""
