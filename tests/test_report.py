@@ -274,9 +274,9 @@ def test_report_smoothing_moves_the_step_counts():
 
 def _expected_claims():
     """ma_ppo: the same final gold as ppo (E has mean 0), J lower by 0.05 x (4 - 2) KL, mean gold
-    over training higher ((1 + 5 E_i) / 30), KL higher by 2; the same against its control; the
-    control: the same as ppo on all four; ppo_lam1: four seeds far lower, four equal, the same
-    KL."""
+    over training higher ((1 + 5 E_i) / 30), KL higher by 2, the same RM score; the same
+    against its control; the control: the same as ppo on all five; ppo_lam1: four seeds far
+    lower, four equal, the same KL, RM score higher by 0.6."""
     return [
         {"arm": "ma_ppo", "versus": "ppo", "metric": "J", "direction": -1},
         {"arm": "ma_ppo", "versus": "ppo", "metric": "auc_gold", "direction": 1},
@@ -287,6 +287,7 @@ def _expected_claims():
         {"arm": "ppo_lam1", "versus": "ppo", "metric": "final_gold", "direction": -1},
         {"arm": "ppo_lam1", "versus": "ppo", "metric": "J", "direction": -1},
         {"arm": "ppo_lam1", "versus": "ppo", "metric": "auc_gold", "direction": -1},
+        {"arm": "ppo_lam1", "versus": "ppo", "metric": "rm_score", "direction": 1},
     ]
 
 
@@ -300,17 +301,19 @@ def test_claims_are_exactly_the_comparisons_excluding_zero():
     # interval by hand, and whether it excludes 0.
     gold = {(r["arm"], r["seed"], r["step"]): (r["gold"], r["kl"]) for r in rows
             if r["stage"] == "eval"}
+    rm = {(r["arm"], r["seed"]): r["rm_score"] for r in rows
+          if r["stage"] == "eval" and r["step"] == 30}
 
     def metric(arm, seed, name):
         g = [gold[arm, seed, t][0] for t in STEPS]
         return {"final_gold": g[-1], "J": g[-1] - 0.05 * gold[arm, seed, 30][1],
                 "auc_gold": sum((g[k] + g[k + 1]) / 2 * 10 for k in range(3)) / 30,
-                "kl": gold[arm, seed, 30][1]}[name]
+                "kl": gold[arm, seed, 30][1], "rm_score": rm[arm, seed]}[name]
 
     found = []
     for arm, versus in (("ma_ppo", "ppo"), ("ma_ppo", "ma_ppo_ctrl"), ("ma_ppo_ctrl", "ppo"),
                         ("ppo_lam1", "ppo")):
-        for name in ("final_gold", "J", "auc_gold", "kl"):
+        for name in ("final_gold", "J", "auc_gold", "kl", "rm_score"):
             d = [metric(arm, s, name) - metric(versus, s, name) for s in range(8)]
             lo, hi = _bootstrap_by_hand(d)
             if lo > 0 or hi < 0:
@@ -781,7 +784,7 @@ def test_results_generator_writes_the_real_text_section_with_paired_tables(tmp_p
     assert f"`{command}` on seeds 0-3 (`{first}`), repeated on seeds 4-7 (`{second}`)" in text
     assert "12 PPO steps per run, evaluated every 6 steps on 2 held-out prompts (4 responses " \
            "each)" in text
-    assert "| arm | versus | final gold | J | mean gold over training | KL |" in text
+    assert "| arm | versus | final gold | J | mean gold over training | KL | RM score |" in text
     for report in reports:
         seeds = report_lib.format_seeds(report["seeds"])
         table = text.split(f"Paired differences arm - versus, seeds {seeds}")[1]

@@ -22,7 +22,7 @@ from marl_jax.eval import study_stats as st
 from marl_jax.train.metrics import read_metrics
 
 # The paired comparisons between arms (and the claims a study can make).
-METRICS = ("final_gold", "J", "auc_gold", "kl")
+METRICS = ("final_gold", "J", "auc_gold", "kl", "rm_score")
 ARM_METRICS = ("final_gold", "kl", "J", "rm_score", "auc_gold", "gain_over_sft")
 METRIC_WORDS = {"final_gold": "final gold", "J": "J", "auc_gold": "mean gold over training",
                 "kl": "KL", "rm_score": "RM score", "gain_over_sft": "gold gain over SFT"}
