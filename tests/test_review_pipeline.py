@@ -105,15 +105,18 @@ SLICE = {
 @pytest.mark.parametrize("size, dtype", [("cpu_study", "float32"), ("window", "bfloat16")])
 def test_tiny_slice_of_each_study_size_on_smollm2(tmp_path, smollm2_gguf, size, dtype):
     """One PPO step of every arm of a study size (ppo, ma_ppo and its matched control; the
-    window size in bfloat16, its three runs in one vmapped program) at tiny shapes, through
-    sampling, SFT, the reward model, the evaluations and the report."""
+    window size in bfloat16 over rematerialised scanned layers) at tiny shapes, through
+    sampling, SFT, the reward model, the evaluations and the report. One run per program: the
+    window's three vmapped runs hold three actors and critics of SmolLM2 with their Adam states
+    in float32 (~10 GB here; `bench.py memory` checks that program on a v5e-8)."""
     from marl_jax import models
     from marl_jax.train.metrics import read_metrics
 
     workdir = tmp_path / "run"
     env = dict(os.environ, XLA_FLAGS=os.environ["XLA_FLAGS"].replace(
         "--xla_force_host_platform_device_count=8", "--xla_force_host_platform_device_count=1"))
-    flags = [f"--config.{k}={v}" for k, v in SLICE.items()]
+    flags = [f"--config.{k}={v}" for k, v in
+             dict(SLICE, **{"experiment.runs_per_program": 1}).items()]
     result = subprocess.run(
         [sys.executable, str(ROOT / "experiments" / "run.py"),
          "--config=" + str(ROOT / "configs" / "real_text_smollm2.py"), f"--config.size={size}",
@@ -176,5 +179,5 @@ def test_tiny_slice_of_each_study_size_on_smollm2(tmp_path, smollm2_gguf, size, 
     assert kl_coef["ma_ppo"] == pytest.approx(kl_coef["ppo"])
     report = json.loads((workdir / "report.json").read_text())
     assert report["plan"]["controls"] == {"ma_ppo": "ma_ppo_ctrl"}
-    assert set(report["comparisons"]["ma_ppo"]["versus_control"]) == {"final_gold", "J",
-                                                                      "auc_gold", "kl"}
+    assert set(report["comparisons"]["ma_ppo"]["versus_control"]) == {
+        "final_gold", "J", "auc_gold", "kl", "rm_score"}
