@@ -2,8 +2,12 @@
 
     python experiments/run.py --config=configs/real_text_smollm2.py --config.size=cpu \\
         --config.seeds="(0,)"                       # ppo and ma_ppo, one seed, a 2-core CPU
+    python experiments/run.py --config=configs/real_text_smollm2.py --config.size=cpu_study
+                                # ppo, ma_ppo and its matched control x 4 seeds, a 2-core CPU
+    python experiments/run.py --config=configs/real_text_smollm2.py --config.size=window
+                                # the same arms x 3 seeds at full size, 10 minutes of one H200
     python experiments/run.py --config=configs/real_text_smollm2.py --config.size=accelerator
-                                                     # the study: 4 arms x 5 seeds, one GPU / v5e-8
+                                                     # 4 arms x 5 seeds, one GPU / v5e-8
 
 The task (marl_jax/data/reviews.py): prompts such as "In two short sentences, review the
 Riverside Inn (a hotel). Mention the room and the breakfast. The last word must be "again"."
@@ -132,6 +136,31 @@ def get_config():
     c.size_applied = ""
     c.sizes = ml_collections.ConfigDict(dict(
         cpu=dict(),
+        # The study on a 2-core CPU: token PPO, MA-PPO as released and its matched control
+        # (lam^(1/5) = 1 at lam = 1, and kl_coef / 5 for the mean aggregation), 4 seeds; the
+        # cpu size's data, SFT, reward model and PPO settings, every arm of a seed on the same
+        # prompts and sampling keys. Time, from the cpu size's measured rates
+        # (docs/real_text.md: sampling ~2 min, SFT 52 s, reward model 3 min 20 s, 512
+        # evaluation responses ~1 min 50 s, a PPO step <= 16 s, a run's first step ~30 s
+        # longer: its compile):
+        # 7 min + 4 seeds' SFT evaluations (4 x 55 s) + 12 runs x (12 steps x 16 s + 2
+        # evaluations x 55 s + 40 s) = 7 + 3.7 + 68.4 = ~79 min alone on the machine.
+        cpu_study=dict(
+            # 4 seeds: with n = 4 a 95% bootstrap interval is ~0.85 sd of the per-seed
+            # differences wide on each side.
+            seeds=(0, 1, 2, 3),
+            # 64 prompts x 4 responses (256): half the cpu size's evaluation, which pays for
+            # the mid-training one that mean gold over training needs. Resolution: on seeds
+            # 92-94 (cpu size, 512 responses) `ma_ppo` - `ppo` final gold was +0.006, +0.001,
+            # -0.001 (sd 0.0036) against a gain over SFT of +0.031; at 256 responses that sd
+            # is at most 0.0036 x sqrt(2) = 0.005 (half-width ~0.0043), and 12 of 20 steps
+            # keep ~0.6 of the gain if it grows linearly: 0.019 / 0.0043 = ~4.4.
+            task=dict(num_eval_prompts=64),
+            # 12 steps x 8 responses, evaluated at steps 0 (the SFT policy), 6 and 12: the
+            # most steps that fit the 90 minutes with two evaluations per run.
+            ppo=dict(steps=12, eval_every=6),
+            experiment=dict(arms=("ppo", "ma_ppo", "ma_ppo_ctrl")),
+        ),
         # One GPU or a v5e-8 in about an hour: 4 arms x 5 seeds, 128-token responses, batch 64,
         # bf16.
         accelerator=dict(
@@ -154,6 +183,51 @@ def get_config():
             # v5e chip (16 GiB), two fit (experiments/bench.py memory --topology=v5e-8).
             experiment=dict(arms=("ppo", "ma_ppo", "ma_ppo_ctrl", "ma_ppo_smdp"),
                             runs_per_program=2),
+        ),
+        # The study in one 10-minute window of one H200 (or a v5e-8): the cpu_study's arms, 3
+        # seeds, 128-token responses, batch 64, every layer trained with bfloat16 compute (float32
+        # master weights in the optimizer), the accelerator size's PPO settings (the paper's:
+        # critic from the reward model, lam 0.95, no whitening). NOT RUN YET (no accelerator
+        # was at hand). The plan, from the device suite's H200 rows (docs/accelerators.md; bf16,
+        # scanned layers): a train step of the SmolLM2 shape at 8 x 1024, remat full, cuDNN,
+        # 41.5 ms (197k tokens/s); decoding 4.48 ms a step at batch 256 (2.56 at 32); the
+        # sampler's compile 6.8 s; and the review gold on the host, 3.3 ms a response (this
+        # 2-core CPU, loaded):
+        #   data: 576 prompts x 4 samples, 9 calls of 256 rows x 128 steps x 4.48 ms = 5 s,
+        #     gold 2,304 x 3.3 ms = 8 s                                               13 s
+        #   SFT 64 and reward model 96 steps, each <= one 41.5 ms train step          7 s
+        #   PPO: 3 programs (one arm's 3 seeds, vmapped) x 64 steps x (decode 128 x 4.48 ms
+        #     = 0.57 s; scoring, 4 forwards = 8N a token, one train step's work with remat,
+        #     and the actor and critic updates, two: 3 x 64 x 196 tokens x 3 / 197k
+        #     = 0.57 s)                                                               219 s
+        #   evaluation: 7 (step 0 once, steps 32 and 64 of 3 programs) x 1,536 responses
+        #     (decode 128 x 6 x 4.48 ms = 3.4 s, scoring 1.1 s, gold 5.1 s)          67 s
+        #   compiles: sampler 7 s measured; SFT, RM, PPO step, evaluation not measured
+        #     on an H200, allowed 20 + 20 + 60 + 20 s                               127 s
+        #   model load and checkpoints (3 x 9.7 GB of runs' states at the end)       30 s
+        #   total                                                   463 s = 7.7 min of 10
+        window=dict(
+            seeds=(0, 1, 2), checkpoint_every=64, max_to_keep=1,
+            # Remat full: without it the PPO step of 3 vmapped runs needs 18.1 GiB of
+            # temporaries on a v5e chip (16 GiB of HBM), with it its peak is 3.8 GiB; on the
+            # H200 a train step is faster with it too (41.5 against 45.9 ms at 8 x 1024).
+            model=dict(dtype="bfloat16", scan_layers=True, remat="full"),
+            mesh=dict(data=1, fsdp=-1),
+            # Half the accelerator size's data (SFT and reward-model passes kept); 4,096 RL
+            # prompts: one pass in 64 steps of 64. 128 held-out prompts x 4 responses.
+            task=dict(num_eval_prompts=128, num_rm_eval=64, num_sft=256, num_pairs=256,
+                      num_rl_prompts=4096, sample_batch_size=64),
+            sft=dict(steps=64, batch_size=16, num_layers_unfrozen=-1),
+            rm=dict(steps=96, batch_size=8, learning_rate=1e-5, num_layers_unfrozen=-1),
+            # Evaluations at 0, 32 and 64: mean gold over training from three points.
+            ppo=dict(steps=64, batch_size=64, ppo_epochs=1, num_minibatches=1,
+                     response_length=128, eval_every=32, learning_rate=3e-6,
+                     critic_learning_rate=1e-5, num_layers_unfrozen=-1,
+                     critic_init="rm", whiten_advantages=False, lam=0.95),
+            # Three runs per vmapped program (one arm's seeds): one compile for all nine runs;
+            # its step peaks at 3.8 GiB a v5e chip, the evaluation at 5.9 GiB
+            # (experiments/bench.py memory --topology=v5e-8).
+            experiment=dict(arms=("ppo", "ma_ppo", "ma_ppo_ctrl"), runs_per_program=3),
         ),
     ))
     return c

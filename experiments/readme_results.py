@@ -1,20 +1,27 @@
-"""Writes the default experiment's results page, the README's headline and docs/results.json.
+"""Writes a study's results page, the README's headline and the study's JSON from its runs.
 
     python experiments/readme_results.py RUN_DIR [CONFIRM_DIR ...] [--readme README.md]
-        [--page docs/synthetic_results.md] [--results docs/results.json]
-        [--curves docs/synthetic_curves.png] [--command CMD]
+        [--page docs/synthetic_results.md] [--marker results] [--results docs/results.json]
+        [--curves docs/synthetic_curves.png] [--command CMD] [--paired]
+
+The defaults write the default experiment's (the synthetic study's); the real-text study's
+section of docs/real_text.md is `--page docs/real_text.md --marker real-text-study --readme ''
+--paired --results docs/real_text_results.json --curves docs/real_text_curves.png`.
 
 RUN_DIR and every CONFIRM_DIR hold the report.json of one run of the same experiment command
 (`--command`, as the section shows it) on different seeds. A claim is a paired difference
 between two arms whose 95% bootstrap interval over seeds excludes 0 (`marl_jax.eval.report.claims`);
-only the claims every given run makes, in the same direction, are kept. They go to
-docs/results.json. The page's section between the lines `<!-- results:start -->` and
-`<!-- results:end -->` is replaced by: the command and seeds of each run, RUN_DIR's per-arm
-table, the resolution of each run (PPO's gain against the widest paired interval), RUN_DIR's
-curves, one sentence per kept claim, and for every macro arm against token PPO and against its
-matched control each difference that was not distinguishable or not replicated. The README's
-section between `<!-- headline:start -->` and `<!-- headline:end -->` is replaced by the
-headline: columns of the same table, the curves, the kept claims and the differences no run
+only the claims every given run makes, in the same direction, are kept. They go to the JSON
+(`--results`, with every run's key numbers: per-arm means, paired differences per seed,
+resolution). The page's section between the lines `<!-- MARKER:start -->` and
+`<!-- MARKER:end -->` (`--marker`, default `results`) is replaced by: the command and seeds of
+each run, RUN_DIR's per-arm table, with `--paired` each run's table of paired differences
+(every arm against the baseline, every macro arm against its matched control), the resolution
+of each run (PPO's gain against the widest paired interval), RUN_DIR's curves, one sentence per
+kept claim, and for every macro arm against token PPO and against its matched control each
+difference that was not distinguishable or not replicated. The README's section between
+`<!-- headline:start -->` and `<!-- headline:end -->` (`--readme`; '' for none) is replaced by
+the headline: columns of the same table, the curves, the kept claims and the differences no run
 could tell apart, in words, with a link to the page. Nothing else in either file changes.
 """
 from __future__ import annotations
@@ -30,7 +37,15 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from marl_jax.eval import report as report_lib  # noqa: E402
 
-START, END = "<!-- results:start -->", "<!-- results:end -->"
+MARKER = "results"
+
+
+def markers(name: str = MARKER) -> tuple[str, str]:
+    """The lines that delimit a generated section: `<!-- name:start -->`, `<!-- name:end -->`."""
+    return f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+
+
+START, END = markers()
 HEADLINE_START, HEADLINE_END = "<!-- headline:start -->", "<!-- headline:end -->"
 HEADLINE_COLUMNS = ("arm", "gold", "RM score", "KL (nats)", "J = gold - beta KL",
                     "reward hacking")
@@ -181,10 +196,11 @@ def headline_section(runs, claims, *, page_link: str, curves_link: str,
     return "\n".join(lines)
 
 
-def results_section(runs, claims, *, command: str, curves_link: str,
-                    generated_by: str) -> str:
+def results_section(runs, claims, *, command: str, curves_link: str, generated_by: str,
+                    paired: bool = False, results_name: str = "docs/results.json") -> str:
     """The generated results page section (without its marker lines). runs: [(dir, report)], the
-    first one's table and curves shown."""
+    first one's table and curves shown; with `paired`, every run's paired-difference table;
+    `results_name`: the JSON file named as listing the claims."""
     (first_dir, first), confirm = runs[0], runs[1:]
     where = f"`{command}` on seeds {report_lib.format_seeds(first['seeds'])} (`{first_dir}`)"
     if confirm:
@@ -194,6 +210,8 @@ def results_section(runs, claims, *, command: str, curves_link: str,
     if plan.get("steps") and plan.get("eval_every"):
         where += (f". {plan['steps']} PPO steps per run, evaluated every {plan['eval_every']} "
                   f"steps on {plan.get('num_eval_prompts', 'the')} held-out prompts")
+        if plan.get("eval_samples_per_prompt", 1) > 1:
+            where += f" ({plan['eval_samples_per_prompt']} responses each)"
     lines = [
         f"<!-- generated by `{generated_by}`; do not edit by hand -->", "",
         f"{where}. Every arm of a seed sees the same prompts and sampling keys, so "
@@ -204,11 +222,18 @@ def results_section(runs, claims, *, command: str, curves_link: str,
     ]
     lines += report_lib.arm_table(first)
     lines += [""]
+    if paired:
+        for _, r in runs:
+            lines += [f"Paired differences arm - versus, seeds "
+                      f"{report_lib.format_seeds(r['seeds'])} (mean over seeds, 95% bootstrap "
+                      "interval):", ""]
+            lines += report_lib.comparison_table(r)
+            lines += [""]
     lines += [f"Resolution, seeds {report_lib.format_seeds(r['seeds'])}: "
               f"{report_lib.resolution_line(r)}" for _, r in runs]
     lines += ["", f"![gold, J and RM score over PPO steps]({curves_link})", "",
               "What it shows (only differences whose 95% interval excludes 0 on every run; "
-              "`docs/results.json` lists them):", ""]
+              f"`{results_name}` lists them):", ""]
     lines += [f"- {claim_sentence(runs, c)}" for c in claims] or [
         "- No difference between two arms has an interval excluding 0 on every run."]
     rest = open_lines(runs, claims)
@@ -232,6 +257,27 @@ def replace_section(text: str, section: str, path: str, start: str = START,
     return f"{head}{start}\n{section}\n{end}{tail}"
 
 
+def _estimate(entry: dict) -> dict:
+    return {"mean": entry["mean"], "ci": entry["ci"]}
+
+
+def run_numbers(report: dict) -> dict:
+    """The key numbers of one run's report: per arm, the mean and interval of every arm metric;
+    every paired comparison with its per-seed differences; PPO's gain over SFT and the
+    resolution."""
+    arms = {arm: {m: _estimate(e[m]) for m in report_lib.ARM_METRICS}
+            for arm, e in report["arms"].items()}
+    paired = {}
+    for arm, _, metric, cmp in report_lib.paired_comparisons(report):
+        paired.setdefault(f"{arm} - {cmp['versus']}", {})[metric] = dict(
+            _estimate(cmp), differences=cmp["differences"])
+    res = report["resolution"]
+    return {"seeds": report["seeds"], "sft_gold": report["sft_gold"],
+            "ppo_gain": _estimate(report["ppo_gain"]), "arms": arms, "paired": paired,
+            "resolution": {"max_half_width": res["max_half_width"],
+                           "gain_over_max_half_width": res["gain_over_max_half_width"]}}
+
+
 def _link(target: str, document: str) -> str:
     """`target` relative to the folder of `document`, as a markdown link writes it."""
     link = os.path.relpath(os.path.abspath(target), os.path.dirname(os.path.abspath(document)))
@@ -244,9 +290,14 @@ def main(argv) -> int:
     parser.add_argument("run_dir")
     parser.add_argument("confirm_dirs", nargs="*")
     parser.add_argument("--readme", default="README.md",
-                        help="the file whose headline section is replaced")
+                        help="the file whose headline section is replaced ('': none)")
     parser.add_argument("--page", default="docs/synthetic_results.md",
                         help="the file whose results section is replaced")
+    parser.add_argument("--marker", default=MARKER,
+                        help="the page's section replaced: between <!-- MARKER:start --> and "
+                             "<!-- MARKER:end -->")
+    parser.add_argument("--paired", action="store_true",
+                        help="also show every run's table of paired differences")
     parser.add_argument("--results", default="docs/results.json")
     parser.add_argument("--curves", default="docs/synthetic_curves.png")
     parser.add_argument("--command", default="python experiments/run.py",
@@ -258,21 +309,24 @@ def main(argv) -> int:
         curves_src = os.path.join(args.run_dir, "curves.png")
         if not os.path.exists(curves_src):
             raise FileNotFoundError(f"{curves_src} does not exist")
-        with open(args.readme) as f:
-            readme = f.read()
         with open(args.page) as f:
             page = f.read()
         claims = replicated_claims([r for _, r in runs])
         generated_by = " ".join(["experiments/readme_results.py", *argv])
         section = results_section(runs, claims, command=args.command,
                                   curves_link=_link(args.curves, args.page),
-                                  generated_by=generated_by)
-        new_page = replace_section(page, section, args.page)
-        headline = headline_section(runs, claims, page_link=_link(args.page, args.readme),
-                                    curves_link=_link(args.curves, args.readme),
-                                    generated_by=generated_by)
-        new_readme = replace_section(readme, headline, args.readme, HEADLINE_START,
-                                     HEADLINE_END)
+                                  generated_by=generated_by, paired=args.paired,
+                                  results_name=args.results)
+        new_page = replace_section(page, section, args.page, *markers(args.marker))
+        new_readme = None
+        if args.readme:
+            with open(args.readme) as f:
+                readme = f.read()
+            headline = headline_section(runs, claims, page_link=_link(args.page, args.readme),
+                                        curves_link=_link(args.curves, args.readme),
+                                        generated_by=generated_by)
+            new_readme = replace_section(readme, headline, args.readme, HEADLINE_START,
+                                         HEADLINE_END)
     except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -281,13 +335,15 @@ def main(argv) -> int:
     with open(args.results, "w") as f:
         json.dump({"claims": claims,
                    "runs": [{"dir": d, "seeds": r["seeds"]} for d, r in runs],
+                   "numbers": [run_numbers(r) for _, r in runs],
                    "generated_by": generated_by}, f, indent=2)
         f.write("\n")
     shutil.copyfile(curves_src, args.curves)
     with open(args.page, "w") as f:
         f.write(new_page)
-    with open(args.readme, "w") as f:
-        f.write(new_readme)
+    if new_readme is not None:
+        with open(args.readme, "w") as f:
+            f.write(new_readme)
     return 0
 
 

@@ -176,6 +176,8 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
     _check_objective(p, check)
     _warn_once(rollout_correction_warning(p))
     check(c.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
+    if "seeds" in c:
+        check_seeds(c.seeds)
     if "eval" in c:
         check(isinstance(c.eval.get("allow_unfiltered_jail", False), bool),
               "eval.allow_unfiltered_jail", "must be True or False")
@@ -236,6 +238,20 @@ def _check_objective(p, check):
           f"ppo.response_length={p.response_length}")
     check(o.overlong_penalty >= 0, "ppo.overlong_penalty",
           "must be >= 0 (it is subtracted from the score)")
+
+
+def check_seeds(seeds) -> None:
+    """Raises one line unless `seeds` (`config.seeds`: one PPO run per arm and seed) is a
+    non-empty sequence of distinct integers: a seed listed twice would run the same runs twice
+    and count them as two replicates in every interval over seeds."""
+    values = tuple(seeds) if isinstance(seeds, (tuple, list)) else (seeds,)
+    if not values or not all(isinstance(s, int) and not isinstance(s, bool) for s in values):
+        raise ValueError(f"config.seeds={seeds!r}: must be a non-empty tuple of integers, "
+                         "e.g. --config.seeds='(0,1,2,3)'")
+    repeated = sorted({s for s in values if values.count(s) > 1})
+    if repeated:
+        raise ValueError(f"config.seeds={seeds!r}: seed(s) {', '.join(map(str, repeated))} "
+                         "listed more than once; every seed must be distinct")
 
 
 # Longest macro (tokens) above which macro-level correction weights under top-k / top-p warn.

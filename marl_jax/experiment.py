@@ -232,10 +232,8 @@ def plan_runs(config) -> list[Run]:
         if bad:
             raise ValueError(f"config.ppo.arm_overrides.{arm}: {bad} cannot vary between arms; "
                              f"an arm may set {TRACED_FIELDS + STATIC_FIELDS}")
+    config_check.check_seeds(config.seeds)
     seeds = tuple(int(s) for s in config.seeds)
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise ValueError(f"config.seeds={config.seeds!r} must be a non-empty tuple of distinct "
-                         "integers")
     runs = []
     for a in arms:
         control_of = a[:-len(CONTROL_SUFFIX)] if (a.endswith(CONTROL_SUFFIX)
@@ -637,7 +635,8 @@ def plan_row(config, runs, num_eval_prompts: int) -> dict:
         macro_arms=[a for a in arms if is_macro_arm(first[a])], runs=first,
         per_run=[dict(arm=r.arm, seed=r.seed, **r.ppo) for r in runs],
         steps=int(config.ppo.steps), eval_every=int(config.ppo.eval_every),
-        num_eval_prompts=int(num_eval_prompts))
+        num_eval_prompts=int(num_eval_prompts),
+        eval_samples_per_prompt=int(config.ppo.eval_samples_per_prompt))
 
 
 def _run_hparams(runs, variants) -> RunHparams:

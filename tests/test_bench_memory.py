@@ -354,25 +354,28 @@ REAL_TEXT = (f"--config={ROOT / 'configs' / 'real_text_smollm2.py'}", "--config.
 SMOLLM2_PARAMS = 134_515_008  # transformers' num_parameters of SmolLM2-135M (tied embeddings)
 
 
-def test_real_text_accelerator_size_compiles_as_run_py_runs_it_and_fits_a_v5e_8(tmp_path):
+@pytest.mark.parametrize("size, runs", [("accelerator", 2), ("window", 3)])
+def test_real_text_accelerator_sizes_compile_as_run_py_runs_them_and_fit_a_v5e_8(tmp_path, size,
+                                                                                 runs):
     """The size preset applied as run.py applies it (bfloat16, scanned layers, its mesh), and
-    the experiment's step vmapped over `runs_per_program` = 2 runs: each device holds at least
-    its share of 2 actors and 2 critics with their two Adam moments (fp32) and the frozen
-    reference and reward model (bfloat16)."""
+    the experiment's step vmapped over `runs_per_program` runs (2 of the accelerator size, 3 of
+    the window size): each device holds at least its share of the runs' actors and critics with
+    their two Adam moments (fp32) and the frozen reference and reward model (bfloat16)."""
     report = tmp_path / "memory.json"
     stdout, (devices, peak_gib, capacity_gib, fits) = _run(
-        *REAL_TEXT, "--programs=experiment", f"--json={report}")
-    assert "(size accelerator); stage experiment" in stdout
+        REAL_TEXT[0], f"--config.size={size}", *REAL_TEXT[2:], "--programs=experiment",
+        f"--json={report}")
+    assert f"(size {size}); stage experiment" in stdout
     assert (devices, capacity_gib, fits) == (8, 16.0, True)
     result = json.loads(report.read_text())
-    assert result["size"] == "accelerator" and result["device_kind"] == "TPU v5 lite"
+    assert result["size"] == size and result["device_kind"] == "TPU v5 lite"
     assert result["model"]["dtype"] == "bfloat16" and result["model"]["scan_layers"]
     assert result["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
     row = result["programs"][0]
     assert row["program"] == "experiment" and "error" not in row
     n = SMOLLM2_PARAMS  # the critic and reward model: the backbone, the embeddings included
-    # 2 runs x (actor, critic) x 12 bytes; the 2 frozen models in bfloat16 (`frozen_models`).
-    bound = (2 * 2 * 12 * n + 2 * 2 * n) / 8
+    # runs x (actor, critic) x 12 bytes; the 2 frozen models in bfloat16 (`frozen_models`).
+    bound = (runs * 2 * 12 * n + 2 * 2 * n) / 8
     assert bound <= row["weights"] <= 1.1 * bound
     assert row["peak"] >= row["weights"] and peak_gib * GIB == pytest.approx(row["peak"], rel=1e-3)
     # The roofline of the compiled step on a v5e chip (197 TFLOP/s bf16, 819 GB/s HBM): the

@@ -55,6 +55,20 @@ def test_an_unknown_field_is_one_line_naming_the_nearest_field(tmp_path, config_
     assert not workdir.exists()
 
 
+@pytest.mark.parametrize("flag, line", [
+    ("--config.size=study", "error: config.size='study': must be one of ('accelerator', 'cpu', "
+                            "'cpu_study', 'window')"),
+    ("--config.seeds=(4,5,4,6,6)", "error: config.seeds=(4, 5, 4, 6, 6): seed(s) 4, 6 listed "
+                                   "more than once; every seed must be distinct"),
+], ids=["unknown_size", "seed_twice"])
+def test_a_size_that_does_not_exist_or_a_seed_twice_is_one_line(tmp_path, flag, line):
+    workdir = tmp_path / "run"
+    result = run_cli("--config", str(ROOT / "configs" / "real_text_smollm2.py"), flag,
+                     f"--workdir={workdir}")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [line] and not workdir.exists()
+
+
 def test_traceback_flag_shows_the_traceback(tmp_path):
     result = run_cli("--config.ppo.ngram=0", "--traceback", f"--workdir={tmp_path / 'run'}")
     assert result.returncode == 1

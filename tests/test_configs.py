@@ -48,6 +48,74 @@ def test_the_real_text_sizes_resolve_and_the_accelerator_size_is_the_study():
     assert cpu.ppo.lam == 1.0 and big.ppo.lam == 0.95
 
 
+def _real_text_size(size):
+    from marl_jax.config import resolve_size
+
+    module = importlib.import_module("configs.real_text_smollm2")
+    config = module.get_config()
+    config.size = size
+    resolve_size(config, file_config=module.get_config())
+    validate_config(config)
+    return config
+
+
+@pytest.mark.parametrize("size, least_seeds", [("cpu_study", 4), ("window", 3)])
+def test_the_real_text_studies_run_ppo_ma_ppo_and_its_matched_control(size, least_seeds):
+    """Both study sizes: `ppo`, `ma_ppo` (fixed 5-grams, `equal` values, mean rewards) and its
+    matched token-PPO control (lam^(1/5), kl_coef / 5) on every seed, the report pairing each
+    macro arm with its control."""
+    config = _real_text_size(size)
+    p = config.ppo
+    runs = experiment.plan_runs(config)
+    seeds = tuple(config.seeds)
+    assert len(seeds) >= least_seeds and len(set(seeds)) == len(seeds)
+    assert [(r.arm, r.seed) for r in runs] == [(a, s) for a in ("ppo", "ma_ppo", "ma_ppo_ctrl")
+                                               for s in seeds]
+    arms = {r.arm: r.ppo for r in runs if r.seed == seeds[0]}
+    assert (arms["ppo"]["ngram"], arms["ppo"]["lam"], arms["ppo"]["kl_coef"]) == (1, p.lam,
+                                                                                   p.kl_coef)
+    assert (arms["ma_ppo"]["ngram"], arms["ma_ppo"]["value_weighting"],
+            arms["ma_ppo"]["reward_aggregation"]) == (5, "equal", "weighted")
+    assert arms["ma_ppo_ctrl"]["ngram"] == 1
+    assert arms["ma_ppo_ctrl"]["lam"] == pytest.approx(p.lam ** (1 / 5))
+    assert arms["ma_ppo_ctrl"]["kl_coef"] == pytest.approx(p.kl_coef / 5)
+    assert experiment.controls_of(runs, config) == {"ma_ppo": "ma_ppo_ctrl"}
+    # One SFT policy and one reward model (config.seed) for every run.
+    assert isinstance(config.seed, int) and config.stage == "experiment"
+
+
+def test_the_cpu_study_is_the_cpu_size_with_its_stated_changes():
+    """cpu_study: the cpu size's data, models and PPO settings; 12 steps evaluated at 0, 6 and
+    12 on 64 held-out prompts x 4 responses; one run per program."""
+    cpu, study = _real_text_size("cpu"), _real_text_size("cpu_study")
+    assert (study.ppo.steps, study.ppo.eval_every, study.task.num_eval_prompts,
+            study.ppo.eval_samples_per_prompt) == (12, 6, 64, 4)
+    assert tuple(study.seeds) == (0, 1, 2, 3)
+    changed = {k for k in ("ppo", "task", "sft", "rm", "model", "mesh")
+               for f in cpu[k] if cpu[k][f] != study[k][f]}
+    assert changed == {"ppo", "task"}
+    assert {f for f in cpu.ppo if cpu.ppo[f] != study.ppo[f]} == {"steps", "eval_every"}
+    assert {f for f in cpu.task if cpu.task[f] != study.task[f]} == {"num_eval_prompts"}
+    assert study.experiment.runs_per_program == 1 and study.ppo.lam == 1.0
+
+
+def test_the_window_size_is_the_full_size_in_bfloat16():
+    """window: 128-token responses, batch 64, every layer of every stage trained with bfloat16
+    compute over scanned, rematerialised layers, the paper's critic and lam, three runs per
+    program."""
+    w = _real_text_size("window")
+    assert w.ppo.response_length == 128 and w.ppo.batch_size >= 64
+    assert (w.model.dtype, w.model.param_dtype, w.model.scan_layers, w.model.remat) == (
+        "bfloat16", "float32", True, "full")
+    assert w.sft.num_layers_unfrozen == w.rm.num_layers_unfrozen == w.ppo.num_layers_unfrozen == -1
+    assert (w.ppo.critic_init, w.ppo.lam, w.ppo.whiten_advantages) == ("rm", 0.95, False)
+    assert (w.ppo.steps, w.ppo.eval_every, w.task.num_eval_prompts) == (64, 32, 128)
+    # One pass over the RL prompts; every program the same shape (one compile for 9 runs).
+    assert w.task.num_rl_prompts == w.ppo.steps * w.ppo.batch_size
+    assert len(w.experiment.arms) * len(w.seeds) % w.experiment.runs_per_program == 0
+    assert dict(w.mesh) == {"data": 1, "fsdp": -1, "tensor": 1}
+
+
 def test_the_shipped_configs_cover_the_paper_tasks():
     assert {"synthetic", "synthetic_sweep", "tldr_smollm2", "hh_rlhf_smollm2", "webgpt_smollm2",
             "apps_smollm2", "tldr_gemma2b_tpu", "tldr_gemma7b_tpu"} <= set(CONFIG_NAMES)

@@ -274,16 +274,20 @@ def test_report_smoothing_moves_the_step_counts():
 
 def _expected_claims():
     """ma_ppo: the same final gold as ppo (E has mean 0), J lower by 0.05 x (4 - 2) KL, mean gold
-    over training higher ((1 + 5 E_i) / 30); the same against its control; the control: the
-    same as ppo on all three; ppo_lam1: four seeds far lower, four equal."""
+    over training higher ((1 + 5 E_i) / 30), KL higher by 2, the same RM score; the same
+    against its control; the control: the same as ppo on all five; ppo_lam1: four seeds far
+    lower, four equal, the same KL, RM score higher by 0.6."""
     return [
         {"arm": "ma_ppo", "versus": "ppo", "metric": "J", "direction": -1},
         {"arm": "ma_ppo", "versus": "ppo", "metric": "auc_gold", "direction": 1},
+        {"arm": "ma_ppo", "versus": "ppo", "metric": "kl", "direction": 1},
         {"arm": "ma_ppo", "versus": "ma_ppo_ctrl", "metric": "J", "direction": -1},
         {"arm": "ma_ppo", "versus": "ma_ppo_ctrl", "metric": "auc_gold", "direction": 1},
+        {"arm": "ma_ppo", "versus": "ma_ppo_ctrl", "metric": "kl", "direction": 1},
         {"arm": "ppo_lam1", "versus": "ppo", "metric": "final_gold", "direction": -1},
         {"arm": "ppo_lam1", "versus": "ppo", "metric": "J", "direction": -1},
         {"arm": "ppo_lam1", "versus": "ppo", "metric": "auc_gold", "direction": -1},
+        {"arm": "ppo_lam1", "versus": "ppo", "metric": "rm_score", "direction": 1},
     ]
 
 
@@ -297,16 +301,19 @@ def test_claims_are_exactly_the_comparisons_excluding_zero():
     # interval by hand, and whether it excludes 0.
     gold = {(r["arm"], r["seed"], r["step"]): (r["gold"], r["kl"]) for r in rows
             if r["stage"] == "eval"}
+    rm = {(r["arm"], r["seed"]): r["rm_score"] for r in rows
+          if r["stage"] == "eval" and r["step"] == 30}
 
     def metric(arm, seed, name):
         g = [gold[arm, seed, t][0] for t in STEPS]
         return {"final_gold": g[-1], "J": g[-1] - 0.05 * gold[arm, seed, 30][1],
-                "auc_gold": sum((g[k] + g[k + 1]) / 2 * 10 for k in range(3)) / 30}[name]
+                "auc_gold": sum((g[k] + g[k + 1]) / 2 * 10 for k in range(3)) / 30,
+                "kl": gold[arm, seed, 30][1], "rm_score": rm[arm, seed]}[name]
 
     found = []
     for arm, versus in (("ma_ppo", "ppo"), ("ma_ppo", "ma_ppo_ctrl"), ("ma_ppo_ctrl", "ppo"),
                         ("ppo_lam1", "ppo")):
-        for name in ("final_gold", "J", "auc_gold"):
+        for name in ("final_gold", "J", "auc_gold", "kl", "rm_score"):
             d = [metric(arm, s, name) - metric(versus, s, name) for s in range(8)]
             lo, hi = _bootstrap_by_hand(d)
             if lo > 0 or hi < 0:
@@ -694,3 +701,162 @@ def test_near_flat_arm_is_not_flagged_for_reward_hacking():
     assert bare["arms"]["flat"]["reward_hacking"]["count"] == 2
     assert bare["arms"]["flat"]["reward_hacking"]["noise"] == {"0": None, "1": None}
     assert "exceeds its own noise" in report["definitions"]["reward_hacking"]
+
+
+# ---- the real-text study: paired statistics by hand ----------------------------------------------
+T_975_3 = 3.182446305284263  # Student's t, 0.975 quantile, 3 degrees of freedom (tables)
+STUDY_STEPS = (0, 6, 12)
+# Per seed (4 seeds): SFT gold, then each arm's gold at steps 6 and 12 and its final KL.
+STUDY = {
+    "sft": (0.50, 0.52, 0.49, 0.51),
+    "ppo": (((0.51, 0.53), (0.53, 0.56), (0.50, 0.51), (0.52, 0.54)), (0.20, 0.30, 0.10, 0.20)),
+    "ma_ppo": (((0.52, 0.54), (0.55, 0.59), (0.49, 0.47), (0.55, 0.59)), (0.50, 0.60, 0.40, 0.70)),
+    "ma_ppo_ctrl": (((0.51, 0.53), (0.54, 0.57), (0.50, 0.52), (0.53, 0.56)),
+                    (0.45, 0.65, 0.45, 0.65)),
+}
+
+
+def _real_text_study_rows(seeds=(0, 1, 2, 3)):
+    """A hand-made cpu_study: 3 arms x 4 seeds, evaluations at 0, 6 and 12 (step 0 the SFT
+    policy), per-prompt final rows (two prompts whose mean is the last evaluation)."""
+    rows = [dict(stage="plan", step=0, arms=["ppo", "ma_ppo", "ma_ppo_ctrl"], seeds=list(seeds),
+                 baseline="ppo", beta=0.05, controls={"ma_ppo": "ma_ppo_ctrl"},
+                 macro_arms=["ma_ppo"], steps=12, eval_every=6, num_eval_prompts=2,
+                 eval_samples_per_prompt=4)]
+    for i, seed in enumerate(seeds):
+        sft = STUDY["sft"][i]
+        rows.append(dict(stage="final", arm="sft", seed=seed, step=0,
+                         gold_per_prompt=[sft - 0.1, sft + 0.1], rm_score_per_prompt=[0, 0]))
+        for arm in ("ppo", "ma_ppo", "ma_ppo_ctrl"):
+            (mid, last), kl = STUDY[arm][0][i], STUDY[arm][1][i]
+            for step, gold, k in zip(STUDY_STEPS, (sft, mid, last), (0.0, kl / 2, kl)):
+                rows.append(_eval(arm, seed, step, gold, k, rm=step / 12))
+            rows.append(dict(stage="final", arm=arm, seed=seed, step=12,
+                             gold_per_prompt=[last - 0.2, last + 0.2], rm_score_per_prompt=[1, 1]))
+    return rows
+
+
+def test_real_text_study_paired_differences_and_resolution_by_hand():
+    """ma_ppo - ppo and ma_ppo - ma_ppo_ctrl per seed, worked out from the table above:
+    final gold, mean gold over training ((g0 + 2 g6 + g12) / 4 on steps 0, 6, 12) and KL, each
+    mean with its t interval over 4 seeds (t_{0.975, 3} s / 2) and its bootstrap interval
+    (an independent loop), and PPO's gain over SFT against the widest half-width."""
+    report = report_lib.compute_report(_real_text_study_rows())
+    hand = {
+        # ma_ppo - ppo, final gold: .54-.53, .59-.56, .47-.51, .59-.54
+        ("ppo", "final_gold"): [0.01, 0.03, -0.04, 0.05],
+        # (2 x (mid diff) + last diff) / 4: (2 x .01 + .01) / 4, (2 x .02 + .03) / 4, ...
+        ("ppo", "auc_gold"): [0.0075, 0.0175, -0.015, 0.0275],
+        ("ppo", "kl"): [0.3, 0.3, 0.3, 0.5],
+        ("ma_ppo_ctrl", "final_gold"): [0.01, 0.02, -0.05, 0.03],
+        ("ma_ppo_ctrl", "auc_gold"): [0.0075, 0.01, -0.0175, 0.0175],
+        ("ma_ppo_ctrl", "kl"): [0.05, -0.05, -0.05, 0.05],
+    }
+    means = {("ppo", "final_gold"): 0.0125, ("ppo", "auc_gold"): 0.009375, ("ppo", "kl"): 0.35,
+             ("ma_ppo_ctrl", "final_gold"): 0.0025, ("ma_ppo_ctrl", "auc_gold"): 0.004375,
+             ("ma_ppo_ctrl", "kl"): 0.0}
+    # Sample standard deviations (n - 1 = 3): sum of squared deviations / 3, by hand.
+    sds = {("ppo", "final_gold"): math.sqrt(0.004475 / 3),
+           ("ppo", "auc_gold"): math.sqrt(0.0009921875 / 3),
+           ("ppo", "kl"): math.sqrt(0.03 / 3),
+           ("ma_ppo_ctrl", "final_gold"): math.sqrt(0.003875 / 3),
+           ("ma_ppo_ctrl", "auc_gold"): math.sqrt(0.0006921875 / 3),
+           ("ma_ppo_ctrl", "kl"): math.sqrt(0.01 / 3)}
+    ma = report["comparisons"]["ma_ppo"]
+    for (versus, metric), d in hand.items():
+        cmp = ma["versus_ppo" if versus == "ppo" else "versus_control"][metric]
+        assert cmp["versus"] == versus and cmp["seeds"] == [0, 1, 2, 3]
+        np.testing.assert_allclose(cmp["differences"], d, atol=1e-12)
+        assert cmp["mean"] == pytest.approx(means[versus, metric], abs=1e-12)
+        assert cmp["std"] == pytest.approx(sds[versus, metric], rel=1e-9)
+        half = T_975_3 * sds[versus, metric] / 2
+        assert cmp["ci_t"] == pytest.approx([means[versus, metric] - half,
+                                             means[versus, metric] + half], abs=1e-12)
+        assert cmp["ci"] == pytest.approx(_bootstrap_by_hand(d), abs=1e-12)
+    # The claims: ma_ppo's KL above ppo's on every seed; the control's final gold (0, .01, .01,
+    # .02), mean gold over training (0, .0075, .0025, .01) and KL above ppo's and its J below
+    # (every seed's difference of one sign, all-zero resamples 1 in 256: under 2.5%).
+    assert report_lib.claims(report) == [
+        {"arm": "ma_ppo", "versus": "ppo", "metric": "kl", "direction": 1},
+        {"arm": "ma_ppo_ctrl", "versus": "ppo", "metric": "final_gold", "direction": 1},
+        {"arm": "ma_ppo_ctrl", "versus": "ppo", "metric": "J", "direction": -1},
+        {"arm": "ma_ppo_ctrl", "versus": "ppo", "metric": "auc_gold", "direction": 1},
+        {"arm": "ma_ppo_ctrl", "versus": "ppo", "metric": "kl", "direction": 1}]
+
+    # PPO's gain over SFT per seed: .03, .04, .02, .03 (mean .03); the widest half-width of the
+    # macro arm's final-gold differences decides the resolution.
+    assert report["ppo_gain"]["mean"] == pytest.approx(0.03)
+    halves = {}
+    for versus in ("ppo", "ma_ppo_ctrl"):
+        lo, hi = _bootstrap_by_hand(hand[versus, "final_gold"])
+        halves[f"ma_ppo vs {versus}"] = (hi - lo) / 2
+    res = report["resolution"]
+    assert res["half_widths"] == pytest.approx(halves, abs=1e-12)
+    assert res["gain_over_max_half_width"] == pytest.approx(0.03 / max(halves.values()))
+    # Against the SFT policy per prompt (final rows): ppo's seed means .03, .04, .02, .03.
+    sft = report["versus_sft"]["ppo"]
+    assert sft["mean"] == pytest.approx(0.03) and sft["se_over"] == "seeds"
+    assert sft["se"] == pytest.approx(math.sqrt(0.0002 / 3) / 2)
+
+
+def test_results_generator_writes_the_real_text_section_with_paired_tables(tmp_path):
+    """`--page docs/real_text.md --marker real-text-study --readme '' --paired`: only that
+    section of the page changes (no README headline); it names the command and both seed sets,
+    shows each set's paired differences (final gold, J, mean gold over training, KL) and keeps
+    the claims both sets make, naming the JSON that lists them; the JSON holds every set's
+    numbers."""
+    rr = _readme_results()
+    first, second = tmp_path / "set1", tmp_path / "set2"
+    _write_metrics(first, _real_text_study_rows())
+    rows = _real_text_study_rows(seeds=(4, 5, 6, 7))
+    # On the second set the control's first seed ends 0.01 below ppo: its final-gold and
+    # mean-gold-over-training differences (-.01, .01, .01, .02 and -.0025, .0075, .0025, .01)
+    # no longer exclude 0.
+    next(r for r in rows if r["stage"] == "eval" and r["arm"] == "ma_ppo_ctrl"
+         and r["seed"] == 4 and r["step"] == 12)["gold"] = 0.52
+    _write_metrics(second, rows)
+    reports = [report_lib.write_report(str(d)) for d in (first, second)]
+    page = tmp_path / "docs" / "real_text.md"
+    page.parent.mkdir()
+    other = "<!-- results:start -->\nsynthetic\n<!-- results:end -->\n"
+    page.write_text(f"# Real text\n\n{other}\n<!-- real-text-study:start -->\nstale table\n"
+                    "<!-- real-text-study:end -->\n\nTail.\n")
+    results, curves = tmp_path / "docs" / "real_text_results.json", tmp_path / "docs" / "c.png"
+    command = ("python experiments/run.py --config=configs/real_text_smollm2.py "
+               "--config.size=cpu_study")
+    argv = [str(first), str(second), "--page", str(page), "--readme", "", "--results",
+            str(results), "--curves", str(curves), "--command", command, "--marker",
+            "real-text-study", "--paired"]
+    assert rr.main(argv) == 0
+
+    text = page.read_text()
+    assert text.startswith(f"# Real text\n\n{other}\n<!-- real-text-study:start -->\n")
+    assert text.endswith("<!-- real-text-study:end -->\n\nTail.\n") and "stale" not in text
+    assert f"`{command}` on seeds 0-3 (`{first}`), repeated on seeds 4-7 (`{second}`)" in text
+    assert "12 PPO steps per run, evaluated every 6 steps on 2 held-out prompts (4 responses " \
+           "each)" in text
+    assert "| arm | versus | final gold | J | mean gold over training | KL | RM score |" in text
+    for report in reports:
+        seeds = report_lib.format_seeds(report["seeds"])
+        table = text.split(f"Paired differences arm - versus, seeds {seeds}")[1]
+        ma = report["comparisons"]["ma_ppo"]["versus_control"]
+        assert ("| `ma_ppo` | `ma_ppo_ctrl` (control) | " + " | ".join(
+            report_lib.format_difference(ma[m]) for m in report_lib.METRICS) + " |") in table
+        assert f"Resolution, seeds {seeds}: {report_lib.resolution_line(report)}" in text
+    kept = [c for c in reports[0]["claims"]
+            if c["arm"] != "ma_ppo_ctrl" or c["metric"] not in ("final_gold", "auc_gold")]
+    assert rr.replicated_claims(reports) == kept and len(kept) == 3
+    assert "- `ma_ppo` has higher KL than `ppo`: +0.350 [" in text
+    assert f"`{results}` lists them" in text
+
+    data = json.loads(results.read_text())
+    assert data["claims"] == kept
+    numbers = data["numbers"]
+    assert [n["seeds"] for n in numbers] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert numbers[0]["paired"]["ma_ppo - ppo"]["final_gold"]["differences"] == pytest.approx(
+        [0.01, 0.03, -0.04, 0.05])
+    assert numbers[1]["paired"]["ma_ppo_ctrl - ppo"]["final_gold"]["mean"] == pytest.approx(0.0075)
+    assert numbers[0]["resolution"]["gain_over_max_half_width"] == pytest.approx(
+        reports[0]["resolution"]["gain_over_max_half_width"])
+    assert numbers[0]["ppo_gain"]["mean"] == pytest.approx(0.03)
+    assert numbers[0]["arms"]["ma_ppo"]["kl"]["mean"] == pytest.approx(0.55)

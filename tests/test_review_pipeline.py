@@ -1,5 +1,6 @@
 """The review task through the pipeline: a reward model on gold-labelled pairs beats chance on
-held-out prompts, and a tiny slice of configs/real_text_smollm2.py runs end to end on SmolLM2."""
+held-out prompts, and a tiny slice of each study size of configs/real_text_smollm2.py runs end
+to end on SmolLM2."""
 import json
 import os
 import pathlib
@@ -92,7 +93,7 @@ SLICE = {
     "task.num_rl_prompts": 4, "task.samples_per_prompt": 2, "task.sample_batch_size": 2,
     "ppo.response_length": 8, "sft.steps": 1, "sft.batch_size": 2, "rm.steps": 1,
     "rm.batch_size": 2, "ppo.steps": 1, "ppo.batch_size": 2, "ppo.eval_every": 1,
-    "experiment.arms": '("ppo",)', "seeds": "(3,)", "checkpoint_every": 1,
+    "seeds": "(3,)", "checkpoint_every": 1,
     "mesh.data": 1, "mesh.fsdp": 1, "mesh.tensor": 1,
     # One scanned layer body compiles in a fraction of the time of 30 unrolled ones.
     "model.scan_layers": True, "sft.num_layers_unfrozen": -1, "rm.num_layers_unfrozen": -1,
@@ -101,21 +102,33 @@ SLICE = {
 
 
 @pytest.mark.one_at_a_time
-def test_tiny_slice_of_the_review_pipeline_on_smollm2(tmp_path, smollm2_gguf):
+@pytest.mark.parametrize("size, dtype", [("cpu_study", "float32"), ("window", "bfloat16")])
+def test_tiny_slice_of_each_study_size_on_smollm2(tmp_path, smollm2_gguf, size, dtype):
+    """One PPO step of every arm of a study size (ppo, ma_ppo and its matched control; the
+    window size in bfloat16 over rematerialised scanned layers) at tiny shapes, through
+    sampling, SFT, the reward model, the evaluations and the report. One run per program: the
+    window's three vmapped runs hold three actors and critics of SmolLM2 with their Adam states
+    in float32 (~10 GB here; `bench.py memory` checks that program on a v5e-8)."""
     from marl_jax import models
     from marl_jax.train.metrics import read_metrics
 
     workdir = tmp_path / "run"
     env = dict(os.environ, XLA_FLAGS=os.environ["XLA_FLAGS"].replace(
         "--xla_force_host_platform_device_count=8", "--xla_force_host_platform_device_count=1"))
-    flags = [f"--config.{k}={v}" for k, v in SLICE.items()]
+    flags = [f"--config.{k}={v}" for k, v in
+             dict(SLICE, **{"experiment.runs_per_program": 1}).items()]
     result = subprocess.run(
         [sys.executable, str(ROOT / "experiments" / "run.py"),
-         "--config=" + str(ROOT / "configs" / "real_text_smollm2.py"), "--config.size=cpu",
+         "--config=" + str(ROOT / "configs" / "real_text_smollm2.py"), f"--config.size={size}",
          f"--workdir={workdir}", *flags], cwd=ROOT, env=env, capture_output=True, text=True,
         timeout=1200)
     assert result.returncode == 0, result.stderr[-5000:]
     rows = read_metrics(str(workdir))
+    # bfloat16 compute: the samples record the dtype, and `auto` precision is then `default`.
+    precision = {"float32": "highest", "bfloat16": "default"}[dtype]
+    assert f"matmul precision {precision};" in result.stdout + result.stderr
+    with np.load(workdir / "sampled" / "sft.npz") as f:
+        assert json.loads(str(f["settings"]))["dtype"] == dtype
 
     # The sampled responses: texts are the decoded tokens, and their gold is the review gold of
     # the part's prompts (rebuilt here from the word lists: eval, rm_eval, sft, rm, rl).
@@ -151,10 +164,20 @@ def test_tiny_slice_of_the_review_pipeline_on_smollm2(tmp_path, smollm2_gguf):
     assert agreement[0]["sampled/best_of_k_gold"] == pytest.approx(best.mean())
 
     finals = {r["arm"]: r for r in rows if r["stage"] == "final"}
-    assert set(finals) == {"sft", "ppo"}
+    assert set(finals) == {"sft", "ppo", "ma_ppo", "ma_ppo_ctrl"}
     for r in finals.values():
         assert r["seed"] == 3 and len(r["gold_per_prompt"]) == 2
         assert all(0.0 <= x <= 1.0 for x in r["gold_per_prompt"])
+    # Every arm starts from the one SFT policy on the same prompts and keys: one step-0 result.
     step0 = [r for r in rows if r["stage"] == "eval" and r["step"] == 0]
+    assert [r["arm"] for r in step0] == ["ppo", "ma_ppo", "ma_ppo_ctrl"]
+    assert len({r["gold"] for r in step0}) == 1
     assert step0[0]["gold"] == pytest.approx(np.mean(finals["sft"]["gold_per_prompt"]))
-    assert (workdir / "report.md").exists()
+    # The control trains with kl_coef / 5 (the mean aggregation over 5-token macros).
+    kl_coef = {r["arm"]: r["objective/kl_coef"] for r in rows if r["stage"] == "ppo"}
+    assert kl_coef["ma_ppo_ctrl"] == pytest.approx(kl_coef["ppo"] / 5)
+    assert kl_coef["ma_ppo"] == pytest.approx(kl_coef["ppo"])
+    report = json.loads((workdir / "report.json").read_text())
+    assert report["plan"]["controls"] == {"ma_ppo": "ma_ppo_ctrl"}
+    assert set(report["comparisons"]["ma_ppo"]["versus_control"]) == {
+        "final_gold", "J", "auc_gold", "kl", "rm_score"}

@@ -21,7 +21,8 @@ from marl_jax.eval import budget as budget_lib
 from marl_jax.eval import study_stats as st
 from marl_jax.train.metrics import read_metrics
 
-METRICS = ("final_gold", "J", "auc_gold")
+# The paired comparisons between arms (and the claims a study can make).
+METRICS = ("final_gold", "J", "auc_gold", "kl", "rm_score")
 ARM_METRICS = ("final_gold", "kl", "J", "rm_score", "auc_gold", "gain_over_sft")
 METRIC_WORDS = {"final_gold": "final gold", "J": "J", "auc_gold": "mean gold over training",
                 "kl": "KL", "rm_score": "RM score", "gain_over_sft": "gold gain over SFT"}
@@ -320,7 +321,7 @@ def _win_rate(arm_finals, base_finals):
     return float(np.concatenate(wins).mean()) if wins else None
 
 
-def _comparisons(report):
+def paired_comparisons(report):
     """(arm, versus key, metric, comparison) for every paired comparison of the report, once
     (an arm whose control is the baseline is compared with it once)."""
     for arm, c in report["comparisons"].items():
@@ -336,7 +337,7 @@ def claims(report: dict, metrics=METRICS) -> list[dict]:
     {"arm", "versus", "metric", "direction"} (1: arm higher, -1: lower)."""
     return [{"arm": arm, "versus": cmp["versus"], "metric": metric,
              "direction": cmp["direction"]}
-            for arm, _, metric, cmp in _comparisons(report)
+            for arm, _, metric, cmp in paired_comparisons(report)
             if metric in metrics and cmp["direction"] != 0]
 
 
@@ -350,7 +351,7 @@ def verdict_line(cmp: dict) -> str:
 
 
 def verdict_lines(report: dict) -> list[str]:
-    return [verdict_line(cmp) for *_, cmp in _comparisons(report)]
+    return [verdict_line(cmp) for *_, cmp in paired_comparisons(report)]
 
 
 # ---- text ----------------------------------------------------------------------------------------
