@@ -267,7 +267,7 @@ def test_decode_loop_updates_the_cache_in_place(scan_layers, layout):
                                                  temperature=0.8, top_k=5, eos_id=1, pad_id=0))
     hlo = program.lower(params).compile().as_text()
     layer = "f32[4,2,30,8]"  # 4 rows, 2 KV heads, 10 prompt + 20 new slots, head_dim 8
-    cache = f"f32[2,4,2,30,8]" if scan_layers else layer
+    cache = "f32[2,4,2,30,8]" if scan_layers else layer
     assert cache in hlo
     loops = re.findall(r"\bwhile\(.*?body=%?([\w.-]+)", hlo)
     assert loops

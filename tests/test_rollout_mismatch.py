@@ -5,7 +5,6 @@ A random 4-layer model of width 128 shows the bfloat16 mismatch on CPUs too (its
 scoring pass round differently); the default synthetic model (width 32, 2 layers) is too small
 for that on CPUs (its two programs agree to ~1e-6 on most steps).
 """
-import dataclasses
 import functools
 
 import jax
@@ -15,9 +14,8 @@ import optax
 import pytest
 
 from marl_jax import config_check
-from marl_jax import losses, models
+from marl_jax import models
 from marl_jax import stages
-from marl_jax.macro import termination
 from marl_jax.models.config import ModelConfig
 from marl_jax.train import phases, ppo_core as core, ppo_types
 from marl_jax.train.metrics import read_metrics
