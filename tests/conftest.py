@@ -51,6 +51,19 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
+# Modules dispatched first under `pytest -n 2 --dist loadfile`: test_real_pipeline starts the
+# SmolLM2 run of configs/tldr_smollm2.py (~11 GB on its own) in a subprocess, so it runs while
+# both test processes are fresh, before either holds a suite's worth of heap and beside
+# whichever module the other one starts with.
+FIRST_MODULES = ("test_real_pipeline.py",)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The modules of `FIRST_MODULES` first, every other test in collection order (a stable sort:
+    every test process orders the items the same)."""
+    items.sort(key=lambda item: item.path.name not in FIRST_MODULES)
+
+
 def _glibc():
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

@@ -270,12 +270,12 @@ def test_hf_checkpoint_directory_on_cpu8(tmp_path):
     # Actor and reference: the whole LM; critic and reward model: its backbone (plus a head).
     n, backbone = model.num_parameters(), model.model.num_parameters()
     # The update holds the actor and critic with their moments; the frozen reference and reward
-    # model stay resident beside it.
+    # model stay resident beside it, in the recipe's compute dtype (bfloat16: `frozen_models`).
     assert rows["update"]["weights"] >= 12 * (n + backbone) / 8
-    assert rows["update"]["resident"] >= 4 * (n + backbone) / 8
+    assert 2 * (n + backbone) / 8 <= rows["update"]["resident"] < 4 * (n + backbone) / 8
     assert rows["update"]["peak"] >= rows["update"]["weights"] + rows["update"]["resident"]
     assert rows["rm"]["weights"] >= 12 * backbone / 8
-    assert peak_gib * GIB >= 16 * (n + backbone) / 8
+    assert peak_gib * GIB >= 14 * (n + backbone) / 8
 
 
 def test_tpu_v4_8_compiles_on_this_machine(tmp_path):

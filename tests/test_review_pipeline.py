@@ -1,6 +1,6 @@
 """The review task through the pipeline: a reward model on gold-labelled pairs beats chance on
 held-out prompts, and a tiny slice of each study size of configs/real_text_smollm2.py runs end
-to end on SmolLM2."""
+to end with SmolLM2's tokenizer and chat template."""
 import json
 import os
 import pathlib
@@ -95,31 +95,46 @@ SLICE = {
     "rm.batch_size": 2, "ppo.steps": 1, "ppo.batch_size": 2, "ppo.eval_every": 1,
     "seeds": "(3,)", "checkpoint_every": 1,
     "mesh.data": 1, "mesh.fsdp": 1, "mesh.tensor": 1,
-    # One scanned layer body compiles in a fraction of the time of 30 unrolled ones.
     "model.scan_layers": True, "sft.num_layers_unfrozen": -1, "rm.num_layers_unfrozen": -1,
     "ppo.num_layers_unfrozen": -1,
 }
+# The study sizes of configs/real_text_smollm2.py on a tiny random model with SmolLM2's tokenizer
+# (its chat template and vocabulary): every stage of the real-text pipeline at tiny shapes.
+TINY_CONFIG = '''
+from configs import real_text_smollm2
 
 
-@pytest.mark.one_at_a_time
+def get_config():
+    c = real_text_smollm2.get_config()
+    c.model.path = ""
+    c.task.tokenizer = {tokenizer!r}
+    c.model.config.update(dict(family="llama", hidden_size=32, intermediate_size=64,
+                               num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
+                               max_position_embeddings=256))
+    return c
+'''
+
+
 @pytest.mark.parametrize("size, dtype", [("cpu_study", "float32"), ("window", "bfloat16")])
-def test_tiny_slice_of_each_study_size_on_smollm2(tmp_path, smollm2_gguf, size, dtype):
+def test_tiny_slice_of_each_study_size(tmp_path, smollm2_gguf, size, dtype):
     """One PPO step of every arm of a study size (ppo, ma_ppo and its matched control; the
     window size in bfloat16 over rematerialised scanned layers) at tiny shapes, through
-    sampling, SFT, the reward model, the evaluations and the report. One run per program: the
-    window's three vmapped runs hold three actors and critics of SmolLM2 with their Adam states
-    in float32 (~10 GB here; `bench.py memory` checks that program on a v5e-8)."""
+    sampling, SFT, the reward model, the evaluations and the report, with the size's runs per
+    program (`bench.py memory` checks the window's program of three vmapped SmolLM2 runs on a
+    v5e-8)."""
     from marl_jax import models
     from marl_jax.train.metrics import read_metrics
 
     workdir = tmp_path / "run"
-    env = dict(os.environ, XLA_FLAGS=os.environ["XLA_FLAGS"].replace(
+    config = tmp_path / "tiny_real_text.py"
+    config.write_text(TINY_CONFIG.format(tokenizer=str(smollm2_gguf)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get(
+        "PYTHONPATH", "")]), XLA_FLAGS=os.environ["XLA_FLAGS"].replace(
         "--xla_force_host_platform_device_count=8", "--xla_force_host_platform_device_count=1"))
-    flags = [f"--config.{k}={v}" for k, v in
-             dict(SLICE, **{"experiment.runs_per_program": 1}).items()]
+    flags = [f"--config.{k}={v}" for k, v in SLICE.items()]
     result = subprocess.run(
         [sys.executable, str(ROOT / "experiments" / "run.py"),
-         "--config=" + str(ROOT / "configs" / "real_text_smollm2.py"), f"--config.size={size}",
+         f"--config={config}", f"--config.size={size}",
          f"--workdir={workdir}", *flags], cwd=ROOT, env=env, capture_output=True, text=True,
         timeout=1200)
     assert result.returncode == 0, result.stderr[-5000:]
