@@ -233,3 +233,36 @@ def start_smollm2_run(session, tmp_path_factory):
     atexit.register(stop)
     _smoke["run"] = (process, workdir, log_path)
     return _smoke["run"]
+
+
+# configs/real_text_smollm2.py on a tiny random model with SmolLM2's tokenizer (its chat template
+# and vocabulary): every stage of the real-text pipeline at tiny shapes.
+TINY_REAL_TEXT_CONFIG = '''
+from configs import real_text_smollm2
+
+
+def get_config():
+    c = real_text_smollm2.get_config()
+    c.model.path = ""
+    c.task.tokenizer = {tokenizer!r}
+    c.model.config.update(dict(family="llama", hidden_size=32, intermediate_size=64,
+                               num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
+                               max_position_embeddings=256))
+    return c
+'''
+
+
+def tiny_real_text_config(folder, smollm2_gguf) -> pathlib.Path:
+    """Writes `TINY_REAL_TEXT_CONFIG` with SmolLM2's tokenizer to `folder`; returns its path."""
+    path = pathlib.Path(folder) / "tiny_real_text.py"
+    path.write_text(TINY_REAL_TEXT_CONFIG.format(tokenizer=str(smollm2_gguf)))
+    return path
+
+
+def one_device_run_env() -> dict:
+    """The environment of a `run.py` subprocess: the repository importable (its configs) and one
+    CPU device instead of the suite's eight."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get(
+        "PYTHONPATH", "")]), XLA_FLAGS=os.environ.get("XLA_FLAGS", "").replace(
+        "--xla_force_host_platform_device_count=8", "--xla_force_host_platform_device_count=1"))
+

@@ -15,22 +15,10 @@ import sys
 import time
 
 import numpy as np
+import real_util
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-CONFIG = '''
-from configs import real_text_smollm2
-
-
-def get_config():
-    c = real_text_smollm2.get_config()
-    c.model.path = ""
-    c.task.tokenizer = {tokenizer!r}
-    c.model.config.update(dict(family="llama", hidden_size=32, intermediate_size=64,
-                               num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
-                               max_position_embeddings=256))
-    return c
-'''
 
 # Every stage checkpoints after every step; the top layer alone trains in every stage, so the
 # actor, reference, critic and reward model share the bottom one (`ppo.with_shared_trunk`).
@@ -53,24 +41,18 @@ TIMING = ("timing/", "perf/", "train_s", "steps/s")
 
 
 def _command(tmp_path, smollm2_gguf, workdir):
-    config = tmp_path / "tiny_real_text.py"
-    config.write_text(CONFIG.format(tokenizer=str(smollm2_gguf)))
+    config = real_util.tiny_real_text_config(tmp_path, smollm2_gguf)
     return [sys.executable, str(ROOT / "experiments" / "run.py"), f"--config={config}",
             f"--workdir={workdir}", *(f"--config.{k}={v}" for k, v in FLAGS.items())]
 
-
-def _env():
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get(
-        "PYTHONPATH", "")]), XLA_FLAGS=os.environ.get("XLA_FLAGS", "").replace(
-        "--xla_force_host_platform_device_count=8", "--xla_force_host_platform_device_count=1"))
 
 
 def _run_killed_when(command, workdir, pattern, log_path):
     """Runs `command` and SIGKILLs it as soon as `workdir` holds a path matching `pattern`;
     returns whether it was killed (False: it ended first). Its stderr goes to `log_path`."""
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
-                                stderr=log)
+        proc = subprocess.Popen(command, cwd=ROOT, env=real_util.one_device_run_env(),
+                                stdout=subprocess.DEVNULL, stderr=log)
         deadline = time.monotonic() + 900
         try:
             while proc.poll() is None and time.monotonic() < deadline:
@@ -95,7 +77,8 @@ def _rows(workdir):
 def test_sigkill_during_sampling_reward_model_and_ppo_then_rerun_gives_the_same_run(
         tmp_path, smollm2_gguf):
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    result = subprocess.run(_command(tmp_path, smollm2_gguf, whole), cwd=ROOT, env=_env(),
+    result = subprocess.run(_command(tmp_path, smollm2_gguf, whole), cwd=ROOT,
+                            env=real_util.one_device_run_env(),
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-5000:]
     assert "share their bottom 1 layer(s)" in result.stderr, result.stderr[-3000:]

@@ -2,7 +2,6 @@
 held-out prompts, and a tiny slice of each study size of configs/real_text_smollm2.py runs end
 to end with SmolLM2's tokenizer and chat template."""
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -10,6 +9,7 @@ import types
 
 import numpy as np
 import pytest
+import real_util
 
 from marl_jax.data import reviews
 from marl_jax.eval.review_gold import ReviewGold
@@ -98,21 +98,6 @@ SLICE = {
     "model.scan_layers": True, "sft.num_layers_unfrozen": -1, "rm.num_layers_unfrozen": -1,
     "ppo.num_layers_unfrozen": -1,
 }
-# The study sizes of configs/real_text_smollm2.py on a tiny random model with SmolLM2's tokenizer
-# (its chat template and vocabulary): every stage of the real-text pipeline at tiny shapes.
-TINY_CONFIG = '''
-from configs import real_text_smollm2
-
-
-def get_config():
-    c = real_text_smollm2.get_config()
-    c.model.path = ""
-    c.task.tokenizer = {tokenizer!r}
-    c.model.config.update(dict(family="llama", hidden_size=32, intermediate_size=64,
-                               num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
-                               max_position_embeddings=256))
-    return c
-'''
 
 
 @pytest.mark.parametrize("size, dtype", [("cpu_study", "float32"), ("window", "bfloat16")])
@@ -126,11 +111,8 @@ def test_tiny_slice_of_each_study_size(tmp_path, smollm2_gguf, size, dtype):
     from marl_jax.train.metrics import read_metrics
 
     workdir = tmp_path / "run"
-    config = tmp_path / "tiny_real_text.py"
-    config.write_text(TINY_CONFIG.format(tokenizer=str(smollm2_gguf)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get(
-        "PYTHONPATH", "")]), XLA_FLAGS=os.environ["XLA_FLAGS"].replace(
-        "--xla_force_host_platform_device_count=8", "--xla_force_host_platform_device_count=1"))
+    config = real_util.tiny_real_text_config(tmp_path, smollm2_gguf)
+    env = real_util.one_device_run_env()
     flags = [f"--config.{k}={v}" for k, v in SLICE.items()]
     result = subprocess.run(
         [sys.executable, str(ROOT / "experiments" / "run.py"),
