@@ -203,8 +203,10 @@ def resolve_arm(name: str, ppo_cfg) -> dict:
 
 def experiment_arms(config) -> tuple:
     """`config.experiment.arms`, with `<arm>_ctrl` after every macro arm that lacks one when
-    `config.experiment.add_controls` is set."""
-    arms = tuple(config.experiment.arms)
+    `config.experiment.add_controls` is set. A listed control whose arm is not macro GAE under
+    this config (a critic-free `ppo.estimator` such as dapo or grpo: no lam and no per-token KL
+    to match) is left out, with one line saying so."""
+    arms = tuple(a for a in config.experiment.arms if not _control_without_macro_arm(a, config))
     if not config.experiment.get("add_controls", False):
         return arms
     out = []
@@ -215,6 +217,24 @@ def experiment_arms(config) -> tuple:
                 and is_macro_arm(resolve_arm(arm, config.ppo))):
             out.append(control)
     return tuple(out)
+
+
+_DROPPED_CONTROLS = set()
+
+
+def _control_without_macro_arm(arm: str, config) -> bool:
+    """Whether `arm` is the control `<base>_ctrl` of a known arm that is not macro GAE here."""
+    base = arm[:-len(CONTROL_SUFFIX)]
+    if not arm.endswith(CONTROL_SUFFIX) or arm in ARMS or base not in ARMS:
+        return False
+    if is_macro_arm(resolve_arm(base, config.ppo)):
+        return False
+    if arm not in _DROPPED_CONTROLS and jax.process_index() == 0:
+        _DROPPED_CONTROLS.add(arm)
+        print(f"experiment: {arm} left out: {base} is not macro GAE with ppo.estimator="
+              f"{config.ppo.estimator!r} (a matched control changes lam and the KL coefficient "
+              "of GAE over macros)", flush=True)
+    return True
 
 
 def plan_runs(config) -> list[Run]:
