@@ -223,11 +223,14 @@ _DROPPED_CONTROLS = set()
 
 
 def _control_without_macro_arm(arm: str, config) -> bool:
-    """Whether `arm` is the control `<base>_ctrl` of a known arm that is not macro GAE here."""
+    """Whether `arm` is the control `<base>_ctrl` of a known arm with macro actions that a
+    critic-free estimator trains without GAE here (a control of token PPO stays an error)."""
     base = arm[:-len(CONTROL_SUFFIX)]
     if not arm.endswith(CONTROL_SUFFIX) or arm in ARMS or base not in ARMS:
         return False
-    if is_macro_arm(resolve_arm(base, config.ppo)):
+    fields = resolve_arm(base, config.ppo)
+    if estimators.ESTIMATORS[fields.get("estimator", "gae")].needs_critic or (
+            fields["termination"] == "fixed" and int(fields["ngram"]) == 1):
         return False
     if arm not in _DROPPED_CONTROLS and jax.process_index() == 0:
         _DROPPED_CONTROLS.add(arm)

@@ -78,6 +78,23 @@ def test_controls_are_added_for_macro_arms_and_refused_for_token_arms():
         experiment.plan_runs(cfg)
 
 
+def test_a_critic_free_estimator_leaves_out_the_controls_of_macro_arms(capsys, monkeypatch):
+    """Under dapo (group baselines, no GAE) a macro arm has no lam or per-token KL to match: its
+    listed control is left out with one line; a control of token PPO is still refused."""
+    monkeypatch.setattr(experiment, "_DROPPED_CONTROLS", set())  # the line is said once a run
+    cfg = tiny_config()
+    cfg.ppo.update(dict(estimator="dapo", group_size=2))
+    cfg.experiment.arms = ("ppo", "ma_ppo", "ma_ppo_ctrl")
+    assert experiment.experiment_arms(cfg) == ("ppo", "ma_ppo")
+    assert "ma_ppo_ctrl left out: ma_ppo is not macro GAE with ppo.estimator='dapo'" in \
+        capsys.readouterr().out
+    assert [r.arm for r in experiment.plan_runs(cfg) if r.seed == cfg.seeds[0]] == ["ppo",
+                                                                                   "ma_ppo"]
+    cfg.experiment.arms = ("ppo", "ppo_ctrl")
+    with pytest.raises(ValueError, match="'ppo_ctrl' is the control of 'ppo'"):
+        experiment.plan_runs(cfg)
+
+
 def test_explicit_controls_reach_the_plan_row_and_bad_pairs_are_named():
     import ml_collections
     cfg = tiny_config()
