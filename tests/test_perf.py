@@ -222,23 +222,19 @@ def test_bench_ppo_refuses_what_cannot_run():
     assert "of 40.0 GiB per device" in line and "what fits: --shape=w1, or --small" in line
 
 
-def test_frozen_models_in_the_compute_dtype_score_the_same():
-    """The reference and reward model held in bfloat16 (cast once per run) score exactly as the
-    float32 weights cast at every forward: the same Experience, bit for bit."""
+def _small_w1_step(new_tokens: int):
+    """`bench.py ppo --shape=w1 --small`'s PPO step in bfloat16, 4 prompts of 6 tokens and
+    `new_tokens` new ones, on random weights: (static, models, state, actor params, RM params)."""
     import sys
 
     import jax
-    import jax.numpy as jnp
 
-    from marl_jax.rollout.engine import SampleOutput
-    from marl_jax.train import ppo_core
-    from marl_jax.train.ppo_types import Frozen
     from train_util import ROOT
 
     sys.path.insert(0, str(ROOT / "experiments"))
     import bench_ppo
 
-    config = bench_ppo.config_of(bench_ppo.Setup("w1", True, "bfloat16", 4, 6, 5))
+    config = bench_ppo.config_of(bench_ppo.Setup("w1", True, "bfloat16", 4, 6, new_tokens))
     policy, critic, reward = bench_ppo.modules(config)
     static = ppo_lib.static_from_config(config, type("T", (), dict(eos_token_id=1,
                                                                    pad_token_id=0)))
@@ -247,6 +243,20 @@ def test_frozen_models_in_the_compute_dtype_score_the_same():
     rm = models.init_params(reward, jax.random.key(1))
     state = ppo_lib.initial_state(config, mods, actor, ppo_lib.initial_critic_params(
         config, critic, actor, rm, jax.random.key(2)), seed=0)
+    return static, mods, state, actor, rm
+
+
+def test_frozen_models_in_the_compute_dtype_score_the_same():
+    """The reference and reward model held in bfloat16 (cast once per run) score exactly as the
+    float32 weights cast at every forward: the same Experience, bit for bit."""
+    import jax
+    import jax.numpy as jnp
+
+    from marl_jax.rollout.engine import SampleOutput
+    from marl_jax.train import ppo_core
+    from marl_jax.train.ppo_types import Frozen
+
+    static, mods, state, actor, rm = _small_w1_step(new_tokens=5)
     cast = ppo_lib.frozen_models(mods, actor, rm, {"mean": 0.5, "std": 2.0})
     kernel = cast.ref_params["backbone"]["layers"]["mlp"]["up"]["kernel"]
     assert kernel.dtype == jnp.bfloat16 and actor["backbone"]["layers"]["mlp"]["up"][
@@ -269,28 +279,14 @@ def test_every_whole_sequence_pass_of_a_step_takes_the_fused_attention(monkeypat
     """Traced for a GPU in bfloat16, the scoring passes (actor, reference, critic, reward model)
     and the update's passes (actor and critic, forward and rematerialised) all call cuDNN's
     fused attention, never the reference einsums: recorded by replacing both."""
-    import sys
-
     import jax
     import jax.numpy as jnp
 
     from marl_jax.models import attention
     from marl_jax.rollout.engine import SampleOutput
     from marl_jax.train import phases, ppo_core
-    from train_util import ROOT
 
-    sys.path.insert(0, str(ROOT / "experiments"))
-    import bench_ppo
-
-    config = bench_ppo.config_of(bench_ppo.Setup("w1", True, "bfloat16", 4, 6, 6))
-    policy, critic, reward = bench_ppo.modules(config)
-    static = ppo_lib.static_from_config(config, type("T", (), dict(eos_token_id=1,
-                                                                   pad_token_id=0)))
-    mods = ppo_lib.make_models(config, policy, critic, reward)
-    actor = models.init_params(policy, jax.random.key(0))
-    rm = models.init_params(reward, jax.random.key(1))
-    state = ppo_lib.initial_state(config, mods, actor, ppo_lib.initial_critic_params(
-        config, critic, actor, rm, jax.random.key(2)), seed=0)
+    static, mods, state, actor, rm = _small_w1_step(new_tokens=6)
     frozen = ppo_lib.frozen_models(mods, actor, rm, {"mean": 0.0, "std": 1.0})
     calls = []
 
