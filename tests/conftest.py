@@ -58,6 +58,13 @@ def pytest_ignore_collect(collection_path, config):
 FIRST_MODULES = ("test_real_pipeline.py",)
 
 
+def pytest_configure(config):
+    """pytest-xdist hands out the modules in collection order (`--no-loadscope-reorder`), not
+    the modules with the most tests first, so that `FIRST_MODULES` go first."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(session, config, items):
     """The modules of `FIRST_MODULES` first, every other test in collection order (a stable sort:
     every test process orders the items the same)."""
