@@ -31,7 +31,10 @@ phase) and `score`. The experiment stage
 (`config.stage=experiment`) runs its PPO step vmapped over the runs of a program
 (`experiment.runs_per_program`, else every run of a group): `experiment` is that step for the
 largest program of each group of runs, `experiment_eval` its vmapped held-out evaluation
-(`task.num_eval_prompts` x `ppo.eval_samples_per_prompt` responses a run). Default programs:
+(`task.num_eval_prompts` x `ppo.eval_samples_per_prompt` responses a run); a phase-timed
+experiment runs that step as its four phases vmapped (`programs.experiment_phase_programs`),
+each a part of `experiment` with the same arguments and the experience between them, not
+compiled apart here. Default programs:
 sft, rm, experiment and experiment_eval for the experiment stage; sft, rm, rollout, update,
 ppo_step, generate and score otherwise. Stages with 0 steps are skipped.
 

@@ -12,8 +12,10 @@ evaluation rows `{"stage": "eval", "arm", "seed", "step", "gold", "kl", "rm_scor
 run, and one of arm `sft` per seed (the SFT policy: the step-0 evaluation). The report (`marl_jax/eval/report.py`) is computed from these rows alone.
 A training row's `perf/*` fields describe the group's whole vmapped step, all its runs
 together (seconds per step, the tokens and model FLOPs of every run over it, the MFU of the
-group), the same on each run's row; the step is one program, so there are no `timing/<phase>_s`
-(`timing/eval_s` is the group's held-out evaluation).
+group), the same on each run's row; so do its `timing/<phase>_s` (rollout, score, advantages,
+update: with `ppo.phase_timing` the step runs as the four vmapped phase programs, each waited
+on; without, as one program and with no phase split) and `timing/eval_s` (the group's held-out
+evaluation).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from marl_jax.eval.report import SFT_ARM  # the SFT policy's final rows (step-0 
 from marl_jax.pipeline import Pipeline
 from marl_jax.train import loop, perf, programs, sharding
 from marl_jax.train.metrics import status_line
+from marl_jax.train.phased_step import PhaseClock
 from marl_jax.train import ppo as ppo_lib
 from marl_jax.train import phases, ppo_core as core
 from marl_jax.train.ppo_types import Frozen, Models, PPOStatic, RunHparams, step_keys
@@ -393,11 +396,22 @@ class _GroupProgram:
     hparams: RunHparams
     variants: tuple
     step_prompts: object  # step -> the runs' prompts of that step, sharded `[runs, B/G, P]`
+    phase_fns: dict | None = None  # `programs.experiment_phase_programs`, when phase-timed
 
     def step(self, state, step):
         prompts = self.step_prompts(step)
-        return self.step_fn(state, self.frozen, self.hparams, prompts["ids"], prompts["mask"],
-                            prompts.get("documents"))
+        ids, mask, documents = prompts["ids"], prompts["mask"], prompts.get("documents")
+        if self.phase_fns is None:
+            return self.step_fn(state, self.frozen, self.hparams, ids, mask, documents)
+        fns, frozen, clock = self.phase_fns, self.frozen, PhaseClock(timed=True)
+        sample = clock.done("rollout", fns["rollout"](state, frozen, ids, mask))
+        exp, roll_metrics = clock.done("score", fns["score"](state, frozen, ids, mask, sample,
+                                                             documents))
+        adv, adv_metrics = clock.done("advantages", fns["advantages"](state, frozen,
+                                                                      self.hparams, exp))
+        state, metrics = clock.done("update", fns["update"](state, exp, adv, roll_metrics,
+                                                            adv_metrics, frozen))
+        return state, dict(metrics, **clock.seconds)
 
 
 def _group_program(config, pipe, runs, sft_params, rm_params, stats) -> _GroupProgram:
@@ -440,8 +454,12 @@ def _group_program(config, pipe, runs, sft_params, rm_params, stats) -> _GroupPr
     state_sh = jax.tree.map(programs.with_run_axis, run_sh)
     frozen = jax.device_put(ppo_lib.frozen_models(mods, sft_params, rm_params, stats),
                             frozen_sh)
+    phase_fns = None
+    if p.get("phase_timing", True):
+        phase_fns = {name: program.fn for name, program in programs.experiment_phase_programs(
+            static, mods, run_sh, frozen_sh, mesh).items()}
     return _GroupProgram(
-        static=static, mods=mods,
+        static=static, mods=mods, phase_fns=phase_fns,
         step_fn=programs.experiment_step_program(static, mods, run_sh, frozen_sh, mesh).fn,
         state=jax.device_put(_stack(states), state_sh), state_sh=state_sh, frozen=frozen,
         hparams=jax.device_put(_run_hparams(runs, variants), sharding.replicated(mesh)),

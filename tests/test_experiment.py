@@ -195,8 +195,10 @@ def test_shortened_default_experiment(tmp_path):
         (a, s, t) for a in arms for s in cfg.seeds for t in (1, 2, 3, 4)}
     assert len(train) == len(arms) * 3 * 4
     assert {r["step"] for r in rows if r["stage"] == "eval"} == {0, 2, 4}
-    # A training row's perf fields are its group's vmapped step's, the same on every run's row
-    # of the group: its tokens are all its runs' prompts and responses (group_size 1).
+    # A training row's perf and phase timing fields are its group's vmapped step's, the same on
+    # every run's row of the group: its tokens are all its runs' prompts and responses
+    # (group_size 1); its phases, waited on one after the other, sit inside the step.
+    phases = [f"timing/{p}_s" for p in ("rollout", "score", "advantages", "update")]
     for step in (1, 2, 3, 4):
         groups = {}
         for r in train:
@@ -207,7 +209,9 @@ def test_shortened_default_experiment(tmp_path):
             tokens = sum(r["budget/prefill_tokens"] + r["budget/generated_tokens"] for r in group)
             assert group[0]["perf/tokens_per_s"] * group[0]["perf/step_s"] == pytest.approx(tokens)
             assert len({(r["perf/tokens_per_s"], r["perf/tflops_per_s"]) for r in group}) == 1
-            assert not [k for k in group[0] if k.startswith("timing/") and k != "timing/eval_s"]
+            assert len({tuple(r[k] for k in phases) for r in group}) == 1
+            assert 0 < min(group[0][k] for k in phases)
+            assert sum(group[0][k] for k in phases) <= group[0]["perf/step_s"]
     # The randomized arm's control uses the macro length of the arm's own first rollout (the
     # one its step-1 row reports), per seed: lam^(1/L) and kl_coef / L (weighted rewards).
     for seed in cfg.seeds:
@@ -264,3 +268,28 @@ def test_programs_of_one_run_share_the_sft_evaluation_and_write_one_sft_row(tmp_
                                     sft[s]["gold_per_prompt"]) for s in (3, 4)])
     assert report["versus_sft"]["ppo"]["mean"] == pytest.approx(d.mean())
     assert report["versus_sft"]["ppo"]["n"] == 2 * cfg.task.num_eval_prompts
+
+
+def test_phase_timed_experiment_step_gives_the_fused_steps_metrics(tmp_path):
+    """The vmapped step as its four vmapped phase programs (`ppo.phase_timing`, the default)
+    and as one program: the same training metrics to float32 rounding, for every run."""
+    rows = {}
+    for timed in (True, False):
+        cfg = tiny_config(**{"stage": "experiment", "experiment.arms": ("ppo", "ma_ppo"),
+                             "ppo.steps": 2, "ppo.phase_timing": timed})
+        experiment.run_experiment(cfg, str(tmp_path / str(timed)))
+        rows[timed] = {(r["arm"], r["seed"], r["step"]): r
+                       for r in read_metrics(str(tmp_path / str(timed))) if r["stage"] == "ppo"}
+    assert sorted(rows[True]) == sorted(rows[False]) == [
+        (a, s, t) for a in ("ma_ppo", "ppo") for s in (0, 1) for t in (1, 2)]
+    for key, timed in rows[True].items():
+        fused = rows[False][key]
+        assert not [k for k in fused if k.startswith("timing/") and k != "timing/eval_s"]
+        fields = [k for k in timed if not k.startswith(("perf/", "timing/"))]
+        assert fields == [k for k in fused if not k.startswith(("perf/", "timing/"))]
+        for k in fields:
+            if isinstance(timed[k], (int, float)):
+                np.testing.assert_allclose(timed[k], fused[k], rtol=2e-5, atol=1e-6,
+                                           err_msg=f"{key} {k}")
+            else:
+                assert timed[k] == fused[k], (key, k)

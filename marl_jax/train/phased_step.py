@@ -43,7 +43,7 @@ class PhasedStep:
                 fallback_n=p.ngram, isolate_last=p.isolate_last)
 
     def __call__(self, state, frozen, hparams, prompts, rows):
-        clock = _PhaseClock(self.timed)
+        clock = PhaseClock(self.timed)
         mesh = prompts["ids"].sharding.mesh
         sample = clock.done("rollout", self.fns["rollout"](state, frozen, prompts["ids"],
                                                            prompts["mask"]))
@@ -76,7 +76,7 @@ class PhasedStep:
             self.parser.close()
 
 
-class _PhaseClock:
+class PhaseClock:
     """Seconds of each phase from the end of the one before, waiting on its outputs; a no-op
     (no waiting, no fields) when not `timed`."""
 

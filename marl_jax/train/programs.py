@@ -10,6 +10,8 @@
                          argument but `frozen` with a leading run axis `[runs, ...]`
     phase_programs       the four phases of the ppo step as programs of their own (timed one
                          by one, `train/phased_step.py`): rollout, score, advantages, update
+    experiment_phase_programs  the same four phases vmapped over runs, as the experiment's
+                         step is
 
 Each returns a `Program`: the `jax.jit` of the stage function with the shardings and donation
 it is jitted with, whatever the arguments are (arrays or `jax.ShapeDtypeStruct`s).
@@ -158,3 +160,43 @@ def experiment_step_program(static: PPOStatic, mods: Models, run_state_sh: PPOSt
 
     return jit_program(step, (state_sh, frozen_sh, rep, prompts_sh, prompts_sh, prompts_sh),
                        (state_sh, rep), donate_argnums=(0,))
+
+
+def experiment_phase_programs(static: PPOStatic, mods: Models, run_state_sh: PPOState,
+                              frozen_sh: Frozen, mesh) -> dict[str, Program]:
+    """The four programs of `phase_programs` vmapped over runs, whose composition is
+    `experiment_step_program`: what passes between them carries a leading run axis `[runs, B,
+    ...]` (split over the batch axes along B), the frozen models are shared, hparams `[runs]`;
+    the update donates the state. The score phase takes the group's one unbatched first-step
+    flag (`score.score`)."""
+    rep = sharding.replicated(mesh)
+    state_sh = jax.tree.map(with_run_axis, run_state_sh)
+    runs_sh = sharding.batch_sharding(mesh, axis=1)
+
+    def rollout(state, frozen, ids, mask):
+        return jax.vmap(lambda s, i, m: core.generate_phase(static, mods, s, i, m, frozen))(
+            state, ids, mask)
+
+    def score(state, frozen, ids, mask, sample, documents):
+        first_step = state.step[0] == 0
+        return jax.vmap(lambda s, i, m, x, d: core.score_phase(
+            static, mods, s, frozen, i, m, x, d, first_step=first_step))(
+                state, ids, mask, sample, documents)
+
+    def advantages(state, frozen, hparams, exp):
+        return jax.vmap(lambda s, h, e: core.advantages_phase(static, mods, s, frozen, h, e))(
+            state, hparams, exp)
+
+    def update(state, exp, adv, roll_metrics, adv_metrics, frozen):
+        return jax.vmap(lambda s, e, a, r, m: core.update_from_advantages(
+            static, mods, s, e, a, r, m, frozen))(state, exp, adv, roll_metrics, adv_metrics)
+
+    return {
+        "rollout": jit_program(rollout, (state_sh, frozen_sh, runs_sh, runs_sh), runs_sh),
+        "score": jit_program(score, (state_sh, frozen_sh, runs_sh, runs_sh, runs_sh, runs_sh),
+                             (runs_sh, rep)),
+        "advantages": jit_program(advantages, (state_sh, frozen_sh, rep, runs_sh),
+                                  (runs_sh, rep)),
+        "update": jit_program(update, (state_sh, runs_sh, runs_sh, rep, rep, frozen_sh),
+                              (state_sh, rep), donate_argnums=(0,)),
+    }
