@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import pathlib
+import shlex
 import shutil
 import sys
 
@@ -312,7 +313,7 @@ def main(argv) -> int:
         with open(args.page) as f:
             page = f.read()
         claims = replicated_claims([r for _, r in runs])
-        generated_by = " ".join(["experiments/readme_results.py", *argv])
+        generated_by = shlex.join(["experiments/readme_results.py", *argv])
         section = results_section(runs, claims, command=args.command,
                                   curves_link=_link(args.curves, args.page),
                                   generated_by=generated_by, paired=args.paired,
