@@ -7,6 +7,7 @@ import json
 import math
 import os
 import pathlib
+import shlex
 
 import numpy as np
 import pytest
@@ -489,7 +490,8 @@ def test_readme_results_keeps_only_claims_of_every_run(tmp_path):
     assert data["claims"] == kept
     assert data["runs"] == [{"dir": str(run), "seeds": list(range(8))},
                             {"dir": str(confirm), "seeds": list(range(100, 108))}]
-    assert data["generated_by"] == "experiments/readme_results.py " + " ".join(argv)
+    # The command line as a shell reads it back (the --command value holds spaces).
+    assert shlex.split(data["generated_by"]) == ["experiments/readme_results.py", *argv]
     assert curves.read_bytes() == (run / "curves.png").read_bytes()
 
     text = page.read_text()
