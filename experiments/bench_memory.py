@@ -1,7 +1,8 @@
 """Per-device memory of every stage's programs, compiled for a target but never run.
 
     python experiments/bench.py memory --config=configs/tldr_gemma2b_tpu.py [--topology=v4-16]
-        [--programs=sft,rm,rollout,update,ppo_step,generate,score,experiment,experiment_eval]
+        [--programs=sft,rm,rollout,update,ppo_step,generate,score,experiment,experiment_eval,
+         experiment_phases]
         [--json=FILE]
         [--capacity_gib=G] [--config.size=<preset>] [--config.<section>.<field>=<value> ...]
 
@@ -33,8 +34,9 @@ phase) and `score`. The experiment stage
 largest program of each group of runs, `experiment_eval` its vmapped held-out evaluation
 (`task.num_eval_prompts` x `ppo.eval_samples_per_prompt` responses a run); a phase-timed
 experiment runs that step as its four phases vmapped (`programs.experiment_phase_programs`),
-each a part of `experiment` with the same arguments and the experience between them, not
-compiled apart here. Default programs:
+each a part of `experiment` with the same arguments and the experience between them:
+`experiment_phases` compiles them (`experiment_rollout`, `_score`, `_advantages`, `_update`;
+not by default). Default programs:
 sft, rm, experiment and experiment_eval for the experiment stage; sft, rm, rollout, update,
 ppo_step, generate and score otherwise. Stages with 0 steps are skipped.
 
@@ -101,7 +103,10 @@ from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 PROGRAMS = ("sft", "rm", "rollout", "update", "ppo_step", "generate", "score", "experiment",
-            "experiment_eval")
+            "experiment_eval", "experiment_phases")
+# `experiment_phases` stands for the four phase programs of the experiment's step.
+EXPERIMENT_PHASES = ("experiment_rollout", "experiment_score", "experiment_advantages",
+                     "experiment_update")
 EXPERIMENT_PROGRAMS = ("sft", "rm", "experiment", "experiment_eval")
 DEFAULT_PROGRAMS = PROGRAMS[:7]
 # The programs whose roofline seconds add up to a PPO iteration's: the rollout phase, the score
@@ -109,7 +114,8 @@ DEFAULT_PROGRAMS = PROGRAMS[:7]
 ITERATION_PROGRAMS = ("generate", "score", "update")
 STAGE_OF = {"sft": "sft", "rm": "rm", "rollout": "ppo", "update": "ppo", "ppo_step": "ppo",
             "generate": "ppo", "score": "ppo", "experiment": "experiment",
-            "experiment_eval": "experiment"}
+            "experiment_eval": "experiment", "experiment_phases": "experiment",
+            **{name: "experiment" for name in EXPERIMENT_PHASES}}
 GIB = 2 ** 30
 HEADROOM_NEEDED = 0.10
 
@@ -452,6 +458,8 @@ def experiment_entries(config, token_ids, policy, critic, reward_model, mesh, in
     from marl_jax.train import aot
 
     names = [n for n in ("experiment", "experiment_eval") if n in wanted]
+    if "experiment_phases" in wanted:
+        names += list(EXPERIMENT_PHASES)
     if not names or config.ppo.steps <= 0:
         return []
     groups = experiment.run_groups(experiment.plan_runs(config),
@@ -470,14 +478,16 @@ def experiment_entries(config, token_ids, policy, critic, reward_model, mesh, in
             tuple(sorted({r.variant for r in runs})), inputs,
             eval_samples_per_prompt=int(config.ppo.eval_samples_per_prompt),
             num_eval_prompts=int(config.task.num_eval_prompts) if "experiment_eval" in names
-            else 0)
+            else 0, phases="experiment_phases" in wanted)
         state = programs["experiment"][1][0]
         for name in names:
             # The evaluation takes the actors only; the critics and optimizer states wait
-            # on the devices beside it.
+            # on the devices beside it. The update phase takes the state (its first argument)
+            # and the frozen models (its last).
             outside = (per_device_bytes(state) - per_device_bytes(state.actor_params)
                        if name == "experiment_eval" else 0)
-            entries.append((f"{name}{suffix}", *programs[name], (0, 1), outside))
+            weights = (0, 5) if name == "experiment_update" else (0, 1)
+            entries.append((f"{name}{suffix}", *programs[name], weights, outside))
     return entries
 
 
@@ -581,6 +591,7 @@ def check_batches(config, mesh, wanted) -> None:
               "rm": [("rm.batch_size", config.rm.batch_size)]}
     ppo = [("ppo.batch_size", config.ppo.batch_size)]
     checks.update(rollout=ppo, update=ppo, ppo_step=ppo, generate=ppo, score=ppo, experiment=ppo,
+                  experiment_phases=ppo,
                   experiment_eval=[("task.num_eval_prompts", config.task.num_eval_prompts)])
     for name in wanted:
         stage = STAGE_OF[name]

@@ -360,10 +360,12 @@ def test_real_text_accelerator_sizes_compile_as_run_py_runs_them_and_fit_a_v5e_8
     """The size preset applied as run.py applies it (bfloat16, scanned layers, its mesh), and
     the experiment's step vmapped over `runs_per_program` runs (2 of the accelerator size, 3 of
     the window size): each device holds at least its share of the runs' actors and critics with
-    their two Adam moments (fp32) and the frozen reference and reward model (bfloat16)."""
+    their two Adam moments (fp32) and the frozen reference and reward model (bfloat16). The
+    window size also compiles the four phase programs a phase-timed run runs instead."""
     report = tmp_path / "memory.json"
+    programs = "experiment" + (",experiment_phases" if size == "window" else "")
     stdout, (devices, peak_gib, capacity_gib, fits) = _run(
-        REAL_TEXT[0], f"--config.size={size}", *REAL_TEXT[2:], "--programs=experiment",
+        REAL_TEXT[0], f"--config.size={size}", *REAL_TEXT[2:], f"--programs={programs}",
         f"--json={report}")
     assert f"(size {size}); stage experiment" in stdout
     assert (devices, capacity_gib, fits) == (8, 16.0, True)
@@ -377,7 +379,17 @@ def test_real_text_accelerator_sizes_compile_as_run_py_runs_them_and_fit_a_v5e_8
     # runs x (actor, critic) x 12 bytes; the 2 frozen models in bfloat16 (`frozen_models`).
     bound = (runs * 2 * 12 * n + 2 * 2 * n) / 8
     assert bound <= row["weights"] <= 1.1 * bound
-    assert row["peak"] >= row["weights"] and peak_gib * GIB == pytest.approx(row["peak"], rel=1e-3)
+    phases = result["programs"][1:]
+    if size == "window":
+        assert [r["program"] for r in phases] == ["experiment_rollout", "experiment_score",
+                                                  "experiment_advantages", "experiment_update"]
+        # Every phase takes the runs' states and the frozen models (the update: the state and,
+        # its last argument, the frozen models), so each holds what the whole step holds.
+        for phase in phases:
+            assert "error" not in phase and phase["weights"] == row["weights"]
+            assert phase["weights"] <= phase["peak"] <= 16 * GIB
+    assert row["peak"] >= row["weights"]
+    assert peak_gib * GIB == pytest.approx(max(r["peak"] for r in [row, *phases]), rel=1e-3)
     # The roofline of the compiled step on a v5e chip (197 TFLOP/s bf16, 819 GB/s HBM): the
     # slower of its FLOPs at peak and its bytes at bandwidth, and the MFU that bound allows.
     match = FINAL_LINE.fullmatch(stdout.strip().splitlines()[-1])

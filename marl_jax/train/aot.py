@@ -216,12 +216,16 @@ def ppo_programs(config, tokenizer, policy, critic, reward_model, mesh,
 
 def experiment_programs(config, tokenizer, policy, critic, reward_model, mesh, num_runs: int,
                         variants: tuple, inputs: TaskInputs | None = None,
-                        eval_samples_per_prompt: int = 1, num_eval_prompts: int = 0) -> dict:
+                        eval_samples_per_prompt: int = 1, num_eval_prompts: int = 0,
+                        phases: bool = False) -> dict:
     """{"experiment", "experiment_eval"} -> (Program, abstract arguments): the experiment
     stage's PPO step vmapped over `num_runs` runs of one group (`marl_jax.experiment`: the
     group's static fields in `config.ppo`, its runs' `variants`), and its held-out evaluation
     of `num_eval_prompts` prompts x `eval_samples_per_prompt` responses per run (vmapped, the
-    arguments' shardings as the experiment puts them).
+    arguments' shardings as the experiment puts them). With `phases`, also that step's four
+    phase programs as a phase-timed experiment runs them (`programs.experiment_phase_programs`):
+    `experiment_rollout`, `experiment_score`, `experiment_advantages`, `experiment_update`, each
+    taking what the one before gives (traced here for its shapes).
 
     The state, hparams and prompts carry a leading run axis `[num_runs, ...]`, runs replicated,
     everything else sharded as one run's (`programs.with_run_axis`).
@@ -257,6 +261,23 @@ def experiment_programs(config, tokenizer, policy, critic, reward_model, mesh, n
     documents = None if inputs.documents_width is None else with_shardings(
         runs_of(_ids(static.prompts_per_step, inputs.documents_width)), prompts_sh)
     out = {"experiment": (step, (state, frozen, hparams, *prompts, documents))}
+    if phases:
+        fns = programs.experiment_phase_programs(static, mods, run_sh, frozen_sh, mesh)
+        with sharding.mesh_context(mesh, sharding.logical_rules(mesh, build.model_dims(
+                policy.config))):
+            sample = with_shardings(jax.eval_shape(fns["rollout"].fn, state, frozen, *prompts),
+                                    prompts_sh)
+            exp, roll_metrics = jax.eval_shape(fns["score"].fn, state, frozen, *prompts, sample,
+                                               documents)
+            exp, roll_metrics = with_shardings(exp, prompts_sh), with_shardings(roll_metrics, rep)
+            adv, adv_metrics = jax.eval_shape(fns["advantages"].fn, state, frozen, hparams, exp)
+            adv, adv_metrics = with_shardings(adv, prompts_sh), with_shardings(adv_metrics, rep)
+        out.update(
+            experiment_rollout=(fns["rollout"], (state, frozen, *prompts)),
+            experiment_score=(fns["score"], (state, frozen, *prompts, sample, documents)),
+            experiment_advantages=(fns["advantages"], (state, frozen, hparams, exp)),
+            experiment_update=(fns["update"], (state, exp, adv, roll_metrics, adv_metrics,
+                                               frozen)))
     if num_eval_prompts:
         sharding.validate_batch(num_eval_prompts, mesh, "config.task.num_eval_prompts")
         evaluate = jax.jit(jax.vmap(functools.partial(
