@@ -265,4 +265,3 @@ def one_device_run_env() -> dict:
     return dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get(
         "PYTHONPATH", "")]), XLA_FLAGS=os.environ.get("XLA_FLAGS", "").replace(
         "--xla_force_host_platform_device_count=8", "--xla_force_host_platform_device_count=1"))
-

@@ -46,7 +46,6 @@ def _command(tmp_path, smollm2_gguf, workdir):
             f"--workdir={workdir}", *(f"--config.{k}={v}" for k, v in FLAGS.items())]
 
 
-
 def _run_killed_when(command, workdir, pattern, log_path):
     """Runs `command` and SIGKILLs it as soon as `workdir` holds a path matching `pattern`;
     returns whether it was killed (False: it ended first). Its stderr goes to `log_path`."""
