@@ -68,7 +68,10 @@ def run(stage: Stage, *, state, total_steps: int, step_fn: Callable, writer, met
     logged row (the first includes compiling), without the hooks' and the checkpoints' time;
     with `hooks`, `timing/eval_s`: the seconds of the hook calls that gave rows (evaluations)
     since the previous logged row, this step's included (0 when none did). The row is written
-    before the hooks' rows.
+    before the hooks' rows. Steps are dispatched ahead of the devices; before the hooks or a
+    checkpoint start their stopwatch the loop waits for the state, so that the steps still
+    queued count as steps whatever `log_every` is (with `hooks`, every step waits for its
+    state; without, only a step that checkpoints does, and a logged one for its metrics).
     Returns:
       (state, start_step): the final state and the step the run resumed from.
     """
@@ -111,6 +114,8 @@ def run(stage: Stage, *, state, total_steps: int, step_fn: Callable, writer, met
                     row["perf/step_s"] = seconds
             extra = []
             if hooks is not None:
+                # Steps still queued on the devices are the steps' time, not the hooks'.
+                jax.block_until_ready(state)
                 started = time.perf_counter()
                 extra = hooks(state, done)
                 spent = time.perf_counter() - started
@@ -130,6 +135,7 @@ def run(stage: Stage, *, state, total_steps: int, step_fn: Callable, writer, met
             # Every row of this step is written: the checkpoint of `done` resumes after them.
             stop = preemption.at_boundary()
             if stop or ckpt_lib.should_save(done, checkpoint_every, total_steps):
+                jax.block_until_ready(state)  # likewise for the checkpoint's time
                 started = time.perf_counter()
                 stage.save(done, state, metadata)
                 outside += time.perf_counter() - started
