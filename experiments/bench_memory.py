@@ -557,7 +557,7 @@ def model_count_iteration(config, cfg, token_ids, mesh, device_kind: str) -> dic
     from marl_jax.train import aot, build, perf, ppo
 
     row = perf.device_kind(device_kind)
-    peak = perf.peak_flops(device_kind, cfg.dtype)
+    peak = perf.peak_flops(device_kind, cfg.dtype, cfg.precision)
     if row is None or peak is None:
         return None
     p = config.ppo

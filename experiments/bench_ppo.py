@@ -181,7 +181,7 @@ class Iteration:
         self.phased = phased_step.PhasedStep(config, None, static, mods, state_sh, frozen_sh,
                                              mesh, timed=True)
         self.flops = [perf.model_flops(m) for m in (policy, critic, reward)]
-        self.peak = perf.devices_peak_flops(policy.config.dtype)
+        self.peak = perf.devices_peak_flops(policy.config.dtype, policy.config.precision)
 
     def resident_bytes(self) -> int:
         """Bytes per device of the state (actor, critic, their optimizer states) and the frozen

@@ -633,7 +633,8 @@ def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats, *, stage_na
                         truncate_stages=("ppo", "eval"),
                         cost=ppo_lib.step_cost(program.static, program.mods,
                                                pipe.task.prompt_length),
-                        peak_flops=perf.devices_peak_flops(pipe.policy.config.dtype))
+                        peak_flops=perf.devices_peak_flops(pipe.policy.config.dtype,
+                                                        pipe.policy.config.precision))
     _write_finals(pipe, evaluator, state, runs, int(p.steps))
     stage.close()
     return runs

@@ -84,16 +84,120 @@ def test_ppo_step_flops_is_the_hand_count():
 def test_device_table():
     h200 = perf.device_kind("NVIDIA H200")
     assert (h200.bfloat16_flops, h200.hbm_bandwidth) == (989e12, 4.8e12)
-    assert perf.peak_flops("NVIDIA H200", "float32") == 67e12
-    # A kind whose name holds another's is matched first.
-    assert perf.device_kind("NVIDIA GH200 480GB").match == "gh200"
-    assert perf.device_kind("TPU v5 lite").match == "tpu v5 lite"
-    assert perf.peak_flops("TPU v4", "float32") is None
     assert perf.device_kind("cpu") is None and perf.peak_flops("cpu") is None
     fields = perf.step_fields(2.0, 1000, 4e12, peak=8e12)
     assert fields == {"perf/step_s": 2.0, "perf/tokens_per_s": 500.0, "perf/tflops_per_s": 2.0,
                       "perf/mfu": 0.25}
     assert "perf/mfu" not in perf.step_fields(2.0, 1000, 4e12, peak=None)
+
+
+# `jax.Device.device_kind` as the runtimes report it (CUDA's device names; TPU v5p reports
+# "TPU v5", v5e "TPU v5 lite", v6e "TPU v6 lite") -> the row it is.
+KINDS = {
+    "NVIDIA L4": "l4",
+    "NVIDIA L40": "l40",
+    "NVIDIA L40S": "l40s",
+    "NVIDIA A10": "a10",
+    "NVIDIA A10G": "a10g",
+    "NVIDIA A100-SXM4-40GB": "a100",
+    "NVIDIA A100-SXM4-80GB": "a100",
+    "NVIDIA A100 80GB PCIe": "a100",
+    "NVIDIA A100-PCIE-40GB": "a100",
+    "NVIDIA A800-SXM4-80GB": "a800",
+    "NVIDIA H100 80GB HBM3": "h100",
+    "NVIDIA H100 PCIe": "h100 pcie",
+    "NVIDIA H800": "h800",
+    "NVIDIA H200": "h200",
+    "NVIDIA GH200 480GB": "gh200",
+    "NVIDIA B200": "b200",
+    "NVIDIA GB200": "gb200",
+    "Tesla V100-SXM2-16GB": "v100",
+    "TPU v2": "tpu v2",
+    "TPU v3": "tpu v3",
+    "TPU v4": "tpu v4",
+    "TPU v5 lite": "tpu v5 lite",
+    "TPU v5": "tpu v5",
+    "TPU v5p": "tpu v5p",
+    "TPU v6 lite": "tpu v6 lite",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_every_device_kind_maps_to_its_own_row(kind):
+    assert perf.device_kind(kind).match == KINDS[kind]
+
+
+def test_each_row_is_matched_by_its_own_name_and_unknown_kinds_by_none():
+    # No row hides another, whatever the table's order.
+    for row in perf.DEVICE_KINDS:
+        assert perf.device_kind(row.match) is row, row.match
+    for kind in ("cpu", "NVIDIA A40", "NVIDIA RTX A6000", "Tesla T4", "TPU v7x", "NVIDIA L20"):
+        assert perf.device_kind(kind) is None, kind
+        assert perf.peak_flops(kind, "bfloat16") is None
+
+
+# (kind, dtype, precision) -> peak FLOP/s, from the datasheets' dense rates (half the
+# sparse rates they print): H100 SXM bf16 989, TF32 989 / 2, FP32 67; H100 PCIe bf16 756,
+# TF32 756 / 2, FP32 51; A100 bf16 312, TF32 312 / 2, FP32 19.5; L40 bf16 181, TF32 181 / 2,
+# FP32 90.5; L40S TF32 366 / 2; L4 TF32 120 / 2; A10 TF32 125 / 2, FP32 31.2; A10G bf16 140 / 2,
+# TF32 70 / 2, FP32 35; V100 FP32 15.7 at every precision (no TF32); TPU v5e bf16 197.
+PEAKS = [
+    ("NVIDIA H100 80GB HBM3", "bfloat16", "default", 989e12),
+    ("NVIDIA H100 80GB HBM3", "bfloat16", "highest", 989e12),
+    ("NVIDIA H100 80GB HBM3", "float32", "default", 494.5e12),
+    ("NVIDIA H100 80GB HBM3", "float32", "high", 494.5e12),
+    ("NVIDIA H100 80GB HBM3", "float32", "highest", 67e12),
+    ("NVIDIA H100 80GB HBM3", "float32", None, 67e12),  # highest, as the models resolve it
+    ("NVIDIA H100 PCIe", "bfloat16", None, 756e12),
+    ("NVIDIA H100 PCIe", "float32", "default", 378e12),
+    ("NVIDIA H100 PCIe", "float32", "highest", 51e12),
+    ("NVIDIA H200", "float32", "high", 494.5e12),
+    ("NVIDIA H200", "float32", "highest", 67e12),
+    ("NVIDIA A100-SXM4-80GB", "bfloat16", None, 312e12),
+    ("NVIDIA A100-SXM4-80GB", "float32", "default", 156e12),
+    ("NVIDIA A100-SXM4-80GB", "float32", "highest", 19.5e12),
+    ("NVIDIA L40", "bfloat16", None, 181e12),
+    ("NVIDIA L40", "float32", "default", 90.5e12),
+    ("NVIDIA L40", "float32", "highest", 90.5e12),
+    ("NVIDIA L40S", "float32", "high", 183e12),
+    ("NVIDIA L4", "float32", "default", 60e12),
+    ("NVIDIA A10", "float32", "default", 62.5e12),
+    ("NVIDIA A10", "float32", "highest", 31.2e12),
+    ("NVIDIA A10G", "bfloat16", None, 70e12),
+    ("NVIDIA A10G", "float32", "default", 35e12),
+    ("NVIDIA A10G", "float32", "highest", 35e12),
+    ("Tesla V100-SXM2-16GB", "float32", "default", 15.7e12),
+    ("Tesla V100-SXM2-16GB", "float32", "highest", 15.7e12),
+    ("NVIDIA B200", "bfloat16", None, 2.25e15),
+    ("NVIDIA B200", "float32", "default", None),  # no float32 rate in the table
+    ("NVIDIA B200", "float32", "highest", None),
+    # TPUs: bfloat16 on the MXU at every precision; float32 at default is one bfloat16 pass,
+    # at high and highest several, which no datasheet rates.
+    ("TPU v5 lite", "bfloat16", None, 197e12),
+    ("TPU v5 lite", "bfloat16", "highest", 197e12),
+    ("TPU v5 lite", "float32", "default", 197e12),
+    ("TPU v5 lite", "float32", "high", None),
+    ("TPU v5 lite", "float32", "highest", None),
+    ("TPU v4", "float32", None, None),
+    ("TPU v4", "float32", "default", 275e12),
+    ("TPU v6 lite", "bfloat16", "default", 918e12),
+    ("cpu", "float32", "highest", None),
+]
+
+
+@pytest.mark.parametrize("kind,dtype,precision,peak", PEAKS)
+def test_peak_follows_the_dtype_and_the_matmul_precision_that_ran(kind, dtype, precision, peak):
+    assert perf.peak_flops(kind, dtype, precision) == peak
+
+
+def test_mfu_of_a_float32_run_at_default_precision_is_against_tf32():
+    """An H100 doing 200 TFLOP/s of model FLOPs in float32 at default precision runs TF32:
+    200 / 494.5 = 0.404 of its peak (not 200 / 67 = 2.99, an MFU above 1)."""
+    peak = perf.peak_flops("NVIDIA H100 80GB HBM3", "float32", "default")
+    fields = perf.step_fields(1.0, 1000, 200e12, peak)
+    assert fields["perf/mfu"] == pytest.approx(200 / 494.5)
+    with pytest.raises(ValueError, match="tensorfloat32"):
+        perf.peak_flops("NVIDIA H100 80GB HBM3", "float32", "tensorfloat32")
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,9 @@
 """Performance accounting: what a step costs in FLOPs, and what a device can do.
 
-    DEVICE_KINDS   one table of device kinds: peak dense FLOP/s per compute dtype, HBM
-                   bandwidth and capacity per JAX device (vendors' datasheets), read by the
-                   benchmarks, the memory roofline and the runs' `perf/mfu`
+    DEVICE_KINDS   one table of device kinds: peak dense FLOP/s per compute dtype and matmul
+                   precision (bf16, TF32, FP32), HBM bandwidth and capacity per JAX device
+                   (vendors' datasheets), read by the benchmarks, the memory roofline and the
+                   runs' `perf/mfu` (`peak_flops` picks the rate that ran)
     ModelFlops     the one FLOP count of a model: 2 FLOPs per weight a position multiplies
                    (PaLM's 2N forward, 6N forward and backward) plus the attention's
                    4 x layers x heads x head_dim FLOPs per position and key it reads
@@ -21,6 +22,7 @@ scored (the response positions of a scoring pass, the last position of a prefill
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import NamedTuple
 
 import jax
@@ -31,61 +33,113 @@ GIB = 2 ** 30
 
 class DeviceKind(NamedTuple):
     """One row of `DEVICE_KINDS` (per JAX device: TPU v2 / v3 expose each TensorCore as a device,
-    half a chip; v4 and later, and GPUs, one device per chip)."""
+    half a chip; v4 and later, and GPUs, one device per chip). Rates are dense (no 2:4
+    sparsity): NVIDIA's datasheets print the sparse rate of the tensor cores, twice these."""
 
-    match: str  # a lower-cased substring of `jax.Device.device_kind`
-    bfloat16_flops: float  # dense bfloat16 (and float16) FLOP/s
-    # Dense float32 matmul FLOP/s at `matmul_precision=highest` (NVIDIA's FP32 rate); None
-    # where the datasheet gives none (TPUs run float32 as several bfloat16 passes).
+    match: str  # the kind's words, lower-cased (`device_kind` matches whole words)
+    bfloat16_flops: float  # bfloat16 (and float16) operands, at any matmul precision
+    # float32 operands at matmul precision default or high: NVIDIA's TF32 tensor-core rate (on
+    # V100, which has no TF32, its FP32 rate); None on TPUs (`peak_flops` says why).
+    tf32_flops: float | None
+    # float32 operands at precision highest: NVIDIA's FP32 rate; None on TPUs and where the
+    # datasheet gives none.
     float32_flops: float | None
     hbm_bandwidth: float  # bytes/s
     hbm_bytes: int | None  # capacity; None where the kind comes in several sizes
 
+    @property
+    def is_tpu(self) -> bool:
+        return self.match.split()[0] == "tpu"
 
-# First match wins: a kind whose name contains another's comes before it.
+
+# Sources: cloud.google.com/tpu/docs/<version> (TPUs); NVIDIA's datasheets of each part (H100 SXM
+# and PCIe: TF32 989 and 756 TFLOP/s with sparsity; A100: TF32 312, bf16 624 with sparsity; L40:
+# FP32 90.5, TF32 181, bf16 362.1 with sparsity; L40S: FP32 91.6, TF32 366, bf16 733 with
+# sparsity; L4: FP32 30.3, TF32 120, bf16 242 with sparsity; A10: FP32 31.2, TF32 125, bf16 250
+# with sparsity). A10G (AWS G5 only, no NVIDIA datasheet): a GA102 of 80 SMs at 1.71 GHz, FP32
+# 80 x 128 x 2 x 1.71e9 = 35.0 TFLOP/s (a higher CUDA-core rate than the A10's), its tensor cores
+# at GeForce GA102's rate with float32 accumulation, half the A10's per SM: bf16 70 and TF32 35
+# (140 and 70 with sparsity). B200 / GB200: no float32 rate is in the table. Rows are in any
+# order: `device_kind` takes the most specific row that matches.
 DEVICE_KINDS = (
-    DeviceKind("tpu v6 lite", 918e12, None, 1.64e12, 32 * GIB),  # v6e (Trillium)
-    DeviceKind("tpu v6e", 918e12, None, 1.64e12, 32 * GIB),
-    DeviceKind("tpu v5 lite", 197e12, None, 0.819e12, 16 * GIB),  # v5e
-    DeviceKind("tpu v5e", 197e12, None, 0.819e12, 16 * GIB),
-    DeviceKind("tpu v5p", 459e12, None, 2.765e12, 95 * GIB),
-    DeviceKind("tpu v5", 459e12, None, 2.765e12, 95 * GIB),  # v5p reports "TPU v5"
-    DeviceKind("tpu v4", 275e12, None, 1.2e12, 32 * GIB),
-    DeviceKind("tpu v3", 61.5e12, None, 0.45e12, 16 * GIB),
-    DeviceKind("tpu v2", 22.5e12, None, 0.35e12, 8 * GIB),
-    DeviceKind("gb200", 2.5e15, None, 8.0e12, None),
-    DeviceKind("b200", 2.25e15, None, 8.0e12, None),
-    DeviceKind("gh200", 989e12, 67e12, 4.0e12, None),
-    DeviceKind("h200", 989e12, 67e12, 4.8e12, 141 * 10 ** 9),
-    DeviceKind("h100 pcie", 756e12, 51e12, 2.0e12, 80 * 10 ** 9),
-    DeviceKind("h100", 989e12, 67e12, 3.35e12, 80 * 10 ** 9),  # SXM
-    DeviceKind("h800", 989e12, 67e12, 3.35e12, 80 * 10 ** 9),
-    DeviceKind("a100", 312e12, 19.5e12, 2.0e12, None),
-    DeviceKind("a800", 312e12, 19.5e12, 2.0e12, None),
-    DeviceKind("l40s", 362e12, 91.6e12, 0.864e12, 48 * 10 ** 9),
-    DeviceKind("l4", 121e12, 30.3e12, 0.3e12, 24 * 10 ** 9),
-    DeviceKind("a10", 125e12, 31.2e12, 0.6e12, 24 * 10 ** 9),
-    DeviceKind("v100", 125e12, 15.7e12, 0.9e12, None),  # fp16 tensor cores (no bf16)
+    DeviceKind("tpu v6 lite", 918e12, None, None, 1.64e12, 32 * GIB),  # v6e (Trillium)
+    DeviceKind("tpu v6e", 918e12, None, None, 1.64e12, 32 * GIB),
+    DeviceKind("tpu v5 lite", 197e12, None, None, 0.819e12, 16 * GIB),  # v5e
+    DeviceKind("tpu v5e", 197e12, None, None, 0.819e12, 16 * GIB),
+    DeviceKind("tpu v5p", 459e12, None, None, 2.765e12, 95 * GIB),
+    DeviceKind("tpu v5", 459e12, None, None, 2.765e12, 95 * GIB),  # v5p reports "TPU v5"
+    DeviceKind("tpu v4", 275e12, None, None, 1.2e12, 32 * GIB),
+    DeviceKind("tpu v3", 61.5e12, None, None, 0.45e12, 16 * GIB),
+    DeviceKind("tpu v2", 22.5e12, None, None, 0.35e12, 8 * GIB),
+    DeviceKind("gb200", 2.5e15, None, None, 8.0e12, None),
+    DeviceKind("b200", 2.25e15, None, None, 8.0e12, None),
+    DeviceKind("gh200", 989e12, 494.5e12, 67e12, 4.0e12, None),
+    DeviceKind("h200", 989e12, 494.5e12, 67e12, 4.8e12, 141 * 10 ** 9),
+    DeviceKind("h100 pcie", 756e12, 378e12, 51e12, 2.0e12, 80 * 10 ** 9),
+    DeviceKind("h100", 989e12, 494.5e12, 67e12, 3.35e12, 80 * 10 ** 9),  # SXM
+    DeviceKind("h800", 989e12, 494.5e12, 67e12, 3.35e12, 80 * 10 ** 9),
+    DeviceKind("a100", 312e12, 156e12, 19.5e12, 2.0e12, None),
+    DeviceKind("a800", 312e12, 156e12, 19.5e12, 2.0e12, None),
+    DeviceKind("l40s", 362e12, 183e12, 91.6e12, 0.864e12, 48 * 10 ** 9),
+    DeviceKind("l40", 181e12, 90.5e12, 90.5e12, 0.864e12, 48 * 10 ** 9),
+    DeviceKind("l4", 121e12, 60e12, 30.3e12, 0.3e12, 24 * 10 ** 9),
+    DeviceKind("a10g", 70e12, 35e12, 35e12, 0.6e12, 24 * 10 ** 9),
+    DeviceKind("a10", 125e12, 62.5e12, 31.2e12, 0.6e12, 24 * 10 ** 9),
+    DeviceKind("v100", 125e12, 15.7e12, 15.7e12, 0.9e12, None),  # fp16 tensor cores (no bf16)
 )
 
 
+def _words(text: str) -> set[str]:
+    return set(re.findall(r"[a-z0-9]+", text.lower()))
+
+
 def device_kind(kind: str) -> DeviceKind | None:
-    """The table's row of a `device_kind` string, or None (CPUs, kinds it lacks)."""
-    lowered = kind.lower()
-    return next((row for row in DEVICE_KINDS if row.match in lowered), None)
+    """The table's row of a `jax.Device.device_kind` string, or None (CPUs, kinds it lacks).
+
+    A row matches when each of its words is a whole word of the kind ("NVIDIA A100-SXM4-80GB" is
+    `a100`; "NVIDIA L40S" is not `l40`, "NVIDIA A10G" not `a10`), and of the rows that match the
+    one with the most words wins ("NVIDIA H100 PCIe" is `h100 pcie`, "TPU v5 lite" `tpu v5 lite`).
+    """
+    words = _words(kind)
+    rows = [row for row in DEVICE_KINDS if _words(row.match) <= words]
+    return max(rows, key=lambda row: len(_words(row.match)), default=None)
 
 
-def peak_flops(kind: str, dtype: str = "bfloat16") -> float | None:
-    """Peak dense FLOP/s of one device of `kind` computing in `dtype`, or None where unknown."""
+def peak_flops(kind: str, dtype: str = "bfloat16", precision: str | None = None) -> float | None:
+    """Peak dense FLOP/s of one device of `kind` whose matmuls take `dtype` operands at matmul
+    `precision` ("default", "high" or "highest"; None: as `ModelConfig.precision` resolves it,
+    highest in float32 and default otherwise), or None where the table lacks the kind or that
+    rate: a model FLOP count over it is an MFU of what ran.
+
+    bfloat16 and float16 run on the tensor cores (the MXU) at every precision. float32 on an
+    NVIDIA GPU runs as TF32 on the tensor cores at default and high, as FP32 at highest (V100:
+    FP32 at every precision). float32 on a TPU runs as one bfloat16 pass at default (the bfloat16
+    rate) and as three (high) or six (highest) passes, which no datasheet rates: None (the
+    table's float32 columns are None for TPUs).
+    """
+    from marl_jax.models.config import MATMUL_PRECISIONS
+
+    dtype = str(dtype)
+    if precision is None:
+        precision = "highest" if dtype == "float32" else "default"
+    if precision not in MATMUL_PRECISIONS:
+        raise ValueError(f"matmul precision {precision!r} is not one of {MATMUL_PRECISIONS}")
     row = device_kind(kind)
     if row is None:
         return None
-    return row.float32_flops if str(dtype) == "float32" else row.bfloat16_flops
+    if dtype in ("bfloat16", "float16"):
+        return row.bfloat16_flops
+    if dtype != "float32":
+        return None
+    if row.is_tpu:
+        return row.bfloat16_flops if precision == "default" else None
+    return row.float32_flops if precision == "highest" else row.tf32_flops
 
 
-def devices_peak_flops(dtype: str) -> float | None:
-    """Peak FLOP/s of every device of the job (`jax.devices()`, all processes) in `dtype`."""
-    peak = peak_flops(jax.devices()[0].device_kind, dtype)
+def devices_peak_flops(dtype: str, precision: str | None = None) -> float | None:
+    """Peak FLOP/s of every device of the job (`jax.devices()`, all processes) computing in
+    `dtype` at matmul `precision` (`peak_flops`)."""
+    peak = peak_flops(jax.devices()[0].device_kind, dtype, precision)
     return None if peak is None else peak * jax.device_count()
 
 

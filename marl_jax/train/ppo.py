@@ -400,7 +400,8 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
                             shardings=state_sh, truncate_stages=("ppo", "eval"),
                             progress_keys=("objective/scores", "objective/kl"),
                             hooks=eval_hook, cost=step_cost(static, mods, task.prompt_length),
-                            peak_flops=perf.devices_peak_flops(policy.config.dtype))
+                            peak_flops=perf.devices_peak_flops(policy.config.dtype,
+                                                            policy.config.precision))
     stage.close()
     if phased is not None:
         phased.close()

@@ -162,7 +162,8 @@ def train(*, name: str, cfg, seed: int, module, init_params, loss_fn: Callable, 
                             writer=writer, metadata=metadata, checkpoint_every=checkpoint_every,
                             log_every=log_every, progress_keys=progress_keys,
                             cost=lambda row: cost,
-                            peak_flops=perf.devices_peak_flops(module.config.dtype))
+                            peak_flops=perf.devices_peak_flops(module.config.dtype,
+                                                            module.config.precision))
     stage.close()
     return _with_base(base, state.params)
 
