@@ -9,17 +9,22 @@ section of docs/real_text.md is `--page docs/real_text.md --marker real-text-stu
 --paired --results docs/real_text_results.json --curves docs/real_text_curves.png`.
 
 RUN_DIR and every CONFIRM_DIR hold the report.json of one run of the same experiment command
-(`--command`, as the section shows it) on different seeds. A claim is a paired difference
+(`--command`, as the section shows it) on other seeds, or on the same seeds under another
+instruction set (XLA:CPU rounds floats by the instructions it generates; a run made with
+`XLA_FLAGS=--xla_cpu_max_isa=AVX2` runs the code XLA generates for a CPU without AVX-512);
+every run names its seeds and the instruction set it recorded (`report.run_label`: "seeds 0-11,
+AVX2"; "unrecorded" for a run that did not record it), and two runs share a seed only when both
+recorded instruction sets and they differ (`check_seed_sets`). A claim is a paired difference
 between two arms whose 95% bootstrap interval over seeds excludes 0 (`marl_jax.eval.report.claims`);
 only the claims every given run makes, in the same direction, are kept. They go to the JSON
 (`--results`, with every run's key numbers: per-arm means, paired differences per seed,
 resolution). The page's section between the lines `<!-- MARKER:start -->` and
-`<!-- MARKER:end -->` (`--marker`, default `results`) is replaced by: the command and seeds of
-each run, RUN_DIR's per-arm table, with `--paired` each run's table of paired differences
-(every arm against the baseline, every macro arm against its matched control), the resolution
-of each run (PPO's gain against the widest paired interval), RUN_DIR's curves, one sentence per
-kept claim, and for every macro arm against token PPO and against its matched control each
-difference that was not distinguishable or not replicated. The README's section between
+`<!-- MARKER:end -->` (`--marker`, default `results`) is replaced by: the command, seeds and
+instruction set of each run, RUN_DIR's per-arm table, with `--paired` each run's table of paired
+differences (every arm against the baseline, every macro arm against its matched control), the
+resolution of each run (PPO's gain against the widest paired interval), RUN_DIR's curves, one
+sentence per kept claim, and for every macro arm against token PPO and against its matched
+control each difference that was not distinguishable or not replicated. The README's section between
 `<!-- headline:start -->` and `<!-- headline:end -->` (`--readme`; '' for none) is replaced by
 the headline: columns of the same table, the curves, the kept claims and the differences no run
 could tell apart, in words, with a link to the page. Nothing else in either file changes.
@@ -65,6 +70,27 @@ def load_report(run_dir: str) -> dict:
     return report
 
 
+def check_seed_sets(runs) -> None:
+    """Raises ValueError when two runs share a seed but not a pair of recorded, different
+    instruction sets: the same seeds on the same instructions repeat a run bit for bit."""
+    seen = {}
+    for run_dir, report in runs:
+        isa = report_lib.isa_label(report)
+        for seed in report["seeds"]:
+            for other_dir, other_isa in seen.get(seed, []):
+                if report_lib.UNRECORDED in (isa, other_isa) or isa == other_isa:
+                    raise ValueError(
+                        f"seed {seed} is in both {other_dir} ({other_isa}) and {run_dir} "
+                        f"({isa}): runs share seeds only on two recorded, different "
+                        "instruction sets")
+            seen.setdefault(seed, []).append((run_dir, isa))
+
+
+def seed_sets(runs) -> int:
+    """How many disjoint seed sets the runs hold (runs on the same seeds count once)."""
+    return len({tuple(sorted(r["seeds"])) for _, r in runs})
+
+
 def _key(claim) -> tuple:
     return claim["arm"], claim["versus"], claim["metric"], claim["direction"]
 
@@ -92,10 +118,15 @@ def _across_runs(runs, arm, versus, metric) -> str:
     parts = []
     for _, report in runs:
         cmp = comparison(report, arm, versus, metric)
-        seeds = report_lib.format_seeds(report["seeds"])
-        parts.append(f"not run on seeds {seeds}" if cmp is None
-                     else f"{report_lib.format_difference(cmp)} on seeds {seeds}")
-    return ", ".join(parts)
+        label = report_lib.run_label(report)
+        parts.append(f"not run on {label}" if cmp is None
+                     else f"{report_lib.format_difference(cmp)} on {label}")
+    return "; ".join(parts)
+
+
+def run_list(runs) -> str:
+    """"seeds 0-11, AVX-512; seeds 0-11, AVX2": every run's label."""
+    return "; ".join(report_lib.run_label(r) for _, r in runs)
 
 
 def _versus(report, arm, versus) -> str:
@@ -104,7 +135,8 @@ def _versus(report, arm, versus) -> str:
 
 
 def claim_sentence(runs, claim) -> str:
-    """"ma_ppo has lower J than ppo: -0.41 [-0.55, -0.30] on seeds 0-7, ... on seeds 100-107"."""
+    """"ma_ppo has lower J than ppo: -0.41 [-0.55, -0.30] on seeds 0-7, AVX-512; ... on seeds
+    100-107, AVX-512"."""
     arm, versus, metric = claim["arm"], claim["versus"], claim["metric"]
     word = "higher" if claim["direction"] > 0 else "lower"
     return (f"`{arm}` has {word} {report_lib.METRIC_WORDS[metric]} than "
@@ -175,17 +207,17 @@ def headline_section(runs, claims, *, page_link: str, curves_link: str,
     """The README's headline (without its marker lines): columns of the first run's table, its
     curves, the claims of every run and the comparisons no run separates, in words."""
     (first_dir, first), confirm = runs[0], runs[1:]
-    repeats = ("the repeats on seeds " + " and ".join(
-        report_lib.format_seeds(r["seeds"]) for _, r in confirm) + ", " if confirm else "")
+    repeats = "the repeats, " if confirm else ""
+    label = report_lib.run_label(first)
     lines = [
         f"<!-- generated by `{generated_by}`; do not edit by hand -->", "",
-        f"Seeds {report_lib.format_seeds(first['seeds'])} (`{first_dir}`), final evaluation; "
+        f"{label[0].upper()}{label[1:]} (`{first_dir}`), final evaluation; "
         f"means over seeds with 95% bootstrap intervals; SFT gold = {first['sft_gold']:.3f} "
         f"([every column, {repeats}every paired difference]({page_link})):", "",
     ]
     lines += headline_table(report_lib.arm_table(first))
     lines += ["", f"![gold, J and RM score over PPO steps]({curves_link})", ""]
-    runs_word = "every run" if confirm else "this run"
+    runs_word = f"every run ({run_list(runs)})" if confirm else "this run"
     lines += [f"Differences whose 95% interval excludes 0 on {runs_word}:", ""]
     lines += [f"- {line}" for line in claim_headlines(claims, first)] or ["- none."]
     unseparated = _grouped(((arm, versus), metric) for arm, versus, metric, separated
@@ -197,16 +229,32 @@ def headline_section(runs, claims, *, page_link: str, curves_link: str,
     return "\n".join(lines)
 
 
+def run_where(run_dir: str, report: dict) -> str:
+    """"seeds 0-11, AVX2 (`runs/x`, `XLA_FLAGS=--xla_cpu_max_isa=AVX2`)": a run, its folder and
+    the XLA flags it ran with."""
+    flags = (report.get("plan", {}).get("instruction_set") or {}).get("xla_flags")
+    return (f"{report_lib.run_label(report)} (`{run_dir}`"
+            + (f", `XLA_FLAGS={flags}`" if flags else "") + ")")
+
+
+def same_seeds_note(runs) -> str:
+    """A sentence when two runs share their seeds: they differ in the instruction set alone."""
+    if seed_sets(runs) == len(runs):
+        return ""
+    return (" Runs on the same seeds differ only in the instruction set XLA:CPU generated code "
+            "for, which decides its float rounding: a difference is stated only when it holds "
+            "on each.")
+
+
 def results_section(runs, claims, *, command: str, curves_link: str, generated_by: str,
                     paired: bool = False, results_name: str = "docs/results.json") -> str:
     """The generated results page section (without its marker lines). runs: [(dir, report)], the
     first one's table and curves shown; with `paired`, every run's paired-difference table;
     `results_name`: the JSON file named as listing the claims."""
     (first_dir, first), confirm = runs[0], runs[1:]
-    where = f"`{command}` on seeds {report_lib.format_seeds(first['seeds'])} (`{first_dir}`)"
+    where = f"`{command}` on {run_where(first_dir, first)}"
     if confirm:
-        where += ", repeated on " + ", ".join(
-            f"seeds {report_lib.format_seeds(r['seeds'])} (`{d}`)" for d, r in confirm)
+        where += ", repeated on " + "; ".join(run_where(d, r) for d, r in confirm)
     plan = first.get("plan", {})
     if plan.get("steps") and plan.get("eval_every"):
         where += (f". {plan['steps']} PPO steps per run, evaluated every {plan['eval_every']} "
@@ -218,20 +266,19 @@ def results_section(runs, claims, *, command: str, curves_link: str, generated_b
         f"{where}. Every arm of a seed sees the same prompts and sampling keys, so "
         "arms are compared by paired differences per seed. Means over seeds with 95% "
         f"bootstrap intervals over seeds; J = gold - {first['beta']} x KL for every arm; SFT "
-        f"gold = {first['sft_gold']:.3f}. Table: seeds {report_lib.format_seeds(first['seeds'])}.",
-        "",
+        f"gold = {first['sft_gold']:.3f}.{same_seeds_note(runs)} Table: "
+        f"{report_lib.run_label(first)}.", "",
     ]
     lines += report_lib.arm_table(first)
     lines += [""]
     if paired:
         for _, r in runs:
-            lines += [f"Paired differences arm - versus, seeds "
-                      f"{report_lib.format_seeds(r['seeds'])} (mean over seeds, 95% bootstrap "
-                      "interval):", ""]
+            lines += [f"Paired differences arm - versus, {report_lib.run_label(r)} (mean over "
+                      "seeds, 95% bootstrap interval):", ""]
             lines += report_lib.comparison_table(r)
             lines += [""]
-    lines += [f"Resolution, seeds {report_lib.format_seeds(r['seeds'])}: "
-              f"{report_lib.resolution_line(r)}" for _, r in runs]
+    lines += [f"Resolution, {report_lib.run_label(r)}: {report_lib.resolution_line(r)}"
+              for _, r in runs]
     lines += ["", f"![gold, J and RM score over PPO steps]({curves_link})", "",
               "What it shows (only differences whose 95% interval excludes 0 on every run; "
               f"`{results_name}` lists them):", ""]
@@ -273,7 +320,8 @@ def run_numbers(report: dict) -> dict:
         paired.setdefault(f"{arm} - {cmp['versus']}", {})[metric] = dict(
             _estimate(cmp), differences=cmp["differences"])
     res = report["resolution"]
-    return {"seeds": report["seeds"], "sft_gold": report["sft_gold"],
+    return {"seeds": report["seeds"], "instruction_set": report_lib.isa_label(report),
+            "sft_gold": report["sft_gold"],
             "ppo_gain": _estimate(report["ppo_gain"]), "arms": arms, "paired": paired,
             "resolution": {"max_half_width": res["max_half_width"],
                            "gain_over_max_half_width": res["gain_over_max_half_width"]}}
@@ -307,6 +355,7 @@ def main(argv) -> int:
     try:
         dirs = [args.run_dir, *args.confirm_dirs]
         runs = [(d, load_report(d)) for d in dirs]
+        check_seed_sets(runs)
         curves_src = os.path.join(args.run_dir, "curves.png")
         if not os.path.exists(curves_src):
             raise FileNotFoundError(f"{curves_src} does not exist")
@@ -335,7 +384,10 @@ def main(argv) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(args.results, "w") as f:
         json.dump({"claims": claims,
-                   "runs": [{"dir": d, "seeds": r["seeds"]} for d, r in runs],
+                   "runs": [{"dir": d, "seeds": r["seeds"],
+                             "instruction_set": report_lib.isa_label(r),
+                             "recorded": r.get("plan", {}).get("instruction_set")}
+                            for d, r in runs],
                    "numbers": [run_numbers(r) for _, r in runs],
                    "generated_by": generated_by}, f, indent=2)
         f.write("\n")

@@ -33,6 +33,7 @@ from marl_jax import distributed, estimators
 from marl_jax.data import batches
 from marl_jax.data.real_tasks import decode_responses
 from marl_jax.eval.report import SFT_ARM  # the SFT policy's final rows (step-0 evaluations)
+from marl_jax.eval.report import instruction_set
 from marl_jax.pipeline import Pipeline
 from marl_jax.train import loop, perf, programs, sharding
 from marl_jax.train.metrics import status_line
@@ -678,7 +679,8 @@ def plan_row(config, runs, num_eval_prompts: int) -> dict:
         per_run=[dict(arm=r.arm, seed=r.seed, **r.ppo) for r in runs],
         steps=int(config.ppo.steps), eval_every=int(config.ppo.eval_every),
         num_eval_prompts=int(num_eval_prompts),
-        eval_samples_per_prompt=int(config.ppo.eval_samples_per_prompt))
+        eval_samples_per_prompt=int(config.ppo.eval_samples_per_prompt),
+        instruction_set=instruction_set())
 
 
 def _run_hparams(runs, variants) -> RunHparams:

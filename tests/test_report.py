@@ -488,8 +488,12 @@ def test_readme_results_keeps_only_claims_of_every_run(tmp_path):
     kept = [c for c in _expected_claims() if c["metric"] != "auc_gold" or c["arm"] != "ma_ppo"]
     data = json.loads(results.read_text())
     assert data["claims"] == kept
-    assert data["runs"] == [{"dir": str(run), "seeds": list(range(8))},
-                            {"dir": str(confirm), "seeds": list(range(100, 108))}]
+    # Runs whose plan row predates the instruction-set record say so.
+    assert data["runs"] == [
+        {"dir": str(run), "seeds": list(range(8)), "instruction_set": "unrecorded",
+         "recorded": None},
+        {"dir": str(confirm), "seeds": list(range(100, 108)), "instruction_set": "unrecorded",
+         "recorded": None}]
     # The command line as a shell reads it back (the --command value holds spaces).
     assert shlex.split(data["generated_by"]) == ["experiments/readme_results.py", *argv]
     assert curves.read_bytes() == (run / "curves.png").read_bytes()
@@ -500,18 +504,21 @@ def test_readme_results_keeps_only_claims_of_every_run(tmp_path):
     assert head == PAGE.split("<!-- results:start -->")[0]
     assert tail == PAGE.split("<!-- results:end -->")[1]
     assert "old table" not in text
-    assert "`python experiments/run.py --config.x=1` on seeds 0-7" in section
-    assert "repeated on seeds 100-107" in section
+    assert ("`python experiments/run.py --config.x=1` on seeds 0-7, instruction set unrecorded "
+            f"(`{run}`), repeated on seeds 100-107, instruction set unrecorded") in section
     assert "![gold, J and RM score over PPO steps](curves.png)" in section
     assert "| `ppo_lam1` |" in section and "hacks RM in 4/8 seeds" in section
-    assert "Resolution, seeds 0-7:" in section and "Resolution, seeds 100-107:" in section
+    assert "Resolution, seeds 0-7, instruction set unrecorded: " in section
+    assert "Resolution, seeds 100-107, instruction set unrecorded: " in section
     reports = [json.loads((d / "report.json").read_text()) for d in (run, confirm)]
     j = [r["comparisons"]["ma_ppo"]["versus_ppo"]["J"] for r in reports]
     claims = [line for line in section.splitlines() if " than `" in line]
     assert len(claims) == len(kept)
     assert claims[0] == (
         f"- `ma_ppo` has lower J than `ppo`: -0.100 [{j[0]['ci'][0]:+.3f}, {j[0]['ci'][1]:+.3f}] "
-        f"on seeds 0-7, -0.100 [{j[1]['ci'][0]:+.3f}, {j[1]['ci'][1]:+.3f}] on seeds 100-107.")
+        "on seeds 0-7, instruction set unrecorded; "
+        f"-0.100 [{j[1]['ci'][0]:+.3f}, {j[1]['ci'][1]:+.3f}] on seeds 100-107, instruction set "
+        "unrecorded.")
     assert any(line.startswith("- `ma_ppo` has lower J than `ma_ppo_ctrl` (its matched "
                                "control): ") for line in claims)
     # The dropped claim and the null results, in words.
@@ -534,7 +541,11 @@ def test_readme_results_keeps_only_claims_of_every_run(tmp_path):
     # gold over training, steps to 50%, steps to 90%, reward hacking.
     assert shown == [row[:5] + row[8:] for row in table]
     assert "| arm | gold | RM score | KL (nats) | J = gold - beta KL | reward hacking |" in headline
-    assert "the repeats on seeds 100-107, every paired difference](docs/results.md)" in headline
+    assert headline.split("\n")[2].startswith(
+        f"Seeds 0-7, instruction set unrecorded (`{run}`), final evaluation; ")
+    assert "([every column, the repeats, every paired difference](docs/results.md))" in headline
+    assert ("Differences whose 95% interval excludes 0 on every run (seeds 0-7, instruction set "
+            "unrecorded; seeds 100-107, instruction set unrecorded):") in headline
     assert "![gold, J and RM score over PPO steps](docs/curves.png)" in headline
     stated = [line for line in headline.splitlines() if " than `" in line]
     assert len(stated) == len({(c["arm"], c["versus"], c["direction"]) for c in kept})
@@ -569,6 +580,157 @@ def test_readme_results_needs_the_markers(tmp_path, capsys):
     assert "report.json does not exist" in capsys.readouterr().err
 
 
+def _isa_record(isa, xla_flags=""):
+    """An `instruction_set` record as the experiment's plan row stores it."""
+    return {"xla_flags": xla_flags, "max_isa": isa if xla_flags else None, "cpu": "AMD EPYC",
+            "cpu_flags": ["sse4_2", "avx", "avx2", "avx512f", "avx512_vnni", "avx512_bf16"],
+            "cpu_isa": "AVX512_BF16", "isa": isa, "backend": "cpu"}
+
+
+def _with_isa(rows, isa):
+    """`rows` with their plan row recording `isa` (capped by XLA_FLAGS unless the CPU's own)."""
+    flags = "" if isa == "AVX512_BF16" else f"--xla_cpu_max_isa={isa}"
+    for r in rows:
+        if r["stage"] == "plan":
+            r["instruction_set"] = _isa_record(isa, flags)
+    return rows
+
+
+def _final_gold_raised(rows, arm, delta):
+    """`rows` with `arm`'s final gold raised by `delta` on every seed (its last evaluation and
+    its per-prompt final rows)."""
+    for r in rows:
+        if r.get("arm") == arm and r["stage"] == "eval" and r["step"] == STEPS[-1]:
+            r["gold"] += delta
+        if r.get("arm") == arm and r["stage"] == "final":
+            r["gold_per_prompt"] = [g + delta for g in r["gold_per_prompt"]]
+    return rows
+
+
+def test_readme_results_keeps_only_claims_that_hold_on_another_instruction_set(tmp_path,
+                                                                                capsys):
+    """Seeds 0-7 and 100-107 on AVX-512 make the ten claims of `_expected_claims`; seeds 0-7
+    again under AVX2, where the macro arm (as a reward-hacking arm does) ends 0.1 higher in
+    gold on every seed: its final gold now exceeds ppo's and its control's, and its J equals
+    theirs (-0.1 + 0.1 + E_i). The J claims go; the final-gold comparisons are no longer "not
+    distinguishable" but "no difference that holds on every run"; every run is named by its
+    seeds and instruction set."""
+    rr = _readme_results()
+    run, confirm, avx2 = (tmp_path / "runs" / name for name in ("main", "confirm", "avx2"))
+    _write_metrics(run, _with_isa(_study_rows(), "AVX512_BF16"))
+    _write_metrics(confirm, _with_isa(_study_rows(seeds=tuple(range(100, 108))), "AVX512_BF16"))
+    _write_metrics(avx2, _with_isa(_final_gold_raised(_study_rows(), "ma_ppo", 0.1), "AVX2"))
+    reports = [report_lib.write_report(str(d)) for d in (run, confirm, avx2)]
+    assert [report_lib.run_label(r) for r in reports] == [
+        "seeds 0-7, AVX-512", "seeds 100-107, AVX-512", "seeds 0-7, AVX2"]
+    assert report_lib.claims(reports[0]) == report_lib.claims(reports[1]) == _expected_claims()
+    readme, results = tmp_path / "README.md", tmp_path / "docs" / "results.json"
+    page, curves = tmp_path / "docs" / "results.md", tmp_path / "docs" / "curves.png"
+    readme.write_text(README)
+    page.parent.mkdir()
+    page.write_text(PAGE)
+    argv = [str(run), str(confirm), str(avx2), "--readme", str(readme), "--page", str(page),
+            "--results", str(results), "--curves", str(curves)]
+    assert rr.main(argv) == 0
+
+    kept = [
+        {"arm": "ma_ppo", "versus": "ppo", "metric": "auc_gold", "direction": 1},
+        {"arm": "ma_ppo", "versus": "ppo", "metric": "kl", "direction": 1},
+        {"arm": "ma_ppo", "versus": "ma_ppo_ctrl", "metric": "auc_gold", "direction": 1},
+        {"arm": "ma_ppo", "versus": "ma_ppo_ctrl", "metric": "kl", "direction": 1},
+        {"arm": "ppo_lam1", "versus": "ppo", "metric": "final_gold", "direction": -1},
+        {"arm": "ppo_lam1", "versus": "ppo", "metric": "J", "direction": -1},
+        {"arm": "ppo_lam1", "versus": "ppo", "metric": "auc_gold", "direction": -1},
+        {"arm": "ppo_lam1", "versus": "ppo", "metric": "rm_score", "direction": 1},
+    ]
+    data = json.loads(results.read_text())
+    assert data["claims"] == kept
+    assert [(r["seeds"], r["instruction_set"], r["recorded"]["xla_flags"])
+            for r in data["runs"]] == [(list(range(8)), "AVX-512", ""),
+                                       (list(range(100, 108)), "AVX-512", ""),
+                                       (list(range(8)), "AVX2", "--xla_cpu_max_isa=AVX2")]
+    assert [n["instruction_set"] for n in data["numbers"]] == ["AVX-512", "AVX-512", "AVX2"]
+
+    section = page.read_text().split("<!-- results:start -->\n")[1].split("<!-- results:end")[0]
+    assert (f"`python experiments/run.py` on seeds 0-7, AVX-512 (`{run}`), repeated on seeds "
+            f"100-107, AVX-512 (`{confirm}`); seeds 0-7, AVX2 (`{avx2}`, "
+            "`XLA_FLAGS=--xla_cpu_max_isa=AVX2`). ") in section
+    assert ("Runs on the same seeds differ only in the instruction set XLA:CPU generated code "
+            "for, which decides its float rounding: a difference is stated only when it holds "
+            "on each. Table: seeds 0-7, AVX-512.") in section
+    for label in ("seeds 0-7, AVX-512", "seeds 100-107, AVX-512", "seeds 0-7, AVX2"):
+        assert f"Resolution, {label}: " in section
+    stated = [line for line in section.splitlines() if " than `" in line]
+    assert len(stated) == len(kept)
+    kl = [r["comparisons"]["ma_ppo"]["versus_ppo"]["kl"] for r in reports]
+    assert stated[1] == "- `ma_ppo` has higher KL than `ppo`: " + "; ".join(
+        f"{report_lib.format_difference(k)} on {label}" for k, label in zip(
+            kl, ("seeds 0-7, AVX-512", "seeds 100-107, AVX-512", "seeds 0-7, AVX2"))) + "."
+    fg = [r["comparisons"]["ma_ppo"]["versus_control"]["final_gold"] for r in reports]
+    assert fg[2]["direction"] == 1 and fg[0]["direction"] == fg[1]["direction"] == 0
+    assert ("- `ma_ppo` vs `ma_ppo_ctrl` (its matched control), final gold: no difference that "
+            f"holds on every run: {report_lib.format_difference(fg[0])} on seeds 0-7, AVX-512; "
+            f"{report_lib.format_difference(fg[1])} on seeds 100-107, AVX-512; "
+            f"{report_lib.format_difference(fg[2])} on seeds 0-7, AVX2.") in section
+    assert "- `ma_ppo` vs `ppo`, J: no difference that holds on every run: -0.100 [" in section
+    assert "`ma_ppo` has lower J" not in section
+
+    headline = readme.read_text().split("<!-- headline:start -->\n")[1].split(
+        "\n<!-- headline:end -->")[0]
+    assert headline.split("\n")[2].startswith(f"Seeds 0-7, AVX-512 (`{run}`), final evaluation; ")
+    assert ("Differences whose 95% interval excludes 0 on every run (seeds 0-7, AVX-512; seeds "
+            "100-107, AVX-512; seeds 0-7, AVX2):\n\n"
+            "- `ma_ppo` has higher mean gold over training and KL than `ppo`.\n"
+            "- `ma_ppo` has higher mean gold over training and KL than `ma_ppo_ctrl` (its "
+            "matched control).\n"
+            "- `ppo_lam1` has lower final gold, J and mean gold over training than `ppo`.\n"
+            "- `ppo_lam1` has higher RM score than `ppo`.\n\n"
+            "Not distinguishable on any run:\n\n"
+            "- `ma_ppo` vs `ppo`: RM score.\n"
+            "- `ma_ppo` vs `ma_ppo_ctrl` (its matched control): RM score.") in headline
+
+    # The same seeds on the same instruction set, or on one not recorded, are refused.
+    for name, isa in (("again", "AVX512_BF16"), ("unrecorded", None)):
+        rows = _study_rows()
+        _write_metrics(tmp_path / name, _with_isa(rows, isa) if isa else rows)
+        report_lib.write_report(str(tmp_path / name))
+        assert rr.main([str(run), str(tmp_path / name), *argv[3:]]) == 2
+        assert f"seed 0 is in both {run} (AVX-512) and {tmp_path / name}" in (
+            capsys.readouterr().err)
+
+
+def test_the_run_records_its_instruction_set(tmp_path, monkeypatch):
+    """instruction_set() from XLA_FLAGS and the CPU's flags; the experiment's plan row carries
+    it, and a report names the run's instruction set by it."""
+    from configs import synthetic
+    from marl_jax import experiment
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu sse4_1 "
+                       "sse4_2 avx f16c avx2 bmi2 avx512f avx512dq avx512_vnni\n\n"
+                       "processor\t: 1\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu\n")
+    flags = "--xla_force_host_platform_device_count=2 --xla_cpu_max_isa=AVX2"
+    record = report_lib.instruction_set({"XLA_FLAGS": flags}, str(cpuinfo))
+    assert record == {"xla_flags": flags, "max_isa": "AVX2", "cpu": "AMD EPYC 7B13",
+                      "cpu_flags": ["sse4_2", "avx", "avx2", "avx512f", "avx512_vnni"],
+                      "cpu_isa": "AVX512_VNNI", "isa": "AVX2", "backend": "cpu"}
+    uncapped = report_lib.instruction_set({}, str(cpuinfo))
+    assert (uncapped["max_isa"], uncapped["isa"]) == (None, "AVX512_VNNI")
+    # A cap above the CPU's own changes nothing.
+    assert report_lib.instruction_set({"XLA_FLAGS": "--xla_cpu_max_isa=AMX"},
+                                      str(cpuinfo))["isa"] == "AVX512_VNNI"
+    assert report_lib.isa_label({"plan": {"instruction_set": record}}) == "AVX2"
+    assert report_lib.isa_label({"plan": {"instruction_set": uncapped}}) == "AVX-512"
+    assert report_lib.isa_label({"plan": {}}) == "unrecorded"
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_max_isa=AVX2")
+    config = synthetic.get_config()
+    row = experiment.plan_row(config, experiment.plan_runs(config), 128)
+    assert row["instruction_set"] == report_lib.instruction_set()
+    assert row["instruction_set"]["xla_flags"] == "--xla_cpu_max_isa=AVX2"
+    assert row["instruction_set"]["max_isa"] == "AVX2"
+
+
 def _objectives_results():
     spec = importlib.util.spec_from_file_location(
         "objectives_results", ROOT / "experiments" / "objectives_results.py")
@@ -600,8 +762,10 @@ def test_objectives_results_states_only_differences_of_both_seed_sets(tmp_path, 
     text = page.read_text()
     assert text.startswith("# Objectives\n\n<!-- objectives:start -->\n<!-- generated by ")
     assert text.endswith("\n<!-- objectives:end -->\nTail.\n") and "\nold\n" not in text
-    assert "`python run.py --x=1` on seeds 0-7 (`" in text and "seeds 100-107 (`" in text
-    assert "Seeds 0-7:" in text and "Seeds 100-107:" in text
+    assert "`python run.py --x=1` on seeds 0-7, instruction set unrecorded (`" in text
+    assert "; seeds 100-107, instruction set unrecorded (`" in text
+    assert ("Seeds 0-7, instruction set unrecorded:" in text
+            and "Seeds 100-107, instruction set unrecorded:" in text)
     # The claims of both seed sets only: ma_ppo's mean gold over training is higher than
     # ppo's on seeds 0-7 alone, so it is listed as not replicated.
     kept = [c for c in _expected_claims() if c["metric"] != "auc_gold" or c["arm"] != "ma_ppo"]
@@ -616,6 +780,15 @@ def test_objectives_results_states_only_differences_of_both_seed_sets(tmp_path, 
     assert orr.main([str(run), str(run), "--page", str(page)]) == 2
     assert "seed 0 is in both" in capsys.readouterr().err
     assert orr.main([str(run), "--page", str(page)]) == 2
+    assert "two disjoint seed sets" in capsys.readouterr().err
+    # The same seeds on another instruction set are one seed set.
+    isa = tmp_path / "isa"
+    _write_metrics(isa, _with_isa(_study_rows(), "AVX512_BF16"))
+    report_lib.write_report(str(isa))
+    other = tmp_path / "isa_avx2"
+    _write_metrics(other, _with_isa(_study_rows(), "AVX2"))
+    report_lib.write_report(str(other))
+    assert orr.main([str(isa), str(other), "--page", str(page)]) == 2
     assert "two disjoint seed sets" in capsys.readouterr().err
     assert page.read_text() == OBJECTIVES_PAGE
 
@@ -834,17 +1007,18 @@ def test_results_generator_writes_the_real_text_section_with_paired_tables(tmp_p
     text = page.read_text()
     assert text.startswith(f"# Real text\n\n{other}\n<!-- real-text-study:start -->\n")
     assert text.endswith("<!-- real-text-study:end -->\n\nTail.\n") and "stale" not in text
-    assert f"`{command}` on seeds 0-3 (`{first}`), repeated on seeds 4-7 (`{second}`)" in text
+    assert (f"`{command}` on seeds 0-3, instruction set unrecorded (`{first}`), repeated on "
+            f"seeds 4-7, instruction set unrecorded (`{second}`)") in text
     assert "12 PPO steps per run, evaluated every 6 steps on 2 held-out prompts (4 responses " \
            "each)" in text
     assert "| arm | versus | final gold | J | mean gold over training | KL | RM score |" in text
     for report in reports:
-        seeds = report_lib.format_seeds(report["seeds"])
-        table = text.split(f"Paired differences arm - versus, seeds {seeds}")[1]
+        seeds = report_lib.run_label(report)
+        table = text.split(f"Paired differences arm - versus, {seeds}")[1]
         ma = report["comparisons"]["ma_ppo"]["versus_control"]
         assert ("| `ma_ppo` | `ma_ppo_ctrl` (control) | " + " | ".join(
             report_lib.format_difference(ma[m]) for m in report_lib.METRICS) + " |") in table
-        assert f"Resolution, seeds {seeds}: {report_lib.resolution_line(report)}" in text
+        assert f"Resolution, {seeds}: {report_lib.resolution_line(report)}" in text
     kept = [c for c in reports[0]["claims"]
             if c["arm"] != "ma_ppo_ctrl" or c["metric"] not in ("final_gold", "auc_gold")]
     assert rr.replicated_claims(reports) == kept and len(kept) == 3

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import platform
+import re
 from collections import defaultdict
 
 import numpy as np
@@ -93,6 +95,70 @@ DEFINITIONS = {
 
 
 SFT_ARM = "sft"  # the arm of the SFT policy's final rows, written by marl_jax.experiment
+
+# XLA:CPU rounds floats by the instructions it generates, so a run records the newest it allowed.
+# The x86 CPU flags that decide them, oldest first: /proc/cpuinfo flag -> XLA's ISA name
+# (`--xla_cpu_max_isa`).
+ISA_FLAGS = {"sse4_2": "SSE4_2", "avx": "AVX", "avx2": "AVX2", "avx512f": "AVX512",
+             "avx512_vnni": "AVX512_VNNI", "avx512_bf16": "AVX512_BF16", "amx_tile": "AMX"}
+UNRECORDED = "unrecorded"
+
+
+def instruction_set(environ=None, cpuinfo: str = "/proc/cpuinfo") -> dict:
+    """What XLA generates code for in this process: `xla_flags` (the XLA_FLAGS variable),
+    `max_isa` (its `--xla_cpu_max_isa` cap, None without one), `cpu` (the model name),
+    `cpu_flags` (the CPU's flags among `ISA_FLAGS`), `cpu_isa` (the newest of them, XLA's name;
+    the machine's architecture on a CPU without them) and `isa`: the cap where it is older than
+    the CPU's, else the CPU's. `backend` is JAX's default backend: the ISA is the host's, and
+    decides the numbers only on "cpu". The experiment stores it in its plan row."""
+    import jax
+
+    environ = os.environ if environ is None else environ
+    xla_flags = environ.get("XLA_FLAGS", "")
+    caps = re.findall(r"--xla_cpu_max_isa=(\S+)", xla_flags)
+    max_isa = caps[-1].upper() if caps else None
+    cpu, flags = None, set()
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and cpu is None:
+                    cpu = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    order = list(ISA_FLAGS.values())
+    cpu_flags = [f for f in ISA_FLAGS if f in flags]
+    cpu_isa = ISA_FLAGS[cpu_flags[-1]] if cpu_flags else platform.machine() or None
+    isa = cpu_isa
+    if cpu_isa in order and max_isa in order and order.index(max_isa) < order.index(cpu_isa):
+        isa = max_isa
+    return {"xla_flags": xla_flags, "max_isa": max_isa, "cpu": cpu, "cpu_flags": cpu_flags,
+            "cpu_isa": cpu_isa, "isa": isa, "backend": jax.default_backend()}
+
+
+def isa_label(report: dict) -> str:
+    """The instruction set a report's run was made with, as the pages name it: "AVX-512" (any
+    AVX512 level), "AVX2", ...; the backend's name off CPUs; "unrecorded" when the run did not
+    record it (a plan row written before `instruction_set` existed)."""
+    record = report.get("plan", {}).get("instruction_set")
+    if not record:
+        return UNRECORDED
+    if record.get("backend", "cpu") != "cpu":
+        return record["backend"]
+    isa = record.get("isa")
+    if not isa:
+        return UNRECORDED
+    return {"SSE4_2": "SSE4.2"}.get(isa, "AVX-512" if isa.startswith("AVX512") else isa)
+
+
+def run_label(report: dict) -> str:
+    """"seeds 0-11, AVX-512": a run's seeds and instruction set ("seeds 0-11, instruction set
+    unrecorded" for a run that did not record it)."""
+    isa = isa_label(report)
+    return (f"seeds {format_seeds(report['seeds'])}, "
+            + ("instruction set " if isa == UNRECORDED else "") + isa)
 
 
 # ---- what was run --------------------------------------------------------------------------------
@@ -446,7 +512,8 @@ def markdown(report: dict) -> str:
     b = report["bootstrap"]
     lines = [
         "# MA-PPO vs PPO: report", "",
-        f"Seeds {format_seeds(report['seeds'])}; evaluation steps {report['steps'][0]}.."
+        f"Seeds {format_seeds(report['seeds'])}; instruction set {isa_label(report)}; "
+        f"evaluation steps {report['steps'][0]}.."
         f"{report['steps'][-1]}; beta = {report['beta']} in J for every arm; SFT gold = "
         f"{report['sft_gold']:.3f}. Means over seeds with 95% {b['method']} bootstrap intervals "
         f"over seeds ({b['resamples']} resamples, rng seed {b['rng_seed']}).", "",
