@@ -8,9 +8,10 @@
 overridden as `--config.<section>.<field>=<value>`. Running the same command again resumes.
 
 A SIGTERM (the notice a Spot or preemptible VM gets before it goes away) stops the run at the
-next step boundary with a checkpoint there, every process at the same step, and ends it with one
-line `preempted: ...` on stderr and exit status 75 (marl_jax/train/preemption.py); the same
-command resumes there. A configuration or input error (a bad config field, a missing data file
+next step boundary with a checkpoint there, or outside a training loop at the next point where
+nothing is half written, every process at the same point, and ends it with one line
+`preempted: ...` on stderr and exit status 75 (marl_jax/train/preemption.py); the same command
+resumes there. A configuration or input error (a bad config field, a missing data file
 or checkpoint) ends the run with one line `error: <message>` on stderr and exit status 2;
 `--traceback` shows its traceback instead. Any other error is a bug and always shows its
 traceback. Before anything else, an installed dependency outside the range setup.cfg supports

@@ -35,7 +35,7 @@ from marl_jax.data.real_tasks import decode_responses
 from marl_jax.eval.report import SFT_ARM  # the SFT policy's final rows (step-0 evaluations)
 from marl_jax.eval.report import instruction_set
 from marl_jax.pipeline import Pipeline
-from marl_jax.train import loop, perf, programs, sharding
+from marl_jax.train import loop, perf, preemption, programs, sharding
 from marl_jax.train.metrics import status_line
 from marl_jax.train.phased_step import PhaseClock
 from marl_jax.train import ppo as ppo_lib
@@ -610,6 +610,7 @@ def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats, *, stage_na
     writer = _PerRunWriter(pipe.writer, runs)
     stage = loop.Stage(stage_name, pipe.workdir, max_to_keep=config.max_to_keep)
     if not stage.latest_step():
+        preemption.safe_point(f"before the step-0 evaluation of {stage_name}")
         _write_step0(pipe, writer, evaluator, program.state, runs, step0)
 
     last = {"t": None}
@@ -638,6 +639,7 @@ def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats, *, stage_na
                                                         pipe.policy.config.precision))
     _write_finals(pipe, evaluator, state, runs, int(p.steps))
     stage.close()
+    preemption.safe_point(f"after the final evaluations of {stage_name}")
     return runs
 
 

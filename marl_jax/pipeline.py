@@ -18,7 +18,7 @@ from marl_jax.data.real_tasks import decode_responses
 from marl_jax.data.tasks import build_task
 from marl_jax.eval.unit_test_reward import attach_unit_test_reward
 from marl_jax.models import attention, decode_layout, lora
-from marl_jax.train import build, exports, metrics as metrics_lib, reward, sharding
+from marl_jax.train import build, exports, metrics as metrics_lib, preemption, reward, sharding
 from marl_jax.train import ppo as ppo_lib
 from marl_jax.train.ppo import run_ppo
 from marl_jax.train.reward import PAIR_KEYS, run_rm, sample_policy_pairs
@@ -145,6 +145,7 @@ class Pipeline:
             trains = exports.latest_checkpoint_step(self.workdir, "rm") < self.config.rm.steps
             if trains:
                 self._add_policy_pairs(sft_params)
+                preemption.safe_point("after sampling the SFT policy's preference pairs")
             self._add_sampled_data()
             # Training only its top layers, the reward model runs the frozen ones once per
             # distinct training sequence (their states reused by every step and the statistics).
@@ -155,6 +156,7 @@ class Pipeline:
             params = run_rm(self.config, self.task, self.reward_model, init, mesh=self.mesh,
                             writer=self.writer, workdir=self.workdir, trunk=trunk)
             self._write_gold_agreement(params)
+            preemption.safe_point("after the reward model's gold agreement")
             # The statistics belong to these params: reused only from an export of the same
             # checkpoint, recomputed (and re-exported) whenever the reward model changed.
             stats = exports.current_export_file(self.workdir, "rm", exports.REWARD_STATS)
@@ -227,6 +229,7 @@ class Pipeline:
                 sampled_data.save_samples(self.workdir, part, settings, ids, mask, gold, texts)
             else:
                 ids, mask, gold = loaded
+            preemption.safe_point(f"after the sampled {part} data")
             out[part] = (prompts, ids, mask, gold)
         rng = np.random.default_rng(int(t.data_seed) + 1)
         self.task.sft = sampled_data.best_of_k(*out["sft"])

@@ -5,7 +5,9 @@ metrics row once.
 In one process (the training loop with a toy state, a real signal sent from inside a step, real
 orbax checkpoints), in two JAX processes on localhost that agree through JAX's preemption sync
 point (the signal sent to one of them), and through `experiments/run.py` on the synthetic
-pipeline, signalled at moments a seeded RNG draws in every stage that checkpoints.
+pipeline, signalled at moments a seeded RNG draws in every stage that checkpoints. Outside a
+training loop, two processes of `experiments/run.py`'s eval stage stop together at the same safe
+point between evaluation batches, with nothing of the evaluation written.
 """
 import json
 import os
@@ -19,10 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from marl_jax.train import loop, metrics, preemption
+from marl_jax.train import exports, loop, metrics, preemption
 
 import process_util
-from train_util import ROOT, tiny_flags
+from train_util import ROOT, tiny_config, tiny_flags
 
 TOTAL_STEPS = 10
 MULTI_PROCESS_TIMEOUT_S = 120
@@ -99,6 +101,42 @@ def test_sigterm_outside_a_training_loop_stops_at_once():
     assert preemption.mode() == preemption.OFF
 
 
+class _SignalOnRead(list):
+    """A list that sends this process SIGTERM when its item `at` is read."""
+
+    def __init__(self, items, at):
+        super().__init__(items)
+        self.at = at
+
+    def __getitem__(self, index):
+        if index == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().__getitem__(index)
+
+
+def test_sigterm_while_the_evaluation_writes_its_samples_leaves_the_previous_file(tmp_path):
+    from marl_jax.eval import run_eval
+
+    n = 4
+    results = {name: {"response_ids": np.arange(n * 3).reshape(n, 3) + k,
+                      "response_mask": np.ones((n, 3), np.int32), "kl": np.full(n, 0.5 * k)}
+               for k, name in enumerate(("sft", "policy"))}
+    args = (np.arange(n), [f"prompt {i}" for i in range(n)])
+    texts = {name: [f"{name} {i}" for i in range(n)] for name in results}
+    path = tmp_path / "samples.jsonl"
+    run_eval.write_samples(str(path), *args, texts, results, np.full(n, np.nan), None)
+    before = path.read_text()
+    assert [json.loads(line)["policy"]["response"] for line in before.splitlines()] == [
+        f"policy {i}" for i in range(n)]
+
+    texts["policy"] = _SignalOnRead([f"new {i}" for i in range(n)], at=2)
+    with preemption.watching():
+        with pytest.raises(preemption.Preempted):
+            run_eval.write_samples(str(path), *args, texts, results, np.full(n, np.nan), None)
+    assert path.read_text() == before
+    assert os.listdir(tmp_path) == ["samples.jsonl"]
+
+
 _TWO_PROCESS_WORKER = textwrap.dedent("""
     import sys
     import time
@@ -109,7 +147,7 @@ _TWO_PROCESS_WORKER = textwrap.dedent("""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from marl_jax import distributed
-    from marl_jax.train import loop, metrics, preemption
+    from marl_jax.train import exports, loop, metrics, preemption
 
     process_id, port, workdir, total = (int(sys.argv[1]), sys.argv[2], sys.argv[3],
                                         int(sys.argv[4]))
@@ -217,6 +255,109 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_checkpointed_ste
         np.testing.assert_allclose([float(x) for x in line.split(": ")[1].split()], want,
                                    rtol=1e-5)
     assert _logged_steps(tmp_path / "run", "toy") == list(range(1, total + 1))
+
+
+# The eval stage of a workdir whose policies are exported, on two processes of one device each:
+# no reward model (the gold judges), 8 held-out batches of 2 prompts per model.
+EVAL = {"rm.steps": 0, "eval.judge": "gold", "eval.batch_size": 2, "task.num_eval_prompts": 16}
+EVAL_BATCHES = 8
+
+
+def _exported_workdir(workdir):
+    """`workdir` with the SFT and final policy exported, as a finished pipeline leaves them (the
+    initial model as both: what is evaluated does not matter here)."""
+    from marl_jax import pipeline as pipeline_lib
+
+    pipe = pipeline_lib.Pipeline(tiny_config(**EVAL), str(workdir))
+    params = pipe.initial_params()
+    for name in ("sft", "policy"):
+        exports.export_model(str(workdir), name, pipe.policy, params, pipe.task.tokenizer)
+    pipe.close()
+
+
+def _start_run_py(workdir, logdir, flags, attempt):
+    """Starts `experiments/run.py` as two processes of one CPU device each."""
+    port = process_util.free_port()
+    env = process_util.cpu_env(1, "--xla_backend_optimization_level=0 "
+                               "--xla_llvm_disable_expensive_passes=true",
+                               JAX_ENABLE_COMPILATION_CACHE="false")
+    logs = [logdir / f"{attempt}_worker{i}.log" for i in range(2)]
+    procs = [subprocess.Popen(
+        _run_py(workdir, flags) + [f"--config.distributed.coordinator=localhost:{port}",
+                                   "--config.distributed.num_processes=2",
+                                   f"--config.distributed.process_id={i}"],
+        env=env, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        for i, log in enumerate(logs)]
+    return procs, logs
+
+
+def _signal_once_built(procs, logs):
+    """Sends SIGTERM to process 0 once it has printed its attention line (its pipeline is built,
+    after `jax.distributed.initialize`: SIGTERM is the preemption notifier's), waits for both;
+    returns their `preempted:` lines after asserting that both exited with status 75."""
+    deadline = time.monotonic() + MULTI_PROCESS_TIMEOUT_S
+    try:
+        while ("attention: " not in logs[0].read_text() and time.monotonic() < deadline
+               and all(p.poll() is None for p in procs)):
+            time.sleep(0.02)
+        assert all(p.poll() is None for p in procs), [log.read_text()[-3000:] for log in logs]
+        os.kill(procs[0].pid, signal.SIGTERM)  # the notice reaches process 0 only
+    finally:
+        codes = _wait_all(procs, MULTI_PROCESS_TIMEOUT_S)
+    outputs = [log.read_text() for log in logs]
+    assert codes == [preemption.EXIT_STATUS] * 2, [o[-3000:] for o in outputs]
+    return [[line for line in o.splitlines() if line.startswith("preempted:")] for o in outputs]
+
+
+def _safe_point(line):
+    """The safe point a `preempted:` line names."""
+    assert line.endswith(", with nothing half written; the same command resumes there "
+                         "(exit status 75)"), line
+    return line.split("stopped outside a training loop at a safe point (")[1].split(
+        "), with nothing")[0]
+
+
+def test_sigterm_to_one_of_two_processes_in_the_eval_stage_stops_both_at_one_safe_point(
+        tmp_path):
+    workdir = tmp_path / "run"
+    _exported_workdir(workdir)
+    eval_flags = tiny_flags(**EVAL, stage="eval", **{"mesh.data": 2})
+    lines = _signal_once_built(*_start_run_py(workdir, tmp_path, eval_flags, "first"))
+    assert len(lines[0]) == 1 and lines[0] == lines[1], lines
+    # Both stopped after the same batch of the evaluation.
+    at = _safe_point(lines[0][0]).removeprefix("eval of ")
+    model, batch = at.split(", held-out batch ")
+    number, of = (int(x) for x in batch.split(" of "))
+    assert model in ("sft", "policy") and of == EVAL_BATCHES and 1 <= number <= of, at
+    # Nothing of the evaluation was written: its files and rows come whole, at its end.
+    assert not (workdir / "eval").exists() or os.listdir(workdir / "eval") == []
+    assert not [r for r in metrics.read_metrics(workdir) if r.get("stage") == "eval_final"]
+
+
+# The safe points of `--config.stage=all` with no training steps, in their order.
+STAGE_POINTS = ("after the export of {models}/sft", "after the reward model's gold agreement",
+                "after the export of {models}/rm", "after the export of {models}/policy")
+
+
+def test_sigterm_to_one_of_two_processes_between_stages_stops_both_with_whole_exports(
+        tmp_path):
+    workdir = tmp_path / "run"
+    flags = tiny_flags(**{"sft.steps": 0, "rm.steps": 0, "ppo.steps": 0, "mesh.data": 2})
+    lines = _signal_once_built(*_start_run_py(workdir, tmp_path, flags, "first"))
+    assert len(lines[0]) == 1 and lines[0] == lines[1], lines
+    points = [p.format(models=workdir / "models") for p in STAGE_POINTS]
+    at = _safe_point(lines[0][0])
+    assert at in points, (at, points)
+    # The exports up to the safe point are whole, the later ones absent; nothing beside them.
+    done = [name for name in ("sft", "rm", "policy")
+            if points.index(f"after the export of {workdir / 'models'}/{name}")
+            <= points.index(at)]
+    assert sorted(os.listdir(workdir / "models")) == sorted(done)
+    for name in done:
+        info = exports.read_export_info(str(workdir / "models" / name))
+        assert info == exports.export_info(str(workdir), name), name
+        assert {"config.json", "model.safetensors", exports.EXPORT_INFO} <= set(
+            os.listdir(workdir / "models" / name))
 
 
 # Every stage checkpoints every 4 steps (the signals fall between those checkpoints, too).

@@ -280,7 +280,8 @@ def test_launch_fetch_and_stop_dry_run():
         SCP + ["tpu-env:marl_jax_runs/r7", "logs", *WHERE, "--worker=all", "--recurse"]]
     [stop] = dry_run("launch.sh", "--stop", "--run-id", "r7")
     assert stop[:6] == SSH + ["tpu-env"] and "--worker=all" in stop
-    assert "~/marl_jax_runs/r7/worker-*.pid" in remote_command(stop)
+    assert remote_command(stop).startswith("runs=~/marl_jax_runs; ")
+    assert '"$runs/r7" "$runs/r7"-r*' in remote_command(stop)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -396,6 +397,50 @@ def test_stop_ends_the_whole_run(fake_worker):
             os.killpg(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_stop_reaches_the_live_restart_of_a_run_id(fake_worker):
+    home, env = fake_worker
+    runs = home / "marl_jax_runs"
+    pids = {}
+    # r5 and its restarts r5-r1 (ended) and r5-r2 (live); r5's process group is alive too, as
+    # a stand-in for whatever holds its id once it has ended: only the live run's is signalled.
+    for run_id, sleep_s in (("r5", "60"), ("r5-r1", "0"), ("r5-r2", "60")):
+        [launch] = dry_run("launch.sh", "--run-id", run_id, "--", "--config=x")
+        started = on_worker(remote_command(launch), env, {"SLEEP_S": sleep_s})
+        assert started.returncode == 0, started.stderr
+        pids[run_id] = int((runs / run_id / "worker-0.pid").read_text())
+    for name in ("r5-rx", "r5-r10x", "r5-r1-r1"):  # not restarts of r5
+        (runs / name).mkdir()
+    try:
+        deadline = time.monotonic() + 10
+        while not ((runs / "r5-r1" / "worker-0.exit").exists()
+                   and all((runs / r / "worker-0.log").exists()
+                           and (runs / r / "worker-0.log").read_text() for r in ("r5", "r5-r2"))
+                   ) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert group_alive(pids["r5"]) and group_alive(pids["r5-r2"])
+        [stop] = dry_run("launch.sh", "--stop", "--run-id", "r5")
+        stopped = on_worker(remote_command(stop), env)
+        assert stopped.returncode == 0, stopped.stderr
+        assert stopped.stdout.splitlines() == [f"stopped {runs / 'r5-r2' / 'worker-0.pid'}"]
+        deadline = time.monotonic() + 10
+        while group_alive(pids["r5-r2"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not group_alive(pids["r5-r2"])
+        assert (runs / "r5-r2" / "worker-0.exit").read_text().strip() == "143"
+        assert group_alive(pids["r5"])
+        assert sorted(p.parent.name for p in runs.glob("*/stopped")) == ["r5-r2"]
+
+        [stop] = dry_run("launch.sh", "--stop", "--run-id", "r6")
+        nothing = on_worker(remote_command(stop), env)
+        assert nothing.returncode == 0 and nothing.stdout == "no run r6 here\n", nothing.stderr
+    finally:
+        for pid in pids.values():
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 RESTART = ["--restart-on-preemption", "--create-flag=--accelerator-type=v4-32",

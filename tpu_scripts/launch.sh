@@ -15,8 +15,9 @@ Usage: tpu_scripts/launch.sh [--name NAME] [--zone ZONE] [--project PROJECT] [--
 Starts `python experiments/run.py RUN_FLAGS...` on all workers at once (gcloud compute tpus
 tpu-vm ssh --worker=all), detached in its own process group, so it outlives the ssh session.
 Every worker writes ~/marl_jax_runs/ID/worker-<i>.log (and .pid, and .exit with the exit status at the end).
-run.py stops at a step boundary with a checkpoint there on SIGTERM (the notice of a Spot or
-preemptible VM, or --stop) and exits with status 75; the same command resumes there.
+On SIGTERM (the notice of a Spot or preemptible VM, or --stop) run.py stops at a step boundary
+with a checkpoint there, or outside a training loop at a point where nothing is half written,
+every worker at the same point, and exits with status 75; the same command resumes there.
 RUN_FLAGS reach run.py exactly as given, spaces and parentheses included, e.g.
   tpu_scripts/launch.sh --stream -- --config=configs/synthetic.py --workdir=/mnt/shared/run1 \
       --config.seeds="(1, 2, 3)"
@@ -33,7 +34,8 @@ The command run on every worker is printed first (with --dry-run as a "# ..." li
   --remote-dir DIR checkout on the workers, as given to setup.sh (default marl_jax)
   --fetch-logs     only copy the logs of run --run-id from all workers into --logs-dir
   --stop           only stop run --run-id on all workers (SIGTERM to its process group: run.py
-                   checkpoints the step in flight and exits with 75); never relaunched
+                   checkpoints the step in flight and exits with 75); never relaunched. After
+                   restarts (see below) the run stopped is the live one, the latest ID-rN
 
   --restart-on-preemption
                    follow the run as --stream does, and start it again whenever it was
@@ -198,9 +200,14 @@ case "$ACTION" in
     exit 0
     ;;
   stop)
-    # The `stopped` mark keeps --restart-on-preemption from starting the run again.
-    # shellcheck disable=SC2016  # $f and $(cat ...) expand on the workers
-    ssh_all "touch $REMOTE_HOME/$RUNS_DIR/$RUN_ID/stopped 2>/dev/null; for f in $REMOTE_HOME/$RUNS_DIR/$RUN_ID/worker-*.pid; do if [ -f \"\$f\" ]; then kill -s TERM -- -\"\$(cat \"\$f\")\" 2>/dev/null && echo \"stopped \$f\" || echo \"not running: \$f\"; fi; done"
+    # The live run is the latest of ID, ID-r1, ID-r2, ... on the worker (a VM made again holds
+    # only the restarts started on it); the ones before it have ended, and their process group
+    # ids may belong to other processes by now. Its `stopped` mark keeps
+    # --restart-on-preemption from starting the run again.
+    # shellcheck disable=SC2016  # $d, $n, $live, ... expand on the workers
+    find_live="runs=$REMOTE_HOME/$RUNS_DIR; live=; latest=-1; for d in \"\$runs/$RUN_ID\" \"\$runs/$RUN_ID\"-r*; do [ -d \"\$d\" ] || continue; n=\${d#\"\$runs/$RUN_ID\"}; case \$n in '') n=0 ;; -r0* | -r | -r*[!0-9]*) continue ;; -r*) n=\${n#-r} ;; *) continue ;; esac; if [ \"\$n\" -gt \"\$latest\" ]; then latest=\$n; live=\$d; fi; done"
+    # shellcheck disable=SC2016  # $live, $f and $(cat ...) expand on the workers
+    ssh_all "$find_live; if [ -z \"\$live\" ]; then echo \"no run $RUN_ID here\"; exit 0; fi; touch \"\$live/stopped\"; for f in \"\$live\"/worker-*.pid; do if [ -f \"\$f\" ]; then kill -s TERM -- -\"\$(cat \"\$f\")\" 2>/dev/null && echo \"stopped \$f\" || echo \"not running: \$f\"; fi; done"
     exit 0
     ;;
 esac

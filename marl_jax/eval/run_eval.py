@@ -29,11 +29,12 @@ per pair, on the first `config.eval.judge_max_samples` prompts; `none` skips the
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import os
-from typing import Any, Callable, Optional
+from typing import IO, Any, Callable, Iterator, Optional
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +46,7 @@ from marl_jax.data.real_tasks import decode_responses, extract_code
 from marl_jax.eval import judges, scores
 from marl_jax.eval.unit_test_reward import unit_test_options
 from marl_jax.models import lora
-from marl_jax.train import build, exports, phases, ppo, sharding
+from marl_jax.train import build, exports, phases, ppo, preemption, sharding
 from marl_jax.train.metrics import summary_table
 
 JUDGES = ("rm", "gold", "openai", "none")
@@ -87,7 +88,7 @@ def evaluate_workdir(pipeline) -> Optional[dict]:
     results = {}
     for name in MODELS:
         results[name] = rollouts(params[name], params["sft"], prompt_index,
-                                 model_key(config.seed, name))
+                                 model_key(config.seed, name), name=name)
     if jax.process_index() != 0:
         return None
 
@@ -120,7 +121,7 @@ def evaluate_workdir(pipeline) -> Optional[dict]:
                                                samples_per_prompt)
     write_samples(os.path.join(out_dir, "samples.jsonl"), prompt_index, prompts, texts, results,
                   preferences, passed)
-    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+    with _replacing(os.path.join(out_dir, "summary.json")) as f:
         json.dump(summary, f, indent=2)
     log_rows(pipeline.writer, config, summary)
     return summary
@@ -267,9 +268,10 @@ def rollout_batch(sampler: Sampler, policy, reward_model, gold_fn, params, ref_p
 
 
 class Rollout:
-    """`rollout(params, ref_params, prompt_index [N], key) -> dict of numpy [N, ...]`: samples one
-    response per entry of `prompt_index` (indices into `task.eval`), in batches of
-    `eval_batch_size(config)` sharded over the pipeline's mesh."""
+    """`rollout(params, ref_params, prompt_index [N], key, name=model) -> dict of numpy [N, ...]`:
+    samples one response per entry of `prompt_index` (indices into `task.eval`), in batches of
+    `eval_batch_size(config)` sharded over the pipeline's mesh. A preemption notice stops the
+    run between two batches (`preemption.safe_point`, naming the model `name`)."""
 
     def __init__(self, pipeline, rm_params):
         config, task = pipeline.config, pipeline.task
@@ -295,13 +297,14 @@ class Rollout:
         mesh = self.pipeline.mesh
         return jax.device_put(params, build.param_shardings(module, mesh, build.abstract(params)))
 
-    def __call__(self, params, ref_params, prompt_index, key) -> dict:
+    def __call__(self, params, ref_params, prompt_index, key, *, name: str) -> dict:
         mesh = self.pipeline.mesh
         params, ref_params = (self._place(self.policy, x) for x in (params, ref_params))
         b = self.batch_size
         padded = np.concatenate([prompt_index, np.full(-len(prompt_index) % b,
                                                        prompt_index[-1])])
         outputs, batch_sh = [], sharding.batch_sharding(mesh)
+        num_batches = len(padded) // b
         with sharding.mesh_context(mesh, self.rules):
             for step, start in enumerate(range(0, len(padded), b)):
                 rows = batches.process_rows(padded[start:start + b], batch_sh)
@@ -316,6 +319,8 @@ class Rollout:
                 out = self.fn(params, ref_params, self.rm_params, batch["ids"], batch["mask"],
                               batch.get("documents"), key_data)
                 outputs.append(jax.tree.map(_host, out))
+                preemption.safe_point(f"eval of {name}, held-out batch {step + 1} of "
+                                      f"{num_batches}")
         return {k: np.concatenate([o[k] for o in outputs])[:len(prompt_index)]
                 for k in outputs[0]}
 
@@ -421,8 +426,22 @@ def apps_results(config, task, prompt_index, texts, samples_per_prompt):
     return passed, summary
 
 
+@contextlib.contextmanager
+def _replacing(path: str) -> Iterator[IO[str]]:
+    """A text file written beside `path` and renamed into it once whole: a run stopped while
+    writing (a preemption notice stops one process at once) leaves the previous file or none."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w") as f:
+            yield f
+    except BaseException:
+        os.remove(tmp)
+        raise
+    os.replace(tmp, path)
+
+
 def write_samples(path, prompt_index, prompts, texts, results, preferences, passed):
-    with open(path, "w") as f:
+    with _replacing(path) as f:
         for j, i in enumerate(prompt_index):
             row = {"prompt_index": int(i), "prompt": prompts[j],
                    "policy_preference": None if np.isnan(preferences[j]) else float(preferences[j])}

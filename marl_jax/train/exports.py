@@ -17,7 +17,7 @@ import jax
 
 from marl_jax import distributed, models
 from marl_jax.models import lora, peft_export
-from marl_jax.train import checkpoint
+from marl_jax.train import checkpoint, preemption
 
 # The reward model's score mean and std over its training responses, saved beside it so PPO
 # (and anyone serving it) can centre and scale its scores.
@@ -78,14 +78,22 @@ def export_model(workdir: str, name: str, module, params, tokenizer, extra=None,
     checkpoint. Every process takes part (the params are gathered); process 0 writes.
 
     LoRA params are exported merged (a plain transformers model) and, given `adapter_base`
-    (the directory of the base they apply to), also as a PEFT adapter in `<export>/adapter/`."""
+    (the directory of the base they apply to), also as a PEFT adapter in `<export>/adapter/`.
+
+    A preemption notice stops the run after the export is renamed into place (a safe point of
+    every process, `preemption.safe_point`)."""
     path = export_dir(workdir, name)
     info = export_info(workdir, name)
     if distributed.main_process_value(read_export_info(path) == info):
         return
     params = distributed.global_to_host(params)
-    if jax.process_index() != 0:
-        return
+    if jax.process_index() == 0:
+        _write_export(path, info, module, params, tokenizer, extra, adapter_base)
+    preemption.safe_point(f"after the export of {path}")
+
+
+def _write_export(path: str, info: dict, module, params, tokenizer, extra, adapter_base) -> None:
+    """Writes the export beside `path` and renames it into place."""
     tmp, old = path + ".tmp", path + ".old"
     shutil.rmtree(tmp, ignore_errors=True)
     if lora.has_adapters(params):

@@ -1,22 +1,33 @@
-"""A preempted run stops at a step boundary with a checkpoint there, and says so.
+"""A preempted run stops where nothing is half written (in training, at a step boundary with its
+checkpoint), and says so.
 
 A Spot or preemptible Cloud TPU VM (like a Kubernetes pod or a Slurm job given `--signal`) gets
 SIGTERM and about 30 s of notice before it goes away. While `watching()` is on, a SIGTERM no
-longer ends the process at once: the training loop (`marl_jax.train.loop`) finishes the step in
-flight, saves that step's checkpoint and raises `Preempted`; `experiments/run.py` prints its one
-line and exits with `EXIT_STATUS`. Running the same command again resumes at that step.
+longer ends the process at once: inside a training loop (`marl_jax.train.loop`) the loop
+finishes the step in flight, saves that step's checkpoint and raises `Preempted`; outside one
+(loading, sampling data, evaluating, exporting, between stages) the run stops with `Preempted`
+at a point where nothing is half written. `experiments/run.py` prints its one line and exits
+with `EXIT_STATUS`. Running the same command again resumes at that step, or redoes the work
+after the last finished stage or export.
 
-How the processes agree on the step:
+How the processes agree where to stop:
   one process   a SIGTERM handler sets a flag that the loop reads at every step boundary.
-                Outside a training loop (loading, sampling data, exporting, evaluating) no step
-                is in flight, so the handler stops the run at once.
+                Outside a training loop no step is in flight, and what a stop there could cut
+                short is written beside its place and renamed into it (exports, sampled data,
+                the evaluation's files), so the handler stops the run at once.
   several       JAX's distributed runtime owns SIGTERM (its preemption notifier, started with
                 `jax.distributed.initialize`): a notice that reaches any process reaches all of
                 them, and `multihost_utils.reached_preemption_sync_point(n)` is True on every
-                process at the same boundary n, one past the furthest boundary any process had
-                passed (orbax's CheckpointManager reads the same sync point). Boundaries are
-                numbered from the start of the process across stages, so a sync point that falls
-                after a stage's last step is reached in the next stage.
+                process at the same point n, one past the furthest point any process had
+                passed (orbax's CheckpointManager reads the same sync point). The points are the
+                step boundaries of the training loops (`at_boundary()`) and, outside them, the
+                safe points (`safe_point(where)`): between the eval stage's sampling batches,
+                after an export's rename, after sampled data or preference pairs, after the
+                reward model's gold agreement, before an experiment group's step-0 evaluation
+                and after its final evaluations. They are numbered together from the start of
+                the process, every process calling them in the same order, so a sync point that
+                falls after a stage's last step is reached at the next safe point or in the next
+                stage. A notice after the last of them is absorbed: the run finishes.
 """
 from __future__ import annotations
 
@@ -46,11 +57,17 @@ class Preempted(BaseException):
       stage: the stage that stopped at a step boundary; None outside a training loop.
       step: the stage's step at that boundary, whose checkpoint is on disk (0: none was taken).
       directory: that stage's checkpoint directory.
+      at: outside a training loop, the safe point the run stopped at ("": at once, with one
+        process).
     """
 
-    def __init__(self, stage: Optional[str] = None, step: int = 0, directory: str = ""):
-        self.stage, self.step, self.directory = stage, step, directory
-        if stage is None:
+    def __init__(self, stage: Optional[str] = None, step: int = 0, directory: str = "", *,
+                 at: str = ""):
+        self.stage, self.step, self.directory, self.at = stage, step, directory, at
+        if stage is None and at:
+            where = f"stopped outside a training loop at a safe point ({at}), with nothing " \
+                    "half written"
+        elif stage is None:
             where = "stopped outside a training loop, with no step in flight"
         elif not step:
             where = f"stopped before the first step of {stage}, with no step in flight"
@@ -134,6 +151,21 @@ def steps(stage: str) -> Iterator[None]:
 def at_boundary() -> bool:
     """True at the step boundary where every process stops for a preemption notice. Every
     process calls it at every step boundary of every stage, in the same order."""
+    return _reached()
+
+
+def safe_point(where: str) -> None:
+    """Raises `Preempted` (stage None, `at=where`) when the run stops here for a preemption
+    notice: a point outside a training loop where nothing is half written and no collective is
+    in flight. Every process calls it at the same points, in the same order among themselves
+    and the step boundaries (where it stops, every process stops). Not inside a training loop:
+    there only a step boundary, with its checkpoint, may stop the run."""
+    if _reached():
+        raise Preempted(at=where)
+
+
+def _reached() -> bool:
+    """Whether the run stops at this point (a step boundary or a safe point)."""
     global _boundaries
     if _mode == SIGNAL_FLAG:
         return _requested
