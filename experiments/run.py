@@ -59,9 +59,13 @@ def exit_if_unknown_field(argv) -> None:
 
 
 def parse_flags(argv):
-    """absl's flag parsing, except that an override of an unknown field ends with one line."""
+    """absl's flag parsing, except that a flag it cannot parse (a value of the wrong type) and
+    an override of an unknown field end with one line and status 2, as every input error."""
     try:
-        return app.parse_flags_with_usage(argv)
+        return flags.FLAGS(argv)
+    except flags.Error as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
     except (AttributeError, KeyError):
         exit_if_unknown_field(argv)
         raise

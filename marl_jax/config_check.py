@@ -202,8 +202,9 @@ def _check_objective(p, check):
         check(p.get(field, None) is None or isinstance(p[field], (int, float)), f"ppo.{field}",
               "must be a number (or unset)")
     for field in ("dynamic_sampling_oversample", "overlong_buffer"):
-        check(p.get(field, None) is None or isinstance(p[field], int), f"ppo.{field}",
-              "must be an integer (or unset)")
+        check(p.get(field, None) is None or (isinstance(p[field], int)
+                                             and not isinstance(p[field], bool)),
+              f"ppo.{field}", f"must be an integer (or unset), got {p.get(field)!r}")
     check(isinstance(p.get("mask_truncated", False), bool), "ppo.mask_truncated",
           "must be True or False")
     o = objective(p)
@@ -221,9 +222,8 @@ def _check_objective(p, check):
           "ppo.ratio_level", "macro ratios need macro actions, but ppo.termination='fixed' with "
           "ppo.ngram=1 makes every token its own macro: use token, or ppo.ngram > 1")
     m = o.dynamic_sampling_oversample
-    check(p.get("dynamic_sampling_oversample", None) is None or m > 1,
-          "ppo.dynamic_sampling_oversample", "must be an integer > 1 (m x the prompts a step "
-          "trains on are sampled), or unset for no dynamic sampling")
+    problem = dynamic_sampling_problem(p.estimator, p.get("dynamic_sampling_oversample", None))
+    check(problem is None, "ppo.dynamic_sampling_oversample", problem)
     if m > 1:
         check(p.group_size >= 2, "ppo.group_size",
               f"dynamic sampling (ppo.dynamic_sampling_oversample={m}, ppo.estimator="
@@ -240,6 +240,24 @@ def _check_objective(p, check):
           "must be >= 0 (it is subtracted from the score)")
 
 
+def dynamic_sampling_problem(estimator: str, oversample):
+    """Why `ppo.dynamic_sampling_oversample` = `oversample` (None: the record's) cannot run
+    under `estimator`, or None. It is an integer m >= 1 (1: off); m > 1 drops the groups whose
+    scores are all equal, which carry no signal only where the estimator is group-normalised
+    (`estimators.Estimator.group_normalised`)."""
+    if oversample is None:
+        oversample = ESTIMATORS[estimator].dynamic_sampling_oversample
+    if not isinstance(oversample, int) or isinstance(oversample, bool) or oversample < 1:
+        return (f"must be an integer >= 1, got {oversample!r} (m > 1: m x the prompts a step "
+                "trains on are sampled; 1: no dynamic sampling)")
+    if oversample == 1 or ESTIMATORS[estimator].group_normalised:
+        return None
+    return (f"dynamic sampling (m={oversample}) drops the groups whose scores are all equal, "
+            f"which carry no signal only under a group-normalised estimator ({GROUP_NORMALISED});"
+            f" under ppo.estimator={estimator!r} they still do, and dropping them selects on the "
+            "reward: set ppo.dynamic_sampling_oversample=1")
+
+
 def check_seeds(seeds) -> None:
     """Raises one line unless `seeds` (`config.seeds`: one PPO run per arm and seed) is a
     non-empty sequence of distinct integers: a seed listed twice would run the same runs twice
@@ -254,6 +272,8 @@ def check_seeds(seeds) -> None:
                          "listed more than once; every seed must be distinct")
 
 
+# The estimators under which dynamic sampling drops only groups of zero advantage.
+GROUP_NORMALISED = ", ".join(name for name, e in ESTIMATORS.items() if e.group_normalised)
 # Longest macro (tokens) above which macro-level correction weights under top-k / top-p warn.
 LONG_MACRO = 32
 # The kept probability mass per token that `rollout_correction_warning` illustrates with.

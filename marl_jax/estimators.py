@@ -99,6 +99,12 @@ class Estimator:
     clipranges: (low, high) published clip ranges; None: `config.ppo.cliprange` for both.
     dynamic_sampling_oversample: m > 1 samples m times the prompts a step trains on and keeps
       the groups whose rewards differ (`informative_groups`); 1: off.
+    group_normalised: its advantages are each response's score relative to its group's alone
+      (no KL, no statistics of other groups), so a group whose k scores are equal has zero
+      advantage: the one case where dropping such a group (dynamic sampling) loses no signal.
+      Under RLOO (the KL in the reward before the leave-one-out baseline), REINFORCE++ (batch
+      whitening), GAE and Monte Carlo values the group still carries signal, and dropping it
+      would select on the reward.
     overlong_buffer_fraction, overlong_penalty: the soft overlong punishment
       (`losses.overlong_penalty`) over the last fraction of the response budget; 0: off.
     """
@@ -113,6 +119,7 @@ class Estimator:
     ratio_form: str = "product"
     clipranges: Optional[tuple] = None
     dynamic_sampling_oversample: int = 1
+    group_normalised: bool = False
     overlong_buffer_fraction: float = 0.0
     overlong_penalty: float = 0.0
 
@@ -564,9 +571,9 @@ ESTIMATORS = {
     "gae": Estimator(macro_gae, kl_in_loss=False, loss_aggregation="token_mean",
                      needs_critic=True),
     "grpo": Estimator(_group_estimator("grpo"), kl_in_loss=True,
-                      loss_aggregation="sequence_mean", min_group_size=2),
+                      loss_aggregation="sequence_mean", min_group_size=2, group_normalised=True),
     "dr_grpo": Estimator(_group_estimator("dr_grpo"), kl_in_loss=True,
-                         loss_aggregation="token_sum", min_group_size=2),
+                         loss_aggregation="token_sum", min_group_size=2, group_normalised=True),
     "rloo": Estimator(_group_estimator("rloo"), kl_in_loss=False, loss_aggregation="token_mean",
                       min_group_size=2),
     "reinforce_pp": Estimator(_reinforce_pp, kl_in_loss=False, loss_aggregation="token_mean"),
@@ -582,14 +589,15 @@ ESTIMATORS.update(
     # length-normalised ratio per response, exp(mean_t log r_t), clipped to [1 - 3e-4, 1 + 4e-4]
     # (section 5.1), the mean over responses, the KL coefficient 0.
     gspo=Estimator(_group_estimator("grpo"), kl_in_loss=False, loss_aggregation="sequence_mean",
-                   min_group_size=2, ratio_level="sequence", ratio_form="geometric",
-                   clipranges=(3e-4, 4e-4)),
+                   min_group_size=2, group_normalised=True, ratio_level="sequence",
+                   ratio_form="geometric", clipranges=(3e-4, 4e-4)),
     # DAPO (Yu et al., 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale",
     # arXiv 2503.14476): clip-higher (0.2 / 0.28), token-level loss (the mean over every token
     # of the batch), dynamic sampling (3 x the prompts per generation round, as verl's DAPO
     # recipe), the soft overlong punishment over the last 4096 tokens of a 20480-token budget
     # (1/5 of it) up to 1 (the score's scale: DAPO's rewards are +-1), no KL term.
     dapo=Estimator(_group_estimator("grpo"), kl_in_loss=False, loss_aggregation="token_mean",
-                   min_group_size=2, clipranges=(0.2, 0.28), dynamic_sampling_oversample=3,
-                   overlong_buffer_fraction=0.2, overlong_penalty=1.0),
+                   min_group_size=2, group_normalised=True, clipranges=(0.2, 0.28),
+                   dynamic_sampling_oversample=3, overlong_buffer_fraction=0.2,
+                   overlong_penalty=1.0),
 )

@@ -200,6 +200,10 @@ def resolve_arm(name: str, ppo_cfg) -> dict:
                          "vmapped; run it as a single pipeline (--config.stage=all)")
     if int(fields["ngram"]) < 1:
         raise ValueError(f"arm {name!r}: ngram={fields['ngram']} must be >= 1")
+    problem = config_check.dynamic_sampling_problem(fields["estimator"],
+                                                    fields["dynamic_sampling_oversample"])
+    if problem:
+        raise ValueError(f"arm {name!r}: {problem}")
     fields["mean_macro_length"] = mean_macro_length(fields, ppo_cfg) if is_macro_arm(
         fields) else 1.0
     return fields
@@ -614,13 +618,14 @@ def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats, *, stage_na
         _write_step0(pipe, writer, evaluator, program.state, runs, step0)
 
     last = {"t": None}
+    evaluates = loop.evaluation_steps(p.eval_every, p.steps)
 
     def hooks(state, done):
         now = time.perf_counter()
         if last["t"] is not None:
             evaluator.train_s += now - last["t"]
         out = []
-        if p.eval_every > 0 and (done % p.eval_every == 0 or done == p.steps):
+        if evaluates(done):
             out = evaluator.rows(state, done)
         last["t"] = time.perf_counter()
         return out
@@ -632,7 +637,7 @@ def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats, *, stage_na
                         writer=writer, metadata=metadata,
                         checkpoint_every=config.checkpoint_every, log_every=config.log_every,
                         progress_keys=("objective/scores", "objective/kl"), hooks=hooks,
-                        truncate_stages=("ppo", "eval"),
+                        hooks_due=evaluates, truncate_stages=("ppo", "eval"),
                         cost=ppo_lib.step_cost(program.static, program.mods,
                                                pipe.task.prompt_length),
                         peak_flops=perf.devices_peak_flops(pipe.policy.config.dtype,

@@ -22,6 +22,10 @@ KL_ESTIMATORS = ("k1", "k3")
 ROLLOUT_CORRECTIONS = ("none", "token", "sequence", "macro")
 RATIO_LEVELS = ("token", "macro", "sequence")
 RATIO_FORMS = ("product", "geometric")
+# |s_u| bound on a unit's log-ratio before exp (verl clamps at the same +-20): exp(20) = 4.9e8
+# is far outside every clip range, and a product over a long macro or a whole response cannot
+# reach float32's overflow at 88.7 nats.
+LOG_RATIO_BOUND = 20.0
 
 
 def ppo_policy_loss(logprobs, old_logprobs, advantages, mask, *, cliprange=0.2,
@@ -38,6 +42,8 @@ def ppo_policy_loss(logprobs, old_logprobs, advantages, mask, *, cliprange=0.2,
         s_u = sum_t d_t            ("product": r_u = exp(s_u), the product of its tokens' ratios)
         s_u = (1 / n_u) sum_t d_t  ("geometric": their geometric mean, GSPO's length-normalised
                                     ratio)
+        r_u = exp(clip(s_u, -20, 20))   (`LOG_RATIO_BOUND`: no overflow, a finite loss and
+                                         gradient; a unit beyond it is clipped anyway)
         l_u = w_u max(-A_u r_u, -A_u clip(r_u, 1 - c_low, 1 + c_high)),
 
     A_u and w_u the means over the unit's tokens of `advantages` and `is_weights` (the macro's
@@ -113,7 +119,7 @@ def ppo_policy_loss(logprobs, old_logprobs, advantages, mask, *, cliprange=0.2,
             unit_log_ratio = unit_log_ratio / per_unit
         unit_advantages = unit_sums(advantages, units, valid) / per_unit
         unit_weights = None if weights is None else unit_sums(weights, units, valid) / per_unit
-    ratio = jnp.exp(unit_log_ratio)
+    ratio = jnp.exp(jnp.clip(unit_log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     unclipped = -unit_advantages * ratio
     clipped = -unit_advantages * jnp.clip(ratio, 1 - low, 1 + high)
     per_unit_loss = jnp.maximum(unclipped, clipped)

@@ -79,12 +79,14 @@ def test_traceback_flag_shows_the_traceback(tmp_path):
 
 
 @pytest.mark.smoke
-def test_flag_syntax_errors_stay_as_absl_prints_them(tmp_path):
-    result = run_cli("--config.ppo.ngram=abc", f"--workdir={tmp_path / 'run'}")
-    assert result.returncode == 1
-    assert result.stderr.splitlines()[0] == (
-        "FATAL Flags parsing error: flag --config.ppo.ngram=abc: invalid literal for int() with "
-        "base 10: 'abc'")
+def test_a_flag_value_of_the_wrong_type_is_one_line(tmp_path):
+    result = run_cli("--config.ppo.dynamic_sampling_oversample=1.5",
+                     f"--workdir={tmp_path / 'run'}")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        "error: flag --config.ppo.dynamic_sampling_oversample=1.5: invalid literal for int() "
+        "with base 10: '1.5'"]
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.smoke

@@ -165,7 +165,7 @@ def test_monte_carlo_values_are_unbiased_kl_regularised_values(tmp_path):
         assert abs(returns[j].mean() - exact) < 4 * se + 1e-6, (t, returns[j].mean(), exact, se)
         # The KL still to come moves the value by far more than the noise: the check can fail.
         assert abs(unregularised - exact) > 10 * se, (t, unregularised, exact, se)
-    assert float(budget["budget/generated_tokens"]) > 0
+    assert float(budget["budget/branch_generated_tokens"]) > 0
 
 
 def test_estimator_experiment_reports_gold_per_generated_token(tmp_path):

@@ -2,6 +2,7 @@
 geometric), decoupled and dual clipping, dynamic sampling, overlong shaping and truncation
 masking, the GSPO and DAPO records, and their config errors. Every number is computed here by
 hand (numpy) or by the published formula, not by the code under test."""
+import dataclasses
 import functools
 import types
 
@@ -14,7 +15,7 @@ from marl_jax import estimators, experiment, losses
 from marl_jax.config_check import validate_config
 from marl_jax.macro import termination
 from marl_jax.macro.checks import check_mask, check_rank, check_same_shape
-from marl_jax.train import phases, ppo as ppo_lib, ppo_core as core, ppo_types
+from marl_jax.train import optim, phases, ppo as ppo_lib, ppo_core as core, ppo_types
 
 from train_util import tiny_config, trained_tiny_pipeline
 
@@ -291,8 +292,6 @@ def test_dynamic_sampling_in_the_step_gathers_rows_and_masks_the_shortfall():
     assert np.asarray(kept.loss_rows).tolist() == [True, True, False, False]
     assert float(metrics["dynamic/informative_share"]) == 0.25
     assert float(metrics["dynamic/groups_trained"]) == 1.0
-    # The budget counts every sampled token, not only the trained rows'.
-    assert float(kept.sampled_budget["budget/generated_tokens"]) == 20.0
     # The shortfall's rows leave the loss: the update's loss mask is zero on them.
     adv = phases.advantages.Advantages(jnp.ones((4, 4)), None, None, jnp.zeros((4, 4), jnp.int32),
                                        kept.loss_rows)
@@ -370,6 +369,13 @@ def test_gspo_and_dapo_records_resolve_to_their_papers_settings():
                          dynamic_sampling_oversample=2, overlong_buffer=2)
     assert (dapo.cliprange_high, dapo.dynamic_sampling_oversample, dapo.overlong_buffer) == (
         0.3, 2, 2)
+    # 1 switches DAPO's dynamic sampling off (its own ablation): the step samples the prompts
+    # it trains on, no more.
+    cfg, dapo = _objective(estimator="dapo", group_size=4, response_length=20,
+                           dynamic_sampling_oversample=1)
+    static = ppo_lib.static_from_config(cfg, type("T", (), dict(eos_token_id=1,
+                                                                pad_token_id=0))())
+    assert dapo.dynamic_sampling_oversample == 1 and static.prompts_per_step == 2
     # Without a record's settings every default run is unchanged: token, both ranges = cliprange.
     _, ppo = _objective(cliprange=0.15)
     assert (ppo.ratio_level, ppo.cliprange_low, ppo.cliprange_high, ppo.dual_clip) == (
@@ -388,10 +394,20 @@ def test_gspo_and_dapo_records_resolve_to_their_papers_settings():
     ({"ratio_level": "macro", "ngram": 1},
      "config.ppo.ratio_level='macro': macro ratios need macro actions"),
     ({"ratio_level": "chunk"}, "config.ppo.ratio_level='chunk': must be one of"),
+    ({"dynamic_sampling_oversample": 0, "estimator": "grpo", "group_size": 2},
+     "config.ppo.dynamic_sampling_oversample=0: must be an integer >= 1, got 0"),
+    ({"dynamic_sampling_oversample": True, "estimator": "dapo", "group_size": 2},
+     "config.ppo.dynamic_sampling_oversample=True: must be an integer (or unset)"),
+    # Equal scores in a group still carry signal where the KL is in the reward before the
+    # baseline (rloo), under batch whitening (reinforce_pp) or with a critic (gae).
+    ({"dynamic_sampling_oversample": 2, "estimator": "rloo", "group_size": 2},
+     "config.ppo.dynamic_sampling_oversample=2: dynamic sampling (m=2) drops the groups whose "
+     "scores are all equal, which carry no signal only under a group-normalised estimator "
+     "(grpo, dr_grpo, gspo, dapo); under ppo.estimator='rloo' they still do"),
+    ({"dynamic_sampling_oversample": 2, "estimator": "reinforce_pp", "group_size": 2},
+     "config.ppo.dynamic_sampling_oversample=2: dynamic sampling (m=2) drops"),
     ({"dynamic_sampling_oversample": 2},
-     "config.ppo.group_size=1: dynamic sampling (ppo.dynamic_sampling_oversample=2"),
-    ({"dynamic_sampling_oversample": 1, "estimator": "grpo", "group_size": 2},
-     "config.ppo.dynamic_sampling_oversample=1: must be an integer > 1"),
+     "config.ppo.dynamic_sampling_oversample=2: dynamic sampling (m=2) drops"),
     ({"overlong_buffer": 12},
      "config.ppo.overlong_buffer=12: the overlong buffer (12 tokens) must be below the "
      "response budget ppo.response_length=12"),
@@ -417,6 +433,16 @@ def test_experiment_arms_carry_the_objective_and_token_arms_drop_a_macro_ratio()
     cfg.ppo.arm_overrides = {"ppo": {"ratio_level": "macro"}}
     with pytest.raises(ValueError, match="arm 'ppo': ratio_level='macro' needs macro actions"):
         experiment.plan_runs(cfg)
+    # An arm's dynamic sampling: an integer >= 1, and above 1 for a group-normalised record.
+    for overrides, message in [
+            ({"dapo": {"group_size": 2, "dynamic_sampling_oversample": 1.5}},
+             "arm 'dapo': must be an integer >= 1, got 1.5"),
+            ({"dapo": {"group_size": 2}, "ppo": {"dynamic_sampling_oversample": 2}},
+             "arm 'ppo': dynamic sampling (m=2) drops the groups whose scores are all equal")]:
+        cfg.ppo.arm_overrides = overrides
+        with pytest.raises(ValueError) as error:
+            experiment.plan_runs(cfg)
+        assert str(error.value).startswith(message), str(error.value)
 
 
 @pytest.fixture(scope="module")
@@ -474,3 +500,78 @@ def test_a_macro_ratio_step_logs_its_units(tiny_pipe):
     want = np.mean((-(-(lengths - 1) // 3) + 1)[lengths > 0])
     np.testing.assert_allclose(float(metrics["policy/ratio_units_avg"]), want, rtol=1e-6)
     assert "policy/clipfrac_high_avg" in metrics and np.isfinite(float(metrics["loss/policy_avg"]))
+
+
+@pytest.mark.parametrize("form", ["product", "geometric"])
+def test_a_sequence_ratio_of_96_nats_gives_a_finite_loss_and_gradient(form):
+    """A response of 12 tokens whose new logprobs are 8 nats above the old ones: the product
+    ratio's log is 96 (exp overflows float32 past 88.7). The unit's log-ratio is clamped to
+    +-20 before exp: the loss is the clamped ratio's, every gradient finite (zero where the
+    clamp or the clip holds the ratio)."""
+    logp = jnp.full((2, 12), -1.0)
+    old = logp - 8.0
+    mask = jnp.ones((2, 12), jnp.int32)
+    adv = jnp.asarray([[1.0] * 12, [-1.0] * 12])
+
+    def loss(logp):
+        return losses.ppo_policy_loss(logp, old, adv, mask, ratio_level="sequence",
+                                      ratio_form=form, aggregation="sequence_mean")[0]
+
+    value, grad = jax.value_and_grad(loss)(logp)
+    s = {"product": 96.0, "geometric": 8.0}[form]
+    # Row 0 (A = 1): the clipped term -1.2 is active; row 1 (A = -1): the ratio itself.
+    want = (-1.2 + np.exp(min(s, losses.LOG_RATIO_BOUND))) / 2
+    assert np.isfinite(float(value)) and np.all(np.isfinite(np.asarray(grad)))
+    np.testing.assert_allclose(float(value), want, rtol=1e-6)
+    if form == "product":
+        np.testing.assert_array_equal(np.asarray(grad), 0.0)
+
+
+@pytest.mark.parametrize("ratio_level", ["macro", "sequence"])
+def test_grpo_kl_term_under_accumulation_equals_the_full_batch(tiny_pipe, ratio_level):
+    """GRPO's KL is a token mean inside a loss averaged over macros or responses
+    (`token_mean`): with two micro-batches of very different token counts (rows of 10 and of
+    2 tokens), each term accumulates with its own weights, so the accumulated loss and
+    gradient are the whole minibatch's."""
+    fields = dict(estimator="grpo", group_size=2, ratio_level=ratio_level, ngram=3,
+                  loss_aggregation="token_mean")
+    static, exp, _, state, _ = _step(tiny_pipe, **fields)
+    pipe, _, rm, stats = tiny_pipe
+    cfg = tiny_config(**{f"ppo.{k}": v for k, v in fields.items()})
+    mods = ppo_lib.make_models(cfg, pipe.policy, pipe.critic, pipe.reward_model,
+                               pipe.task.gold_fn)
+    frozen = ppo_types.Frozen(state.actor_params, rm, jnp.float32(stats["mean"]),
+                              jnp.float32(stats["std"]))
+    # Micro-batch j holds rows j, j + 2, ...: even rows train 10 tokens, odd rows 2.
+    rows, width = exp.response_mask.shape
+    lengths = np.where(np.arange(rows) % 2 == 0, min(10, width), 2)
+    loss_mask = jnp.asarray(np.arange(width)[None] < lengths[:, None], jnp.int32)
+    rng = np.random.default_rng(0)
+    segments = termination.fixed_ngram(loss_mask, 3)
+    adv = phases.advantages.Advantages(jnp.asarray(rng.normal(size=(rows, width)), jnp.float32),
+                                       None, None, segments)
+    data, trunk = phases.update.update_batch(static, mods, state, exp.replace(
+        response_mask=loss_mask,
+        # The policy moved from its old logprobs and from the reference: a live KL gradient.
+        old_logprobs=exp.old_logprobs + jnp.asarray(rng.normal(0, 0.1, (rows, width))),
+        ref_logprobs=exp.ref_logprobs + jnp.asarray(rng.normal(0, 0.3, (rows, width)))), adv)
+
+    def gradients(k):
+        s = dataclasses.replace(static, grad_accum_steps=k)
+        return jax.jit(lambda p, b: phases.update.actor_gradients(
+            s, mods, frozen, jnp.float32(0.1), trunk, p, b))(state.actor_params, data)
+
+    (full, full_m), full_g = gradients(1)
+    (acc, acc_m), acc_g = gradients(2)
+    assert float(full_m["kl_loss"]) > 1e-3
+    np.testing.assert_allclose(float(acc), float(full), atol=1e-6)
+    np.testing.assert_allclose(float(acc_m["kl_loss"]), float(full_m["kl_loss"]), atol=1e-6)
+    for a, b in zip(jax.tree.leaves(acc_g), jax.tree.leaves(full_g)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    # Weighing the KL term by the policy loss's units instead would not be exact here.
+    no_terms = dataclasses.replace(static, grad_accum_steps=2)
+    (wrong, _), _ = jax.jit(lambda p, b: optim.accumulate_gradients(
+        functools.partial(phases.update.actor_loss, no_terms, mods, frozen, jnp.float32(0.1),
+                          trunk), p, b, 2, phases.update.actor_weight(no_terms)))(
+        state.actor_params, data)
+    assert abs(float(wrong) - float(full)) > 1e-4

@@ -164,7 +164,7 @@ def stage_schedule(cfg, total_updates: int, learning_rate: float | None = None):
 
 
 def accumulate_gradients(loss_fn, params, batch, num_micro: int, weight_fn,
-                         num_layers_unfrozen: int = -1, dropout_key=None):
+                         num_layers_unfrozen: int = -1, dropout_key=None, term_weights=None):
     """`(loss, metrics), grads` of `loss_fn(params, batch)` computed over `num_micro`
     micro-batches, one after another (a scan), so activation memory is a micro-batch's.
 
@@ -172,6 +172,13 @@ def accumulate_gradients(loss_fn, params, batch, num_micro: int, weight_fn,
     valid tokens for a token-mean loss), so the result equals the whole-batch gradient exactly
     for losses that are weighted means. Micro-batch j holds rows j, j + num_micro, ..., so each
     keeps the batch's even spread over the devices of a data-sharded leading axis.
+
+    `term_weights` ({name: weight function}, None: none) names terms of the loss that are
+    weighted means over other units than the rest of it (a KL term averaged over tokens in a
+    loss averaged over macro actions): `loss_fn`'s metrics hold each such term, already added
+    into its loss. Each is averaged over the micro-batches with its own weights, the rest of
+    the loss with `weight_fn`'s, so the sum is still the whole batch's loss and gradient; the
+    term's metric is averaged with its own weights too.
 
     `dropout_key` (None: no dropout) is the step's dropout rng: micro-batch j calls
     `loss_fn(params, micro_batch, rngs={"dropout": fold_in(dropout_key, j)})`.
@@ -190,8 +197,13 @@ def accumulate_gradients(loss_fn, params, batch, num_micro: int, weight_fn,
         raise ValueError(f"a batch of {size} rows does not split into {num_micro} micro-batches")
     micro = jax.tree.map(
         lambda x: x.reshape((size // num_micro, num_micro) + x.shape[1:]).swapaxes(0, 1), batch)
-    weights = jax.vmap(weight_fn)(micro).astype(jnp.float32)
-    fractions = weights / jnp.maximum(weights.sum(), 1e-12)
+    fraction_of = lambda fn: (lambda w: w / jnp.maximum(w.sum(), 1e-12))(  # noqa: E731
+        jax.vmap(fn)(micro).astype(jnp.float32))
+    fractions = fraction_of(weight_fn)
+    if term_weights:
+        return _accumulate_terms(loss_of_micro_batch, params, micro, num_micro, fractions,
+                                 {name: fraction_of(fn) for name, fn in term_weights.items()},
+                                 num_layers_unfrozen)
 
     def body(total, xs):
         mb, fraction, j = xs
@@ -201,6 +213,33 @@ def accumulate_gradients(loss_fn, params, batch, num_micro: int, weight_fn,
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
                          jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro), 0))
     total, _ = jax.lax.scan(body, zeros, (micro, fractions, jnp.arange(num_micro)))
+    return total
+
+
+def _accumulate_terms(loss_of_micro_batch, params, micro, num_micro, fractions, term_fractions,
+                      num_layers_unfrozen):
+    """`accumulate_gradients` with terms of their own weights: micro-batch j contributes
+    f_j (loss_j - sum_k term_kj) + sum_k g_kj term_kj to the loss (f, g_k: its fractions of
+    the loss's and of term k's weights), and that contribution's gradient."""
+    def weighted(p, mb, j, fraction, term_fraction):
+        loss, metrics = loss_of_micro_batch(p, mb, j)
+        objective = fraction * loss + sum((term_fraction[k] - fraction) * metrics[k]
+                                          for k in term_fraction)
+        return objective, {k: term_fraction.get(k, fraction) * v for k, v in metrics.items()}
+
+    grad_fn = jax.value_and_grad(with_frozen_leaves(weighted, num_layers_unfrozen), has_aux=True)
+
+    def body(total, xs):
+        mb, fraction, term_fraction, j = xs
+        out = grad_fn(params, mb, j, fraction, term_fraction)
+        return jax.tree.map(lambda t, x: t + x.astype(t.dtype), total, out), None
+
+    first = (jax.tree.map(lambda x: x[0], micro), 0, fractions[0],
+             jax.tree.map(lambda x: x[0], term_fractions))
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                         jax.eval_shape(grad_fn, params, *first))
+    total, _ = jax.lax.scan(body, zeros, (micro, fractions, term_fractions,
+                                          jnp.arange(num_micro)))
     return total
 
 

@@ -28,15 +28,19 @@ def score_phase(static: PPOStatic, models: Models, state: PPOState, frozen: Froz
     """The score phase on a rollout's `sample` (a `SampleOutput` `[prompts_per_step *
     group_size, R]`): the prompts `[prompts_per_step, P]` (and documents) repeated to one row
     per sample, then `score.score`; with dynamic sampling the groups trained on are kept
-    (`rollout.keep_informative_groups`): (Experience `[B, ...]`, metrics)."""
+    (`rollout.keep_informative_groups`): (Experience `[B, ...]`, metrics). The metrics carry
+    the rollout's sampling budget (`budget/*`, every sampled row's) as replicated scalars: the
+    Experience holds only row-split `[B, ...]` leaves."""
     prompt_ids, prompt_mask, documents = rollout_phases.repeat_groups(
         static, prompt_ids, prompt_mask, documents)
+    response_mask = sample.mask.astype(jnp.int32)
     exp, metrics = score.score(static, models, state, frozen, prompt_ids, prompt_mask,
-                               sample.tokens, sample.mask.astype(jnp.int32), documents,
+                               sample.tokens, response_mask, documents,
                                host_scores, sampled_logprobs=sample.logprobs,
                                sampled_entropy=sample.entropy, first_step=first_step)
+    budget = rollout_phases.rollout_budget(static, prompt_mask, response_mask)
     exp, group_metrics = rollout_phases.keep_informative_groups(static, exp)
-    return exp, {**metrics, **group_metrics}
+    return exp, {**metrics, **budget, **group_metrics}
 
 
 def rollout(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, prompt_ids,
@@ -82,12 +86,15 @@ def update_from_advantages(static: PPOStatic, models: Models, state: PPOState, e
     step's counts: (state, the step's metrics: the rollout's, the update's, the advantages')."""
     _, _, k_update = step_keys(state)
     new_state, upd_metrics = update.update(static, models, state, exp, adv, k_update, frozen)
+    # The step's budget: the rollout's (score phase) and any Monte Carlo branches'.
+    budget = {k: roll_metrics[k] + adv_metrics.get(k.replace("budget/", "budget/branch_"), 0.0)
+              for k in ("budget/generated_tokens", "budget/prefill_tokens")}
     new_state = new_state.replace(
         step=state.step + 1,
         kl_coef=update.adapt_kl_coef(static, state.kl_coef, roll_metrics["objective/kl"]),
-        generated_tokens=state.generated_tokens + adv_metrics["budget/generated_tokens"],
-        prefill_tokens=state.prefill_tokens + adv_metrics["budget/prefill_tokens"])
-    metrics = {**roll_metrics, **upd_metrics, **adv_metrics,
+        generated_tokens=state.generated_tokens + budget["budget/generated_tokens"],
+        prefill_tokens=state.prefill_tokens + budget["budget/prefill_tokens"])
+    metrics = {**roll_metrics, **upd_metrics, **adv_metrics, **budget,
                "objective/kl_coef": state.kl_coef,
                "budget/generated_tokens_total": new_state.generated_tokens}
     return new_state, metrics

@@ -180,6 +180,10 @@ class Frozen:
 
 @flax.struct.dataclass
 class Experience:
+    """The scored rollout a step trains on. Every leaf has the leading row axis `[B, ...]`,
+    which the phase programs split over the batch axes: scalars of a rollout travel in its
+    metrics."""
+
     prompt_ids: jax.Array  # [B, P]
     prompt_mask: jax.Array  # [B, P]
     response_ids: jax.Array  # [B, R]
@@ -199,9 +203,6 @@ class Experience:
     # [B] bool: the rows that enter the loss (dynamic sampling masks a shortfall of informative
     # groups); None: every row.
     loss_rows: Any = None
-    # The `budget/*` metrics (`phases.advantages.rollout_budget`) of the whole rollout when it
-    # sampled more rows than it trains on (dynamic sampling); None: those of these rows.
-    sampled_budget: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

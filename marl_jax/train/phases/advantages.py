@@ -12,7 +12,7 @@ from marl_jax import estimators, losses
 from marl_jax import rollout as rollout_engine
 from marl_jax.macro import advantage, termination
 from marl_jax.models.heads import continuation_scores
-from marl_jax.train.phases import rollout as rollout_phase, score
+from marl_jax.train.phases import score
 from marl_jax.train.ppo_types import (Experience, Frozen, Models, PPOState, PPOStatic,
                                       RunHparams, role_model, role_params)
 
@@ -37,28 +37,26 @@ def compute_advantages(static: PPOStatic, models: Models, state: PPOState, froze
     without one) and the rollout-correction weights: (Advantages, metrics).
 
     `host_segments [B, R]` (int32) are the parsing termination's segment ids, computed on the
-    host from the sampled text between the rollout and this phase. The metrics carry the step's
-    sampling budget (`budget/*`: the rollout's tokens plus any Monte Carlo branches') and the
-    run variant's macro statistics.
+    host from the sampled text between the rollout and this phase. The metrics carry the run
+    variant's macro statistics and, for an estimator that samples Monte Carlo branches, their
+    sampling budget (`budget/branch_generated_tokens`, `budget/branch_prefill_tokens`; the
+    rollout's own is the score phase's).
     """
     segments = segment_ids_for(static, hparams, exp, key)
     if host_segments is not None:
         segments["parsing"] = host_segments
-    budget = exp.sampled_budget or rollout_phase.rollout_budget(static, exp.prompt_mask,
-                                                                exp.response_mask)
     if static.uses_critic:
         adv, ret = advantages_and_returns(static, hparams, exp, segments)
-        est_metrics = {}
+        est_metrics = branch_budget = {}
     else:
         ret = None
         adv, est_metrics, branch_budget = critic_free_advantages(
             static, models, state, frozen, hparams, exp, segments, jax.random.fold_in(key, 1))
-        budget = {k: v + branch_budget.get(k, 0.0) for k, v in budget.items()}
     weights, weight_metrics = correction_weights(static, exp, segments, hparams.variant)
     loss_rows, row_metrics = rows_in_loss(static, exp)
     out = Advantages(adv, ret, weights, variant_segments(static, segments, hparams.variant),
                      loss_rows)
-    return out, {**est_metrics, **budget, **weight_metrics, **row_metrics,
+    return out, {**est_metrics, **branch_budget, **weight_metrics, **row_metrics,
                  **segment_stats(segments, hparams.variant, static, exp.response_mask)}
 
 
@@ -199,8 +197,8 @@ def monte_carlo_returns(static: PPOStatic, models: Models, actor_params, frozen:
     generated = ((cont_mask.sum(axis=1) - jnp.repeat(prefix, m)) * used).sum()
     prefilled = ((exp.prompt_mask[rows].sum(axis=1) + prefix) * flat_valid).sum()
     return returns.reshape(starts.shape + (m,)), {
-        "budget/generated_tokens": generated.astype(jnp.float32),
-        "budget/prefill_tokens": prefilled.astype(jnp.float32)}
+        "budget/branch_generated_tokens": generated.astype(jnp.float32),
+        "budget/branch_prefill_tokens": prefilled.astype(jnp.float32)}
 
 
 def segment_stats(segments, variant, static, mask):

@@ -65,8 +65,8 @@ def keep_informative_groups(static: PPOStatic, exp: Experience):
     Experience returned holds `batch_size` rows, the first `groups_per_step` informative groups
     in order (`estimators.informative_groups`), a shortfall filled with uninformative groups
     that `loss_rows` leaves out of the loss; `dynamic/groups_trained` says how many are
-    informative, and `sampled_budget` keeps the whole rollout's budget. Otherwise `exp` is
-    returned unchanged.
+    informative. Otherwise `exp` is returned unchanged. The whole rollout's sampling budget
+    is the caller's to count (`rollout_budget` before the selection).
     """
     if static.group_size < 2:
         return exp, {}
@@ -79,8 +79,7 @@ def keep_informative_groups(static: PPOStatic, exp: Experience):
     metrics = {"dynamic/informative_share": informative.astype(jnp.float32) / sampled_groups}
     if static.dynamic_sampling_oversample == 1:
         return exp, metrics
-    budget = rollout_budget(static, exp.prompt_mask, exp.response_mask)
     exp = jax.tree.map(lambda x: x[rows], exp)
     metrics["dynamic/groups_trained"] = jnp.minimum(informative, static.groups_per_step).astype(
         jnp.float32)
-    return exp.replace(loss_rows=trained, sampled_budget=budget), metrics
+    return exp.replace(loss_rows=trained), metrics

@@ -120,6 +120,27 @@ def actor_weight(static: PPOStatic):
             "sequence": sequence_count}[static.ratio_level]
 
 
+def kl_term_weights(static: PPOStatic):
+    """`accumulate_gradients`' weights of the KL loss term (GRPO, Dr. GRPO: `kl_in_loss`), or
+    None where they are the policy loss's: the KL is aggregated over tokens as the policy loss
+    is over units, so under `token_mean` with a macro or sequence ratio its micro-batches weigh
+    by their tokens, the policy loss's by their macros or responses."""
+    if not static.kl_in_loss or static.loss_aggregation != "token_mean" \
+            or static.ratio_level == "token":
+        return None
+    return {"kl_loss": token_count}
+
+
+def actor_gradients(static: PPOStatic, models: Models, frozen: Frozen, kl_coef, trunk_layers,
+                    params, batch, dropout_key=None):
+    """`(loss, metrics), grads` of `actor_loss` on a minibatch, accumulated over
+    `grad_accum_steps` micro-batches: the minibatch's own loss and gradient."""
+    return accumulate_gradients(
+        functools.partial(actor_loss, static, models, frozen, kl_coef, trunk_layers), params,
+        batch, static.grad_accum_steps, actor_weight(static), static.num_layers_unfrozen,
+        dropout_key, term_weights=kl_term_weights(static))
+
+
 def uses_dropout(static: PPOStatic, models: Models) -> bool:
     """The adapters' dropout (LoRA with `model.lora.dropout` > 0) is on for the actor or the
     critic: each minibatch then draws one key, from which actor and critic draw their masks."""
@@ -137,9 +158,8 @@ def minibatch_step(static: PPOStatic, models: Models, frozen: Frozen, kl_coef, t
         jax.random.fold_in(dropout_key, 0), jax.random.fold_in(dropout_key, 1))
     actor_params, actor_opt, critic_params, critic_opt, skipped = carry
     k = static.grad_accum_steps
-    (a_loss, a_m), a_grads = accumulate_gradients(
-        functools.partial(actor_loss, static, models, frozen, kl_coef, trunk_layers),
-        actor_params, batch, k, actor_weight(static), static.num_layers_unfrozen, actor_key)
+    (a_loss, a_m), a_grads = actor_gradients(static, models, frozen, kl_coef, trunk_layers,
+                                             actor_params, batch, actor_key)
     actor_params, actor_opt, a_skip = apply_if_finite(
         a_loss, a_grads, actor_params, actor_opt, models.actor_optimizer)
     metrics = {
