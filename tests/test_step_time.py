@@ -68,7 +68,8 @@ class _Clock:
         return (self.rows[step] - begin - outside) / LOG_EVERY
 
 
-def _run(workdir, step_fn, state, *, checkpoint_every, hooks=None, total_steps=10):
+def _run(workdir, step_fn, state, *, checkpoint_every, hooks=None, hooks_due=None,
+         total_steps=10):
     clock = _Clock()
     stage = loop.Stage("toy", str(workdir))
     save = stage.save
@@ -84,7 +85,8 @@ def _run(workdir, step_fn, state, *, checkpoint_every, hooks=None, total_steps=1
         return step_fn(state, step)
 
     def timed_hooks(state, done):
-        jax.block_until_ready(state)
+        if hooks_due is None or hooks_due(done):
+            jax.block_until_ready(state)
         start = time.perf_counter()
         rows = hooks(state, done)
         if rows:
@@ -103,7 +105,8 @@ def _run(workdir, step_fn, state, *, checkpoint_every, hooks=None, total_steps=1
         writer.write = timed_write
         loop.run(stage, state=state, total_steps=total_steps, step_fn=timed_step,
                  writer=writer, metadata={}, checkpoint_every=checkpoint_every,
-                 log_every=LOG_EVERY, hooks=None if hooks is None else timed_hooks)
+                 log_every=LOG_EVERY, hooks=None if hooks is None else timed_hooks,
+                 hooks_due=hooks_due)
     stage.close()
     return metrics.read_metrics(workdir, stage="toy"), clock
 
@@ -132,7 +135,8 @@ def test_an_evaluation_at_an_unlogged_step_times_itself_only(tmp_path):
         time.sleep(pause)
         return [{"stage": "eval", "done": done}]
 
-    rows, clock = _run(tmp_path, step_fn, state, checkpoint_every=10, hooks=hooks)
+    rows, clock = _run(tmp_path, step_fn, state, checkpoint_every=10, hooks=hooks,
+                       hooks_due=lambda done: done % LOG_EVERY == 3)
     assert [r["step"] for r in rows] == [5, 10] and sorted(clock.evals) == [3, 8]
     for row in rows:
         wall = clock.seconds_per_step(row["step"])
@@ -140,11 +144,15 @@ def test_an_evaluation_at_an_unlogged_step_times_itself_only(tmp_path):
         assert row["timing/eval_s"] == pytest.approx(pause, rel=TOLERANCE), row
 
 
-def test_steps_with_nothing_timed_between_them_are_dispatched_ahead(tmp_path):
-    """No hook and no checkpoint until step 10: the loop does not wait for steps 1-4, so it
-    calls the fifth step before the device could have run the first four."""
+@pytest.mark.parametrize("with_hooks", [False, True])
+def test_steps_with_nothing_timed_between_them_are_dispatched_ahead(tmp_path, with_hooks):
+    """No checkpoint until step 10, and no hook, or hooks that are not due before step 10: the
+    loop does not wait for steps 1-4, so it calls the fifth step before the device could have
+    run the first four."""
     step_fn, state, blocking = _step_program()
-    rows, clock = _run(tmp_path, step_fn, state, checkpoint_every=10)
+    hooks = dict(hooks=lambda state, done: [], hooks_due=lambda done: done == 10) \
+        if with_hooks else {}
+    rows, clock = _run(tmp_path / str(with_hooks), step_fn, state, checkpoint_every=10, **hooks)
     assert sorted(clock.saves) == [10]
     assert clock.calls[4] - clock.calls[0] < 2 * blocking, (clock.calls, blocking)
     for row in rows:

@@ -49,6 +49,7 @@ class Stage:
 def run(stage: Stage, *, state, total_steps: int, step_fn: Callable, writer, metadata: dict,
         checkpoint_every: int, log_every: int = 1, abstract_state=None, shardings=None,
         row_keys: Optional[dict] = None, progress_keys=(), hooks: Callable = None,
+        hooks_due: Optional[Callable[[int], bool]] = None,
         cost: Optional[Callable] = None, peak_flops: Optional[float] = None,
         truncate_stages=None):
     """Runs `state = step_fn(state, step)` from the latest checkpoint to `total_steps`.
@@ -59,6 +60,8 @@ def run(stage: Stage, *, state, total_steps: int, step_fn: Callable, writer, met
       abstract_state / shardings: how to restore (defaults: the shapes and shardings of `state`).
       row_keys: extra keys of every metrics row (e.g. arm, seed).
       hooks: `(state, done_steps) -> list[rows]` called after every step (evaluation rows).
+      hooks_due: `(done_steps) -> bool`, the steps whose hook call does work (e.g.
+        `evaluation_steps`); None: any step's may.
       cost: `(row) -> (tokens, model FLOPs)` of one step from its logged row (host values), for
         the `perf/*` fields (`perf.step_fields`); `peak_flops`: the peak FLOP/s of all devices
         (None: no `perf/mfu`).
@@ -70,8 +73,8 @@ def run(stage: Stage, *, state, total_steps: int, step_fn: Callable, writer, met
     since the previous logged row, this step's included (0 when none did). The row is written
     before the hooks' rows. Steps are dispatched ahead of the devices; before the hooks or a
     checkpoint start their stopwatch the loop waits for the state, so that the steps still
-    queued count as steps whatever `log_every` is (with `hooks`, every step waits for its
-    state; without, only a step that checkpoints does, and a logged one for its metrics).
+    queued count as steps whatever `log_every` is (a step waits for its state when its hook
+    call is due, when it checkpoints, and when it is logged, for its metrics).
     Returns:
       (state, start_step): the final state and the step the run resumed from.
     """
@@ -114,8 +117,9 @@ def run(stage: Stage, *, state, total_steps: int, step_fn: Callable, writer, met
                     row["perf/step_s"] = seconds
             extra = []
             if hooks is not None:
-                # Steps still queued on the devices are the steps' time, not the hooks'.
-                jax.block_until_ready(state)
+                if hooks_due is None or hooks_due(done):
+                    # Steps still queued on the devices are the steps' time, not the hooks'.
+                    jax.block_until_ready(state)
                 started = time.perf_counter()
                 extra = hooks(state, done)
                 spent = time.perf_counter() - started
@@ -146,6 +150,12 @@ def run(stage: Stage, *, state, total_steps: int, step_fn: Callable, writer, met
         bar.close()
         stage.checkpointer.wait()
     return state, start
+
+
+def evaluation_steps(eval_every: int, total_steps: int) -> Callable[[int], bool]:
+    """`(done_steps) -> bool`: every `eval_every` steps and after the last one (never when
+    `eval_every` <= 0): when a stage's held-out evaluation runs."""
+    return lambda done: eval_every > 0 and (done % eval_every == 0 or done == total_steps)
 
 
 def _host_value(v):

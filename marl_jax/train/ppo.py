@@ -383,10 +383,10 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
         return step_fn(state, frozen, hparams, prompts["ids"], prompts["mask"],
                        prompts.get("documents"))
 
+    evaluates = loop.evaluation_steps(p.eval_every, p.steps)
+
     def eval_hook(state, done):
-        if p.eval_every <= 0 or (done % p.eval_every and done != p.steps):
-            return []
-        return [dict(stage="eval", **run_eval(state))]
+        return [dict(stage="eval", **run_eval(state))] if evaluates(done) else []
 
     stage = loop.Stage("ppo", workdir, max_to_keep=config.max_to_keep)
     with sharding.mesh_context(mesh, sharding.logical_rules(mesh, build.model_dims(
@@ -399,7 +399,7 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
                             checkpoint_every=config.checkpoint_every, log_every=config.log_every,
                             shardings=state_sh, truncate_stages=("ppo", "eval"),
                             progress_keys=("objective/scores", "objective/kl"),
-                            hooks=eval_hook, cost=step_cost(static, mods, task.prompt_length),
+                            hooks=eval_hook, hooks_due=evaluates, cost=step_cost(static, mods, task.prompt_length),
                             peak_flops=perf.devices_peak_flops(policy.config.dtype,
                                                             policy.config.precision))
     stage.close()
