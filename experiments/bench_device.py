@@ -96,8 +96,10 @@ SUITE_ROWS = ("train_smollm2_8x1024_full", "train_smollm2_8x1024_none", "train_s
               "sampler_compile", "slots_chat_b32_s8", "slots_chat_b256_s64", "mismatch_f32", "ppo_w1", "ppo_w2")
 
 
-def table_peak(device_kind: str):
-    entry = table_entry(device_kind)
+def table_peak(device_kind: str, dtype: str = "bfloat16", precision: str | None = None):
+    """Peak FLOP/s of one device of `device_kind` for `dtype` matmuls at `precision`
+    (`perf.peak_flops`), or None."""
+    entry = table_entry(device_kind, dtype, precision)
     return None if entry is None else entry[0]
 
 
@@ -655,8 +657,8 @@ def main(argv):
                          f"model's {module_config.max_position_embeddings} positions")
 
     kind = jax.devices()[0].device_kind
-    peak_per_device = table_peak(kind)
-    peak_source = f"table ({kind})"
+    peak_per_device = table_peak(kind, module_config.dtype, module_config.precision)
+    peak_source = f"table ({kind}, {module_config.dtype} at {module_config.precision} precision)"
     if peak_per_device is None:
         from bench_hardware import timed_matmul_peak
 

@@ -10,12 +10,14 @@ import jax.numpy as jnp
 from bench_timing import best_time
 
 
-def table_entry(device_kind: str):
-    """(peak bfloat16 FLOP/s, HBM bytes/s) of a device kind from `perf.DEVICE_KINDS`, or None."""
+def table_entry(device_kind: str, dtype: str = "bfloat16", precision: str | None = None):
+    """(peak FLOP/s of `dtype` matmuls at `precision` (`perf.peak_flops`), HBM bytes/s) of a
+    device kind from `perf.DEVICE_KINDS`, or None where the table lacks the kind or that rate."""
     from marl_jax.train import perf
 
     row = perf.device_kind(device_kind)
-    return None if row is None else (row.bfloat16_flops, row.hbm_bandwidth)
+    peak = perf.peak_flops(device_kind, dtype, precision)
+    return None if row is None or peak is None else (peak, row.hbm_bandwidth)
 
 
 def timed_matmul_peak(dtype, size: int, repeats: int = 10) -> float:
@@ -42,7 +44,7 @@ def device_bounds(dtype, small: bool = False) -> dict:
     """Peak FLOP/s and HBM bytes/s of this process's first device, from the table or, for kinds
     it lacks (CPUs), timed: {"flops", "bandwidth", "source"}."""
     kind = jax.devices()[0].device_kind
-    entry = table_entry(kind)
+    entry = table_entry(kind, jnp.dtype(dtype).name)
     if entry is not None:
         return dict(flops=entry[0], bandwidth=entry[1], source=f"table ({kind})")
     size = 256 if small else 2048

@@ -243,6 +243,10 @@ def test_peak_table_matches_the_most_specific_device_kind():
     assert bench_device.table_peak("NVIDIA H100 80GB HBM3") == 989e12
     assert bench_device.table_peak("NVIDIA GH200 480GB") == 989e12
     assert bench_device.table_peak("cpu") is None
+    # float32 runs as TF32 at the default precision and as FP32 at the highest (dense rates).
+    assert bench_device.table_peak("NVIDIA H100 80GB HBM3", "float32", "default") == 494.5e12
+    assert bench_device.table_peak("NVIDIA H100 80GB HBM3", "float32", "highest") == 67e12
+    assert bench_device.table_peak("TPU v4", "float32", "highest") is None
 
 
 def test_bench_device_small_on_cpu():
