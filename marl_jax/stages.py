@@ -25,7 +25,8 @@ def run(config, workdir: str) -> None:
 
     Raises:
       preemption.Preempted: a preemption notice (SIGTERM) stopped the run at a step boundary,
-        every step until there checkpointed; running the same command again resumes there.
+        every step until there checkpointed, or outside a training loop where nothing is half
+        written (`preemption.safe_point`); running the same command again resumes there.
     """
     resolve_size(config)
     compile_cache.use_run_cache()
