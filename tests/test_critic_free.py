@@ -238,3 +238,13 @@ def test_budget_statistics_on_hand_made_rows():
     assert out["fewest_tokens_to_baseline_final"] == "mc"
     lines = budget_lib.markdown_lines(out)
     assert any(line.startswith("| `mc` |") for line in lines)
+    # One seed: a ratio, but no interval over seeds and so no claim either way.
+    fast = (rows("ppo", 0, [0, 100, 200], [0.5, 0.6, 0.7])
+            + rows("mc", 0, [0, 90, 180], [0.5, 0.7, 0.8]))
+    one = budget_lib.compute_budget(fast, ["ppo", "mc"], "ppo", resamples=200)
+    ratio = one["arms"]["mc"]["tokens_ratio_to_baseline"]
+    assert ratio["ratio"] == pytest.approx(90 / 200) and ratio["ci"] is None
+    assert one["arms"]["mc"]["tokens_to_baseline_final"]["ci"] is None
+    assert budget_lib.markdown_lines(one)[-1] == (
+        "Fewest generated tokens to `ppo`'s final gold: `mc` (0.45x `ppo`'s tokens); one seed, "
+        "so no interval and no claim.")

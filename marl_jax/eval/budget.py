@@ -129,16 +129,19 @@ def compute_budget(rows, arms, baseline: str, *, resamples: int = st.RESAMPLES,
                               np.inf)[usable]
         ratio_ci = (np.quantile(ratios, tails, method="inverted_cdf")
                     if usable.mean() >= 0.5 else [np.nan, np.nan])
+        # An interval over seeds needs two of them: one seed's resamples are all that seed.
+        enough = len(common) >= 2
         d = [per_seed[arm][s] - per_seed[baseline][s] for s in common]
         diff = {"seeds": common, "differences": d, **st.interval(d, **boot)}
         diff["direction"] = st.direction(diff["ci"])
         per_arm[arm].update({
             "tokens_to_baseline_final": {"tokens": _finite(point),
-                                         "ci": [_finite(x) for x in ci]},
+                                         "ci": [_finite(x) for x in ci] if enough else None},
             "tokens_ratio_to_baseline": {
                 "ratio": _finite(point / base_point) if np.isfinite(point) and base_point > 0
                 else None,
-                "ci": None if np.isnan(ratio_ci[0]) else [_finite(x) for x in ratio_ci]},
+                "ci": None if not enough or np.isnan(ratio_ci[0])
+                else [_finite(x) for x in ratio_ci]},
             "gold_per_100k_tokens_vs_baseline": diff,
         })
     reached = {a: e["tokens_to_baseline_final"]["tokens"] for a, e in per_arm.items()
@@ -181,7 +184,12 @@ def markdown_lines(budget: dict) -> list[str]:
         lines.append(f"No arm other than `{base}` reached `{base}`'s final gold.")
     else:
         r = budget["arms"][fewest]["tokens_ratio_to_baseline"]
-        if r["ratio"] is None or r["ci"] is None:
+        seeds = len(budget["arms"][fewest]["gold_per_100k_tokens_vs_baseline"]["seeds"])
+        if r["ratio"] is not None and seeds < 2:
+            lines.append(f"Fewest generated tokens to `{base}`'s final gold: `{fewest}` "
+                         f"({r['ratio']:.2f}x `{base}`'s tokens); one seed, so no interval and "
+                         "no claim.")
+        elif r["ratio"] is None or r["ci"] is None:
             lines.append(f"Fewest generated tokens to `{base}`'s final gold: `{fewest}`; `{base}` "
                          "reached its own final gold at step 0, so there is no ratio.")
         else:
