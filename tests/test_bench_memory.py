@@ -249,6 +249,20 @@ def test_cpu8_peak_holds_at_least_the_sharded_weights(tmp_path):
     assert "compiled ppo_step in" in stdout
 
 
+def test_a_dynamic_sampling_recipe_compiles_on_cpu8(tmp_path):
+    """DAPO samples 3 x the prompts it trains on: the score program gathers the kept groups and
+    hands the update an experience of the trained rows, every leaf split over the 8 devices."""
+    report = tmp_path / "memory.json"
+    _, (devices, _, _, fits) = _run(
+        f"--config={ROOT / 'configs' / 'synthetic.py'}", "--topology=cpu:8",
+        "--config.stage=ppo", "--config.ppo.estimator=dapo", "--config.ppo.group_size=4",
+        "--config.ppo.batch_size=32", "--programs=score,update", f"--json={report}")
+    assert (devices, fits) == (8, True)
+    programs = json.loads(report.read_text())["programs"]
+    assert sorted(row["program"] for row in programs) == ["score", "update"]
+    assert all("error" not in row and row["peak"] > 0 for row in programs)
+
+
 def test_hf_checkpoint_directory_on_cpu8(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
