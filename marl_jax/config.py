@@ -210,8 +210,9 @@ def base_config() -> ml_collections.ConfigDict:
     p.dual_clip = ml_collections.config_dict.placeholder(float)
     # Dynamic sampling (DAPO; group_size >= 2): m > 1 samples m x batch_size / group_size
     # prompts a step and trains on the first batch_size / group_size groups whose rewards are
-    # not all equal (a shortfall is masked out of the loss); unset: the record's (dapo: 3), else
-    # off.
+    # not all equal (a shortfall is masked out of the loss); the group-normalised estimators
+    # only (grpo, dr_grpo, gspo, dapo), where such a group has zero advantage. 1: off (dapo's
+    # own ablation); unset: the record's (dapo: 3), else off.
     p.dynamic_sampling_oversample = ml_collections.config_dict.placeholder(int)
     # DAPO's soft overlong punishment: a penalty rising linearly over the last
     # `overlong_buffer` tokens of the response budget up to `overlong_penalty`, subtracted from
