@@ -88,7 +88,7 @@ SMOKE_SET = {
     # the command line's errors
     "tests/test_cli.py::test_a_bad_field_is_one_line_and_status_2",
     "tests/test_cli.py::test_an_unknown_field_is_one_line_naming_the_nearest_field",
-    "tests/test_cli.py::test_flag_syntax_errors_stay_as_absl_prints_them",
+    "tests/test_cli.py::test_a_flag_value_of_the_wrong_type_is_one_line",
     "tests/test_cli.py::test_transformers_import_notices_are_silenced_and_its_modules_warnings_are_not",
     "tests/test_cli.py::test_which_errors_count_as_input_errors",
     # the version check, and no private module of a dependency
