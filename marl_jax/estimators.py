@@ -291,13 +291,14 @@ def reinforce_pp_advantages(rewards, response_mask):
     Args:
       rewards: float `[B, R]` per-token rewards as PPO assembles them: the KL penalty of every
         token, plus the score on the last valid token.
-      response_mask: `[B, R]` left-aligned response mask.
+      response_mask: `[B, R]` 0/1 mask of the action tokens (left-aligned for one response; a
+        multi-turn trajectory's observation spans are holes, whose rewards are left out).
 
     Returns:
       float `[B, R]` advantages, 0 on padding (all 0 when no token is valid).
     """
     check_rank(rewards, 2, "rewards")
-    check_mask(response_mask, "response_mask", left_aligned=True)
+    check_mask(response_mask, "response_mask", left_aligned=False)
     check_same_shape(rewards, "rewards", response_mask=response_mask)
     return _reinforce_pp_advantages(rewards, response_mask)
 

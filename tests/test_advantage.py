@@ -273,9 +273,11 @@ def test_bad_input_names_the_argument():
         macro_gae(values, rewards, mask, ids, reward_aggregation="mean")
     with pytest.raises(ValueError, match="response_mask"):
         macro_gae(values, rewards, mask * 2, ids)
+    # A mask with holes (a multi-turn trajectory's observation spans) is an action mask; ids
+    # that do not start at 0 on its first action token are refused.
     shifted = np.roll(mask, 1, axis=1)
-    with pytest.raises(ValueError, match="response_mask"):
-        macro_gae(values, rewards, shifted, ids)
+    with pytest.raises(ValueError, match="segment_ids must start at 0"):
+        macro_gae(values, rewards, shifted, np.asarray(ids) + 1)
     with pytest.raises(ValueError, match="segment_ids"):
         macro_gae(values, rewards, mask, np.asarray(ids) * 2)
     with pytest.raises(ValueError, match="segment_ids"):

@@ -192,8 +192,8 @@ def test_reinforce_pp_matches_the_loop(lengths, seed):
 def test_reinforce_pp_bad_input():
     with pytest.raises(ValueError, match="rewards"):
         reinforce_pp_advantages(np.zeros((2, 3)), np.ones((2, 4)))
-    with pytest.raises(ValueError, match="response_mask"):
-        reinforce_pp_advantages(np.zeros((1, 3)), np.array([[0, 1, 1]]))
+    with pytest.raises(ValueError, match="response_mask must contain only 0 and 1"):
+        reinforce_pp_advantages(np.zeros((1, 3)), np.array([[0, 2, 1]]))
 
 
 # ---------------------------------------------------------------- branch points

@@ -19,7 +19,14 @@ and every token of a macro carries its macro's A_tau and G_tau. Value weightings
               (the semi-MDP option value).
 
 With one token per macro every weighting gives sigma = 1 and the result equals token-level GAE
-exactly. The computation is O(B * T): segment sums over flattened (row, macro) ids, a reverse
+exactly.
+
+A multi-turn trajectory's action mask has holes: the observation spans between turns (tool
+output, a user's reply) are not the policy's. Segment ids then cover the action tokens only,
+rising by 0 or 1 from one action token to the next; the holes contribute nothing and take no
+GAE step (the recursion runs over the macros, and token-level GAE over the action tokens, in
+order), so inserting observation spans anywhere between segments leaves every action token's
+advantage and return unchanged. Without holes every result is what it was, bit for bit. The computation is O(B * T): segment sums over flattened (row, macro) ids, a reverse
 loop over the macro steps in use (`lax.fori_loop` with a data-dependent trip count, so about
 T / n steps rather than T), and a gather back to tokens. Advantages and returns are targets:
 no gradient flows through them.
@@ -50,8 +57,10 @@ def macro_gae(values, rewards, response_mask, segment_ids, *, gamma=1.0, lam=0.9
       values: float `[B, T]`, the critic's value of the state in which response token t is chosen.
       rewards: float `[B, T]`, the reward for token t (KL penalty, plus the score on the last
         valid token).
-      response_mask: `[B, T]` left-aligned response mask.
-      segment_ids: int `[B, T]` macro index of each token (see `termination`).
+      response_mask: `[B, T]` 0/1 mask of the action tokens: left-aligned for one response; a
+        multi-turn trajectory's has holes (observation spans, which take no step).
+      segment_ids: int `[B, T]` macro index of each action token (see `termination`): 0 at the
+        first, rising by 0 or 1 from one action token to the next.
       gamma, lam: discount and GAE lambda in [0, 1]; Python floats or (traced) scalars.
       value_weighting: one of `VALUE_WEIGHTINGS`.
       reward_aggregation: one of `REWARD_AGGREGATIONS`.
@@ -74,13 +83,19 @@ def gae(values, rewards, response_mask, *, gamma=1.0, lam=0.95):
     """Token-level GAE: `(advantages, returns)` float `[B, T]`, zero on padding.
 
     The value after the last valid token is 0. Arguments as in `macro_gae`; this is `macro_gae`
-    with one token per macro (run through the same code, so the two agree bit for bit).
+    with one action token per macro (run through the same code, so the two agree bit for bit):
+    a token's next state is the next action token's, across any observation span.
     """
     _check_inputs(values, rewards, response_mask, gamma, lam)
-    token_ids = jnp.broadcast_to(jnp.arange(np.shape(values)[1], dtype=jnp.int32),
-                                 np.shape(values))
-    return _macro_gae(values, rewards, response_mask, token_ids, gamma, lam,
+    return _macro_gae(values, rewards, response_mask, action_ranks(response_mask), gamma, lam,
                       value_weighting="equal", reward_aggregation="weighted")
+
+
+def action_ranks(response_mask):
+    """int32 `[B, T]`: each valid token's index among its row's valid tokens (its position,
+    for a left-aligned mask), 0 elsewhere: the segment ids of one token per macro."""
+    valid = jnp.asarray(response_mask) != 0
+    return jnp.where(valid, jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1, 0)
 
 
 def whiten(x, mask, *, shift_mean=True):
@@ -120,9 +135,9 @@ def _macro_gae(values, rewards, response_mask, segment_ids, gamma, lam, value_we
     rewards = jax.lax.stop_gradient(jnp.asarray(rewards, dtype))
     batch, width = valid.shape
     positions = jnp.arange(width, dtype=jnp.int32)
-    # A padded position t parks in slot t, which no macro uses (a row of length L has at most L
-    # macros): padding then neither touches real macros nor piles onto one slot, which would
-    # serialise the scatter-adds on that one address.
+    # A padded position t (or a hole) parks in slot t, so padding does not pile onto one slot,
+    # which would serialise the scatter-adds on that one address; it adds zeros (every sum
+    # below masks it), so sharing a slot with a real macro (after a hole) changes nothing.
     ids = jnp.where(valid, segment_ids, positions).astype(jnp.int32)
     # Macro slots are laid out slot-major ([T, B] flattened): the reverse loop then walks the
     # leading axis, and neither its input nor its output needs a transpose.
@@ -175,25 +190,30 @@ def _value_weights(weighting, ids, valid, positions, dtype, slots, per_token):
     """Unnormalised per-token weights `[B, T]` and whether they still need normalising per macro.
 
     "unit" and "first" put weight 1 on exactly one token of each macro, so they are already
-    normalised; "equal" and "position" are divided by their per-macro sum.
+    normalised; "equal" and "position" are divided by their per-macro sum. A token's neighbours
+    are the action tokens before and after it, across any hole.
     """
     if weighting == "equal":
         return valid.astype(dtype), True
     if weighting == "first":
-        previous = jnp.concatenate([jnp.full_like(ids[:, :1], -1), ids[:, :-1]], axis=1)
+        # The id of the previous action token: ids rise over the action tokens.
+        seen = jax.lax.cummax(jnp.where(valid, ids, -1), axis=1)
+        previous = jnp.concatenate([jnp.full_like(ids[:, :1], -1), seen[:, :-1]], axis=1)
         return (valid & (ids != previous)).astype(dtype), False
-    following = jnp.concatenate([ids[:, 1:], jnp.full_like(ids[:, :1], -1)], axis=1)
-    following_valid = jnp.concatenate([valid[:, 1:], jnp.zeros_like(valid[:, :1])], axis=1)
-    is_last = valid & ((ids != following) | ~following_valid)
+    # The id of the next action token (-1 after the last one).
+    width = ids.shape[1]
+    ahead = jax.lax.cummin(jnp.where(valid, ids, width), axis=1, reverse=True)
+    following = jnp.concatenate([ahead[:, 1:], jnp.full_like(ids[:, :1], width)], axis=1)
+    is_last = valid & (ids != following)
     if weighting == "unit":
         return is_last.astype(dtype), False
-    # position: sigma_i proportional to 1 / (|omega| - i), the number of tokens from i to the
-    # macro's end, which is its last token's position minus i plus one.
-    batch, width = ids.shape
-    positions = jnp.broadcast_to(positions, ids.shape)
-    last_positions = jax.ops.segment_max(jnp.where(valid, positions, -1).reshape(-1), slots,
-                                         num_segments=batch * width).reshape(width, batch)
-    to_end = per_token(last_positions) - positions + 1
+    # position: sigma_i proportional to 1 / (|omega| - i), the number of action tokens from i
+    # to the macro's end: its last token's rank minus i's plus one.
+    batch = ids.shape[0]
+    ranks = action_ranks(valid)
+    last_ranks = jax.ops.segment_max(jnp.where(valid, ranks, -1).reshape(-1), slots,
+                                     num_segments=batch * width).reshape(width, batch)
+    to_end = per_token(last_ranks) - ranks + 1
     return jnp.where(valid, 1 / jnp.maximum(to_end, 1).astype(dtype), 0), True
 
 
@@ -204,7 +224,7 @@ def _float_dtype(*arrays):
 def _check_inputs(values, rewards, response_mask, gamma, lam):
     check_rank(values, 2, "values")
     check_same_shape(values, "values", rewards=rewards, response_mask=response_mask)
-    check_mask(response_mask, "response_mask", left_aligned=True)
+    check_mask(response_mask, "response_mask", left_aligned=False)
     for name, value in (("gamma", gamma), ("lam", lam)):
         if is_concrete(value):
             array = np.asarray(value)
@@ -222,9 +242,10 @@ def _check_segment_ids(segment_ids, response_mask):
         return
     ids = np.asarray(segment_ids).astype(np.int64)
     valid = np.asarray(response_mask) != 0
-    steps = np.diff(ids, axis=1)
-    both_valid = valid[:, 1:] & valid[:, :-1]
-    if np.any(valid[:, 0] & (ids[:, 0] != 0)) or np.any(both_valid & (steps != 0) & (steps != 1)):
-        raise ValueError(
-            "segment_ids must start at 0 and rise by 0 or 1 from token to token within each "
-            "response (contiguous macros)")
+    for row_ids, row_valid in zip(ids, valid):
+        on_actions = row_ids[row_valid]
+        steps = np.diff(on_actions)
+        if len(on_actions) and (on_actions[0] != 0 or np.any((steps != 0) & (steps != 1))):
+            raise ValueError(
+                "segment_ids must start at 0 and rise by 0 or 1 from one action token to the "
+                "next within each response (contiguous macros)")

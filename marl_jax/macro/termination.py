@@ -177,6 +177,37 @@ def segment(strategy, response_mask, *, key=None, ref_logprobs=None, entropies=N
     return perplexity(ref_logprobs, response_mask, isolate_last=isolate_last)
 
 
+def turns(turn_ids, action_mask):
+    """Turn macros: one macro per assistant turn of a multi-turn trajectory (AReaL's turn-level
+    GAE unit, `gae_timestep_unit: turn`).
+
+    Args:
+      turn_ids: int `[B, T]` the turn index of each token, non-decreasing along a row.
+      action_mask: `[B, T]` 0/1 mask of the policy's tokens; the observation spans between turns
+        are holes.
+
+    Returns:
+      int32 `[B, T]` segment ids over the action tokens: a macro starts at every action token
+      whose turn is not the previous action token's, so a turn's action tokens (however a hole
+      splits them) are one macro; 0 off the action tokens.
+    """
+    check_rank(turn_ids, 2, "turn_ids")
+    check_mask(action_mask, "action_mask", left_aligned=False)
+    check_same_shape(action_mask, "action_mask", turn_ids=turn_ids)
+    if is_concrete(turn_ids) and np.any(np.diff(np.asarray(turn_ids), axis=1) < 0):
+        raise ValueError("turn_ids must be non-decreasing along each row")
+    return _turns(jnp.asarray(turn_ids, jnp.int32), jnp.asarray(action_mask))
+
+
+@jax.jit
+def _turns(turn_ids, action_mask):
+    valid = action_mask != 0
+    seen = jax.lax.cummax(jnp.where(valid, turn_ids, -1), axis=1)
+    previous = jnp.concatenate([jnp.full_like(seen[:, :1], -1), seen[:, :-1]], axis=1)
+    starts = valid & (turn_ids != previous)
+    return jnp.where(valid, jnp.cumsum(starts, axis=1, dtype=jnp.int32) - 1, 0)
+
+
 def _check_positive_int(value, name):
     if not is_concrete(value):
         return
