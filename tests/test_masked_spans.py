@@ -5,6 +5,7 @@ macro GAE under each weighting and aggregation, REINFORCE++, the group estimator
 observation tokens zero; turn-level GAE is AReaL's formula, computed here by hand (numpy)."""
 import itertools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -170,3 +171,65 @@ def test_segment_ids_that_skip_a_macro_across_a_hole_are_refused():
                             np.array([[0, 0, 1, 2, 2]]))
     # The hole's own id is not read.
     advantage.macro_gae(np.zeros((1, 5)), np.zeros((1, 5)), mask, np.array([[0, 0, 9, 1, 1]]))
+
+
+def _trajectory(seed, rows=3, turns=3, width=30):
+    """Random multi-turn trajectories: per row, turns of 1-5 action tokens, observation spans
+    of 1-3 tokens between them; (action mask, turn ids, ref logprobs, entropies)."""
+    rng = np.random.default_rng(seed)
+    mask = np.zeros((rows, width), np.int32)
+    turn_ids = np.zeros((rows, width), np.int32)
+    for b in range(rows):
+        t = 0
+        for k in range(turns):
+            actions = int(rng.integers(1, 6))
+            mask[b, t:t + actions] = 1
+            turn_ids[b, t:] = k
+            t += actions + (int(rng.integers(1, 4)) if k < turns - 1 else 0)
+    return (mask, turn_ids, rng.normal(-2, 1, (rows, width)).astype(np.float32),
+            rng.random((rows, width)).astype(np.float32))
+
+
+def _within(strategy, mask, turn_ids, logp, entropy, **kw):
+    return np.asarray(termination.segment(
+        strategy, mask, turn_ids=turn_ids, key=jax.random.key(0), ref_logprobs=logp,
+        entropies=entropy, n=kw.pop("n", 3), **kw))
+
+
+@pytest.mark.parametrize("strategy", termination.STRATEGIES)
+def test_a_turn_boundary_always_ends_a_macro(strategy):
+    for seed in range(4):
+        mask, turn_ids, logp, entropy = _trajectory(seed)
+        ids = _within(strategy, mask, turn_ids, logp, entropy)
+        advantage._check_segment_ids(ids, mask)  # contiguous over the action tokens
+        for b in range(mask.shape[0]):
+            on = mask[b] != 0
+            for macro in np.unique(ids[b, on]):
+                assert len(np.unique(turn_ids[b, on][ids[b, on] == macro])) == 1
+            # Each turn's last action token is a macro of its own.
+            last = [np.nonzero(on & (turn_ids[b] == k))[0][-1]
+                    for k in np.unique(turn_ids[b, on])]
+            assert all(np.sum(ids[b, on] == ids[b, t]) == 1 for t in last)
+
+
+@pytest.mark.parametrize("strategy", termination.STRATEGIES)
+def test_one_turn_without_holes_is_the_single_response_strategy(strategy):
+    mask, values, _ = _batch(5, rows=4, width=17)
+    logp = np.random.default_rng(5).normal(-2, 1, mask.shape).astype(np.float32)
+    entropy = np.random.default_rng(6).random(mask.shape).astype(np.float32)
+    plain = np.asarray(termination.segment(strategy, mask, key=jax.random.key(0),
+                                           ref_logprobs=logp, entropies=entropy, n=3))
+    np.testing.assert_array_equal(
+        _within(strategy, mask, np.zeros_like(mask), logp, entropy), plain)
+
+
+def test_fixed_ngrams_restart_at_every_turn_by_hand():
+    """Turns of 3, 2 and 4 action tokens, n = 2, each turn's last token alone:
+    [0 1][2] | [3][4] | [5 6][7][8]."""
+    kinds, turn = "aaaooaaoooaaaa", [0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 2]
+    mask = np.array([[k == "a" for k in kinds]], np.int32)
+    ids = _within("fixed", mask, np.array([turn]), None, None, n=2)
+    np.testing.assert_array_equal(ids[0][mask[0] != 0], [0, 0, 1, 2, 3, 4, 4, 5, 6])
+    # n = 1 within turns is one macro per action token: token GAE over the holes.
+    np.testing.assert_array_equal(_within("fixed", mask, np.array([turn]), None, None, n=1),
+                                  np.asarray(advantage.action_ranks(mask)))

@@ -154,14 +154,25 @@ def entropy_spans(entropies, response_mask, *, quantile, isolate_last=True):
 
 
 def segment(strategy, response_mask, *, key=None, ref_logprobs=None, entropies=None, n=5,
-            lengths=(2, 3, 5, 10), repeats=3, entropy_quantile=0.2, isolate_last=True):
+            lengths=(2, 3, 5, 10), repeats=3, entropy_quantile=0.2, isolate_last=True,
+            turn_ids=None):
     """Segment ids `[B, T]` for one of `STRATEGIES` ("parsing" runs host-side, in parsing.py).
 
     `key` is required by "randomized", `ref_logprobs` by "perplexity", `entropies` by
     "entropy"; `n` is used by "fixed", `lengths` and `repeats` by "randomized",
     `entropy_quantile` by "entropy".
+
+    With `turn_ids` (int `[B, T]`, a multi-turn trajectory's turn of each token) the strategy
+    runs within turns: `response_mask` is the action mask (observation spans are holes), a turn
+    boundary always ends a macro, fixed n-grams restart at every turn, and with `isolate_last`
+    each turn's last action token (where a per-turn reward lands) is a macro of its own.
     """
     check_choice(strategy, STRATEGIES, "strategy")
+    if turn_ids is not None:
+        return _within_turns(strategy, response_mask, turn_ids, key=key,
+                             ref_logprobs=ref_logprobs, entropies=entropies, n=n,
+                             lengths=lengths, repeats=repeats, entropy_quantile=entropy_quantile,
+                             isolate_last=isolate_last)
     if strategy == "fixed":
         return fixed_ngram(response_mask, n, isolate_last=isolate_last)
     if strategy == "randomized":
@@ -175,6 +186,68 @@ def segment(strategy, response_mask, *, key=None, ref_logprobs=None, entropies=N
     if ref_logprobs is None:
         raise ValueError("ref_logprobs is required for the perplexity strategy")
     return perplexity(ref_logprobs, response_mask, isolate_last=isolate_last)
+
+
+def _within_turns(strategy, action_mask, turn_ids, *, isolate_last, n, ref_logprobs,
+                  entropies, **settings):
+    check_rank(turn_ids, 2, "turn_ids")
+    check_mask(action_mask, "action_mask", left_aligned=False)
+    check_same_shape(action_mask, "action_mask", turn_ids=turn_ids)
+    valid = jnp.asarray(action_mask) != 0
+    turn_ids = jnp.asarray(turn_ids, jnp.int32)
+    if strategy == "fixed":
+        _check_positive_int(n, "n")
+        ranks = _rank_in_turn(valid, turn_ids)
+        starts = ranks % jnp.maximum(jnp.asarray(n, jnp.int32), 1) == 0
+    else:
+        order, inverse = _actions_first(valid)
+        compact = lambda x: None if x is None else jnp.take_along_axis(  # noqa: E731
+            jnp.asarray(x), order, axis=1)
+        ids = segment(strategy, compact(valid).astype(jnp.int32), n=n,
+                      ref_logprobs=compact(ref_logprobs), entropies=compact(entropies),
+                      isolate_last=False, **settings)
+        starts = _starts(valid, jnp.take_along_axis(ids, inverse, axis=1))
+    starts = starts | _starts(valid, turn_ids)
+    if isolate_last:
+        starts = starts | _after_last_of_turn(valid, turn_ids)
+    return jnp.where(valid, jnp.cumsum(starts & valid, axis=1, dtype=jnp.int32) - 1, 0)
+
+
+def _actions_first(valid):
+    """(order, inverse) `[B, T]`: `take_along_axis(x, order)` moves each row's action tokens to
+    its front, in order (a left-aligned response); `inverse` moves them back."""
+    order = jnp.argsort(~valid, axis=1, stable=True)
+    return order, jnp.argsort(order, axis=1, stable=True)
+
+
+def _starts(valid, ids):
+    """bool `[B, T]`: the action tokens whose `ids` differ from the previous action token's."""
+    seen = jax.lax.cummax(jnp.where(valid, ids, jnp.iinfo(jnp.int32).min), axis=1)
+    previous = jnp.concatenate([jnp.full_like(seen[:, :1], jnp.iinfo(jnp.int32).min),
+                                seen[:, :-1]], axis=1)
+    return valid & (ids != previous)
+
+
+def _rank_in_turn(valid, turn_ids):
+    """int32 `[B, T]`: each action token's index among its turn's action tokens."""
+    ranks = jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
+    first = jnp.where(_starts(valid, turn_ids), ranks, -1)
+    return ranks - jax.lax.cummax(first, axis=1)
+
+
+def _after_last_of_turn(valid, turn_ids):
+    """bool `[B, T]`: the action tokens that follow the last action token of a turn, and that
+    last token itself, so it is a macro of its own."""
+    starts = _starts(valid, turn_ids)
+    width = valid.shape[1]
+    # The next action token's position (width after the last one).
+    following = jax.lax.cummin(jnp.where(valid, jnp.arange(width), width), axis=1,
+                               reverse=True)
+    following = jnp.concatenate([following[:, 1:], jnp.full_like(following[:, :1], width)],
+                                axis=1)
+    next_starts = jnp.take_along_axis(jnp.concatenate(
+        [starts, jnp.ones_like(starts[:, :1])], axis=1), following, axis=1)
+    return valid & next_starts
 
 
 def turns(turn_ids, action_mask):
