@@ -23,6 +23,13 @@ left-aligned (`response_mask[b, :L_b] == 1`). They are targets: no gradient flow
   length; under more epochs or minibatches they also clip differently.
 - `reinforce_pp_advantages`: REINFORCE++, the undiscounted return-to-go of the per-token rewards,
   normalised over the batch.
+- Per-turn credit for multi-turn trajectories (the action mask has holes at the observation
+  spans, `turn_ids` gives each token's turn): `turn_returns`, each action token's reward-to-go
+  from its turn; `turn_rloo_advantages`, that reward-to-go minus the mean of the other k - 1
+  samples' reward-to-go from the same turn index, a sample that stopped earlier counting 0 (an
+  unbiased gradient when the policy decides when to stop); `turn_index_normalised_advantages`,
+  the per-turn-index normalisation over the samples that reached the turn (MT-GRPO style),
+  biased when the policy decides when to stop (docs/objectives.md, "Per-turn credit").
 - Monte Carlo macro values (VinePPO with macro actions): `choose_branch_points` picks macro
   starts to branch from, the caller samples continuations from each (`flatten_branches` lists
   them) and averages their KL-regularised returns (score - beta x the continuation's summed KL)
@@ -303,6 +310,96 @@ def reinforce_pp_advantages(rewards, response_mask):
     return _reinforce_pp_advantages(rewards, response_mask)
 
 
+def turn_returns(turn_rewards, action_mask, turn_ids):
+    """Each action token's reward-to-go from its turn: the sum of the rewards of its turn and of
+    every later turn of its row.
+
+    Args:
+      turn_rewards: float `[B, T]` rewards on the action tokens: each turn's reward on its last
+        action token (an environment's per-turn reward, the final score on the last turn's);
+        a reward on any other action token (a per-token KL penalty) counts toward its turn;
+        rewards off the action tokens are ignored.
+      action_mask: `[B, T]` 0/1 mask of the policy's tokens; observation spans are holes.
+      turn_ids: int `[B, T]` turn index of each token, in [0, T) and non-decreasing along a row
+        (an observation span carries the turn it follows, padding the row's last turn).
+
+    Returns:
+      float `[B, T]` reward-to-go, 0 off the action tokens.
+    """
+    _check_turns(turn_rewards, action_mask, turn_ids)
+    return _turn_returns(turn_rewards, action_mask, turn_ids)
+
+
+def turn_rloo_advantages(turn_rewards, action_mask, turn_ids, group_size):
+    """Per-turn leave-one-out advantages, unbiased when the policy decides when to stop.
+
+    Rows `g k .. g k + k - 1` (k = `group_size`) are the k samples of prompt g. With G_t^j the
+    reward-to-go of sample j from its turn t (`turn_returns`), and G_t^j = 0 when sample j
+    stopped before turn t (it earns nothing from turn t on), every action token of turn t of
+    sample i gets
+
+        A_t^i = G_t^i - b_t^i,    b_t^i = 1 / (k - 1) sum_{j != i} G_t^j,
+
+    a baseline of k - 1 terms whatever the samples' lengths. Why the policy gradient
+    sum_i sum_t A_t^i grad log pi(a_t^i | s_t^i) is unbiased: the reward-to-go term is
+    REINFORCE's (an action does not change the rewards before it); b_t^i is a function of the
+    other samples only, which are drawn independently of sample i, so
+    E[b_t^i 1{i reached t} grad log pi(a_t^i | s_t^i)] = E[b_t^i] E[1{i reached t}
+    E[grad log pi(a_t^i | s_t^i) | s_t^i]] = 0, the inner expectation of a score function being
+    0. Its expectation is the true gradient exactly, with no scale factor. A baseline over the
+    samples that reached turn t (`turn_index_normalised_advantages`) has neither property: its
+    number of terms depends on whether sample i reached t and it contains G_t^i itself.
+
+    With one turn and the score on the last action token this is RLOO's advantage of the score
+    (`group_advantages(..., method="rloo")`) on every action token.
+
+    Args:
+      turn_rewards, action_mask, turn_ids: as in `turn_returns`.
+      group_size: samples per prompt k, a Python int >= 2 dividing B; static under `jax.jit`.
+
+    Returns:
+      float `[B, T]` advantages, each turn's on its action tokens, 0 elsewhere.
+    """
+    _check_turns(turn_rewards, action_mask, turn_ids)
+    group_size = _turn_group_size(group_size, action_mask)
+    return _turn_rloo_advantages(turn_rewards, action_mask, turn_ids, group_size=group_size)
+
+
+def turn_index_normalised_advantages(turn_rewards, action_mask, turn_ids, group_size, *,
+                                     divide_by_std=True):
+    """The per-turn-index normalisation (MT-GRPO style): at turn index t, each sample's
+    reward-to-go normalised over the samples of its prompt that reached turn t, itself included.
+
+    With R_t the samples j of the group that have an action token in turn t, n_t = |R_t|, m_t
+    and s_t the mean and unbiased standard deviation (ddof = 1) of their G_t^j
+    (`turn_returns`), every action token of turn t of sample i gets
+
+        A_t^i = (G_t^i - m_t) / (s_t + 1e-4),    0 when n_t = 1,
+
+    GRPO's normalisation turn by turn (`divide_by_std=False`: G_t^i - m_t, Dr. GRPO's form).
+    Kept as the record to compare with. m_t contains G_t^i, so even without the division turn
+    t's expected gradient is the true one times c_t = E[1 - 1 / n_t | i reached t], and n_t
+    counts the other samples that reached t: when the policy decides when to stop, c_t falls
+    with t and moves with the policy, and the expected gradient leaves the true one's direction
+    (the division by s_t, which depends on G_t^i too, adds to that); `turn_rloo_advantages` is
+    unbiased.
+
+    Args:
+      turn_rewards, action_mask, turn_ids: as in `turn_returns`.
+      group_size: samples per prompt k, a Python int >= 2 dividing B; static under `jax.jit`.
+      divide_by_std: divide by s_t + 1e-4 (MT-GRPO's normalisation); False: the centred
+        returns alone. Static under `jax.jit`.
+
+    Returns:
+      float `[B, T]` advantages, each turn's on its action tokens, 0 elsewhere.
+    """
+    _check_turns(turn_rewards, action_mask, turn_ids)
+    group_size = _turn_group_size(group_size, action_mask)
+    return _turn_index_normalised_advantages(turn_rewards, action_mask, turn_ids,
+                                             group_size=group_size,
+                                             divide_by_std=bool(divide_by_std))
+
+
 def choose_branch_points(key, segment_ids, response_mask, max_points):
     """Response positions to branch Monte Carlo rollouts from: where macros start.
 
@@ -460,6 +557,101 @@ def _reinforce_pp_advantages(rewards, response_mask):
     centred = jnp.where(valid, returns - mean, 0)
     variance = jnp.sum(centred * centred) / count
     return centred * jax.lax.rsqrt(jnp.maximum(variance, REINFORCE_PP_VAR_EPS))
+
+
+def _check_turns(turn_rewards, action_mask, turn_ids):
+    check_rank(turn_rewards, 2, "turn_rewards")
+    check_mask(action_mask, "action_mask", left_aligned=False)
+    check_same_shape(action_mask, "action_mask", turn_rewards=turn_rewards, turn_ids=turn_ids)
+    dtype = turn_ids.dtype if hasattr(turn_ids, "dtype") else np.asarray(turn_ids).dtype
+    if not np.issubdtype(dtype, np.integer):
+        raise ValueError(f"turn_ids must be integers, got dtype {dtype}")
+    if not is_concrete(turn_ids):
+        return
+    ids = np.asarray(turn_ids)
+    if np.any(np.diff(ids, axis=1) < 0):
+        raise ValueError("turn_ids must be non-decreasing along each row")
+    if ids.size and (ids.min() < 0 or ids.max() >= ids.shape[1]):
+        raise ValueError(f"turn_ids must lie in [0, {ids.shape[1]}) (one turn index per token "
+                         f"at most), got values in [{ids.min()}, {ids.max()}]")
+
+
+def _turn_group_size(group_size, action_mask):
+    group_size = _static_int(group_size, "group_size", 2,
+                             " (a sample's baseline comes from the other samples of its prompt)")
+    if np.shape(action_mask)[0] % group_size:
+        raise ValueError(f"group_size={group_size} must divide the number of rows "
+                         f"{np.shape(action_mask)[0]}")
+    return group_size
+
+
+def _turn_table(turn_rewards, action_mask, turn_ids):
+    """Per turn index t in [0, T): each row's reward-to-go from turn t (0 past its last turn),
+    float `[B, T]`, and whether the row has an action token in turn t, bool `[B, T]`."""
+    valid = jnp.asarray(action_mask) != 0
+    rewards = jax.lax.stop_gradient(jnp.asarray(turn_rewards, _float_dtype(turn_rewards)))
+    rewards = jnp.where(valid, rewards, 0)
+    width = valid.shape[1]
+    ids = jnp.clip(jnp.asarray(turn_ids, jnp.int32), 0, width - 1)
+    # Turn ids rise along a row, so the tokens of turns >= t are a suffix of it, starting at the
+    # first position whose id is >= t; suffix sums read there are the sums over turns >= t.
+    turn_index = jnp.arange(width + 1, dtype=jnp.int32)
+    first = jax.vmap(lambda row: jnp.searchsorted(row, turn_index, side="left"))(ids)
+
+    def from_turn(x):
+        """Sum of `x` `[B, T]` over the tokens of turns >= t, `[B, T + 1]` (t = 0..T)."""
+        suffix = jnp.flip(jnp.cumsum(jnp.flip(x, axis=1), axis=1), axis=1)
+        suffix = jnp.concatenate([suffix, jnp.zeros_like(suffix[:, :1])], axis=1)
+        return jnp.take_along_axis(suffix, first, axis=1)
+
+    actions = from_turn(valid.astype(jnp.int32))
+    return from_turn(rewards)[:, :width], actions[:, :width] > actions[:, 1:]
+
+
+def _per_token(per_turn, action_mask, turn_ids):
+    """Spread a per-turn-index quantity `[B, T]` over each turn's action tokens."""
+    width = per_turn.shape[1]
+    ids = jnp.clip(jnp.asarray(turn_ids, jnp.int32), 0, width - 1)
+    return jnp.where(jnp.asarray(action_mask) != 0,
+                     jnp.take_along_axis(per_turn, ids, axis=1), 0)
+
+
+@jax.jit
+def _turn_returns(turn_rewards, action_mask, turn_ids):
+    to_go, _ = _turn_table(turn_rewards, action_mask, turn_ids)
+    return _per_token(to_go, action_mask, turn_ids)
+
+
+@functools.partial(jax.jit, static_argnames="group_size")
+def _turn_rloo_advantages(turn_rewards, action_mask, turn_ids, *, group_size):
+    to_go, _ = _turn_table(turn_rewards, action_mask, turn_ids)
+    groups = to_go.reshape(-1, group_size, to_go.shape[1])
+    # As `_group_advantages`' rloo: G - mean of the others = k / (k - 1) (G - mean of all),
+    # centred on the first sample so that equal returns give exact zeros.
+    centred = groups - groups[:, :1]
+    deviation = centred - jnp.mean(centred, axis=1, keepdims=True)
+    advantages = (deviation * (group_size / (group_size - 1))).reshape(to_go.shape)
+    return _per_token(advantages, action_mask, turn_ids)
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "divide_by_std"))
+def _turn_index_normalised_advantages(turn_rewards, action_mask, turn_ids, *, group_size,
+                                      divide_by_std):
+    to_go, reached = _turn_table(turn_rewards, action_mask, turn_ids)
+    groups = to_go.reshape(-1, group_size, to_go.shape[1])
+    reached = reached.reshape(groups.shape)
+    count = jnp.sum(reached, axis=1, keepdims=True).astype(groups.dtype)
+    # Centred on one reached sample's return, so that equal returns give exact zeros.
+    reference = jnp.max(jnp.where(reached, groups, -jnp.inf), axis=1, keepdims=True)
+    centred = jnp.where(reached, groups - jnp.where(count > 0, reference, 0), 0)
+    mean = jnp.sum(centred, axis=1, keepdims=True) / jnp.maximum(count, 1)
+    deviation = jnp.where(reached, centred - mean, 0)
+    if divide_by_std:
+        std = jnp.sqrt(jnp.sum(deviation * deviation, axis=1, keepdims=True)
+                       / jnp.maximum(count - 1, 1))
+        deviation = deviation / (std + GROUP_STD_EPS)
+    advantages = deviation.reshape(to_go.shape)
+    return _per_token(advantages, action_mask, turn_ids)
 
 
 @functools.partial(jax.jit, static_argnames="max_points")
