@@ -347,8 +347,8 @@ def turn_rloo_advantages(turn_rewards, action_mask, turn_ids, group_size):
     E[b_t^i 1{i reached t} grad log pi(a_t^i | s_t^i)] = E[b_t^i] E[1{i reached t}
     E[grad log pi(a_t^i | s_t^i) | s_t^i]] = 0, the inner expectation of a score function being
     0. Its expectation is the true gradient exactly, with no scale factor. A baseline over the
-    samples that reached turn t (`turn_index_normalised_advantages`) has neither property: its
-    number of terms depends on whether sample i reached t and it contains G_t^i itself.
+    samples that reached turn t (`turn_index_normalised_advantages`) has neither property: it
+    contains G_t^i itself, with a weight 1 / n_t set by how many samples reached t.
 
     With one turn and the score on the last action token this is RLOO's advantage of the score
     (`group_advantages(..., method="rloo")`) on every action token.
