@@ -1,0 +1,408 @@
+"""Multi-turn rollout over one KV cache: `run_turns` decodes every row to the end of its turn,
+hands the finished turns to a host callback (the environments' step), prefills the observations
+it returns on top of the same cache and decodes on; `reprefill_turns` is its reference, which
+prefills the prompt and the whole history again at every turn (`engine.continue_responses`).
+
+A trajectory row is the left-padded prompt `[P]` followed by T columns, each an ACTION (sampled by
+the policy), an OBSERVATION (written by the environment, chat-template markers included) or PAD
+(after the end). `turn_ids [B, T]` is the turn of each column: an observation carries the turn it
+follows, padding the row's last turn, so turn ids never decrease along a row. Column t is drawn
+with `fold_in(row_keys[i], t)` (as `generate` draws response position t), so a row's trajectory
+depends on its key, its prompt and the callback's answers only, and both drivers give the same
+tokens.
+
+Cache layout: slots `[0, P)` the prompt, slot `P + t` column t, and a scratch tail of `chunk`
+slots. Rows write at their own slot (`cache_index [B]`): a row that idles while others decode, or
+takes no observation, writes to the scratch tail, which no valid query reads; an observation
+shorter than the chunk writes past its end into columns that the row's next tokens overwrite
+before any query reads them (causality). Positions are the prompt's valid length plus the column,
+so the keys are those of the re-prefilled history.
+
+Turn ends: an end-of-turn token or `max_turn_tokens` actions end a turn, which the callback then
+steps. A row ends when the callback says done (or failed); it ends truncated when its budget of
+T columns cuts a turn short (that turn is not stepped), when its observation and one more action
+do not fit, or after `max_turns` turns without done.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from marl_jax.models import attention
+from marl_jax.models.heads import CausalLM, check_tokens
+from marl_jax.rollout import engine
+
+# Kinds of trajectory columns.
+PAD, ACTION, OBSERVATION = 0, 1, 2
+
+# Observation tokens prefilled per forward pass (a longer observation takes several): the scratch
+# tail of the cache has this many slots.
+OBSERVATION_CHUNK = 32
+
+
+class Trajectory(NamedTuple):
+    """A batch of multi-turn trajectories (numpy arrays).
+
+    tokens `[B, T]` int32 (pad_id on PAD columns), kinds `[B, T]` int8 (PAD, ACTION,
+    OBSERVATION), turn_ids `[B, T]` int32, logprobs and entropy `[B, T]` float32 (the sampler's,
+    at ACTION columns; 0 elsewhere), turn_rewards `[B, T]` float32 (each stepped turn's reward on
+    its last action column), num_turns `[B]` int32 (turns with actions), truncated `[B]` bool,
+    failed `[B]` bool; prefill_tokens: valid tokens the driver ran through multi-token forward
+    passes (prompts and observations; the reference: prompt and history of every row at every
+    turn it plays), generated_tokens: ACTION columns sampled.
+    """
+
+    tokens: np.ndarray
+    kinds: np.ndarray
+    turn_ids: np.ndarray
+    logprobs: np.ndarray
+    entropy: np.ndarray
+    turn_rewards: np.ndarray
+    num_turns: np.ndarray
+    truncated: np.ndarray
+    failed: np.ndarray
+    prefill_tokens: int
+    generated_tokens: int
+
+
+# step_turns(rows [R] int, actions: R arrays of int32 ids) -> (observations: R arrays or None,
+# rewards [R] float32, done [R] bool, failed [R] bool)
+StepTurns = Callable[[np.ndarray, list], tuple]
+
+
+class _TurnOut(NamedTuple):
+    """One turn of every row, from its first column on: tokens, logprobs, entropy `[B, N]` and
+    the actions taken `[B]` (0 for rows that did not play)."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    entropy: np.ndarray
+    lengths: np.ndarray
+
+
+# Device programs of run_turns -----------------------------------------------------------------------
+
+_FLAGS = ("top_k", "eos_ids", "pad_id", "greedy", "dynamic_temperature", "use_top_p")
+
+
+@functools.partial(attention.jit_per_platform, static_argnames=("model", "steps"))
+def _prefill_prompts(model: CausalLM, params, prompt_ids, prompt_mask, *, steps):
+    """The prompts `[B, P]` into a fresh cache of `P + steps` slots: (last logits `[B, V]`, cache,
+    key mask `[B, P + steps]`, valid prompt tokens `[B]`)."""
+    return engine._prefill(model, engine._decoder(model, params), prompt_ids, prompt_mask, steps)
+
+
+@functools.partial(attention.jit_per_platform,
+                   static_argnames=("model", "prompt_width", "total", "turn_tokens", *_FLAGS))
+def _decode_turn(model: CausalLM, params, cache, logits, kv_mask, prompt_lengths, row_keys, cursor, active,
+                 temperature, top_p, *, prompt_width, total, turn_tokens, top_k, eos_ids, pad_id, greedy,
+                 dynamic_temperature, use_top_p):
+    """Decodes one turn of the `active [B]` rows, whose next column is `cursor [B]`: each step
+    draws a token from the pending logits, feeds it at slot `P + cursor + step` and keeps the
+    logits after it, until every row has sampled an end-of-turn token, `turn_tokens` tokens or
+    reached column `total`. Returns (tokens, logprobs, entropy `[B, turn_tokens]`, actions taken
+    `[B]`, cache, pending logits `[B, V]`)."""
+    batch = logits.shape[0]
+    choose = functools.partial(engine._choose, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy,
+                               dynamic_temperature=dynamic_temperature, use_top_p=use_top_p)
+    decode = engine._decoder(model, params)
+    eos = jnp.asarray(eos_ids, jnp.int32)
+    budget = jnp.minimum(turn_tokens, total - cursor)
+    scratch = prompt_width + total
+
+    def body(state):
+        step, cache, logits, live, taken, tokens, logprobs, entropies = state
+        column = cursor + step
+        token, logprob, entropy = choose(logits, lambda c: jax.vmap(engine._draw_row)(row_keys, column, c))
+        token = jnp.where(live, token.astype(jnp.int32), pad_id)
+        at = (0, step)
+        tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], at)
+        logprobs = jax.lax.dynamic_update_slice(logprobs, jnp.where(live, logprob, 0.0)[:, None], at)
+        entropies = jax.lax.dynamic_update_slice(entropies, jnp.where(live, entropy, 0.0)[:, None], at)
+        slot = jnp.where(live, prompt_width + column, scratch)
+        position = jnp.where(live, prompt_lengths + column, 0)
+        new_logits, cache = decode(token[:, None], kv_mask, position[:, None], cache, slot)
+        logits = jnp.where(live[:, None], new_logits, logits)
+        taken = taken + live.astype(jnp.int32)
+        ended = jnp.any(token[:, None] == eos, axis=-1) | (step + 1 >= budget)
+        return step + 1, cache, logits, live & ~ended, taken, tokens, logprobs, entropies
+
+    state = (jnp.asarray(0, jnp.int32), cache, logits, active, jnp.zeros((batch,), jnp.int32),
+             jnp.full((batch, turn_tokens), pad_id, jnp.int32), jnp.zeros((batch, turn_tokens), jnp.float32),
+             jnp.zeros((batch, turn_tokens), jnp.float32))
+    _, cache, logits, _, taken, tokens, logprobs, entropies = jax.lax.while_loop(
+        lambda s: jnp.any(s[3]), body, state)
+    return tokens, logprobs, entropies, taken, cache, logits
+
+
+def _chunk_logits(module: CausalLM, ids, kv_mask, positions, cache, cache_index, last):
+    """A multi-token forward on top of the cache: the logits `[B, V]` after column `last [B]` of
+    `ids [B, W]`, and the updated cache."""
+    hidden, cache = module.backbone(ids, kv_mask, positions, cache, cache_index)
+    return module.logits(jnp.take_along_axis(hidden, last[:, None, None], axis=1))[:, 0], cache
+
+
+@functools.partial(attention.jit_per_platform, static_argnames=("model", "prompt_width", "total"))
+def _append_chunk(model: CausalLM, params, cache, logits, kv_mask, prompt_lengths, ids, counts, cursor, *,
+                  prompt_width, total):
+    """Prefills `ids [B, W]` (the first `counts [B]` of each row valid) at columns `cursor [B]`
+    on top of the cache; rows with count 0 write to the scratch tail and keep their logits.
+    Returns (cache, logits `[B, V]` after each row's last new token)."""
+    width = ids.shape[1]
+    has = counts > 0
+    slot = jnp.where(has, prompt_width + cursor, prompt_width + total)
+    positions = jnp.minimum((prompt_lengths + cursor)[:, None] + jnp.arange(width),
+                            model.config.max_position_embeddings - 1)
+    new_logits, cache = model.apply({"params": params}, ids, kv_mask, positions, cache, slot,
+                                    jnp.maximum(counts - 1, 0), method=_chunk_logits)
+    return cache, jnp.where(has[:, None], new_logits, logits)
+
+
+class _CacheDriver:
+    """The turns of `run_turns`: one prompt prefill, then per turn a decode program over the
+    carried cache and the observations prefilled on top of it in chunks of `chunk` tokens."""
+
+    def __init__(self, model, params, prompt_ids, prompt_mask, row_keys, temperature, top_p, flags, *, total,
+                 turn_tokens, chunk):
+        self.model, self.params = engine._sampling_model(model, params)
+        self.total, self.turn_tokens, self.chunk = total, turn_tokens, chunk
+        self.flags, self.row_keys = flags, row_keys
+        self.scalars = engine._sampler_scalars(flags, temperature, top_p)
+        # Cache: prompt, T columns, and a scratch tail as wide as one observation chunk.
+        self.logits, self.cache, kv_mask, self.prompt_lengths = _prefill_prompts(
+            self.model, self.params, prompt_ids, prompt_mask, steps=total + chunk)
+        self.kv_mask, self.prompt_width = kv_mask, prompt_ids.shape[1]
+        self.prefill_tokens = int(np.asarray(prompt_mask).sum())
+
+    def decode(self, active: np.ndarray, cursor: np.ndarray) -> _TurnOut:
+        tokens, logprobs, entropy, taken, self.cache, self.logits = _decode_turn(
+            self.model, self.params, self.cache, self.logits, self.kv_mask, self.prompt_lengths, self.row_keys,
+            jnp.asarray(cursor, jnp.int32), jnp.asarray(active), *self.scalars, prompt_width=self.prompt_width,
+            total=self.total, turn_tokens=self.turn_tokens, **self.flags)
+        return _TurnOut(*(np.asarray(x) for x in (tokens, logprobs, entropy, taken)))
+
+    def append(self, observations: dict, cursor: np.ndarray) -> None:
+        """Prefills `observations {row: ids}` at columns `cursor [B]`."""
+        batch = cursor.shape[0]
+        longest = max(len(ids) for ids in observations.values())
+        for start in range(0, longest, self.chunk):
+            ids = np.full((batch, self.chunk), self.flags["pad_id"], np.int32)
+            counts = np.zeros((batch,), np.int32)
+            for row, obs in observations.items():
+                piece = obs[start:start + self.chunk]
+                ids[row, :len(piece)], counts[row] = piece, len(piece)
+            self.cache, self.logits = _append_chunk(
+                self.model, self.params, self.cache, self.logits, self.kv_mask, self.prompt_lengths,
+                jnp.asarray(ids), jnp.asarray(counts), jnp.asarray(cursor + start, jnp.int32),
+                prompt_width=self.prompt_width, total=self.total)
+            self.prefill_tokens += int(counts.sum())
+
+
+class _ReprefillDriver:
+    """The turns of `reprefill_turns`: every turn prefills each playing row's prompt and history
+    again (`engine.continue_responses` from its cursor) and samples the turn after it."""
+
+    def __init__(self, model, params, prompt_ids, prompt_mask, row_keys, temperature, top_p, flags, *, total,
+                 turn_tokens):
+        self.model, self.params = model, params
+        self.prompt_ids, self.prompt_mask = prompt_ids, prompt_mask
+        self.row_keys, self.total, self.turn_tokens = row_keys, total, turn_tokens
+        self.settings = dict(temperature=temperature, top_k=flags["top_k"], top_p=top_p, eos_id=flags["eos_ids"],
+                             pad_id=flags["pad_id"])
+        self.prompt_lengths = np.asarray(prompt_mask).sum(axis=1)
+        self.history = np.full((prompt_ids.shape[0], total), flags["pad_id"], np.int32)
+        self.prefill_tokens = 0
+
+    def decode(self, active: np.ndarray, cursor: np.ndarray) -> _TurnOut:
+        batch = active.shape[0]
+        prefix = np.where(active, cursor, self.total).astype(np.int32)
+        out = engine.continue_responses(
+            self.model, self.params, self.prompt_ids, self.prompt_mask, jnp.asarray(self.history),
+            jnp.ones((batch, self.total), jnp.int32), jnp.asarray(prefix), row_keys=self.row_keys,
+            max_new_tokens=self.turn_tokens, **self.settings)
+        self.prefill_tokens += int((self.prompt_lengths + cursor)[active].sum())
+        columns = np.minimum(prefix[:, None] + np.arange(self.turn_tokens), self.total - 1)
+        sampled = (np.asarray(out.mask) * (np.arange(self.total) >= prefix[:, None])).sum(axis=1)
+        keep = np.arange(self.turn_tokens)[None] < sampled[:, None]
+        pick = lambda x, fill: np.where(keep, np.take_along_axis(np.asarray(x), columns, axis=1), fill)
+        turn = _TurnOut(pick(out.tokens, self.settings["pad_id"]).astype(np.int32), pick(out.logprobs, 0.0),
+                        pick(out.entropy, 0.0), sampled.astype(np.int32))
+        for row in np.flatnonzero(active):
+            self.history[row, cursor[row]:cursor[row] + sampled[row]] = turn.tokens[row, :sampled[row]]
+        return turn
+
+    def append(self, observations: dict, cursor: np.ndarray) -> None:
+        for row, obs in observations.items():
+            self.history[row, cursor[row]:cursor[row] + len(obs)] = obs
+
+
+# The host loop shared by both drivers ---------------------------------------------------------------
+
+def _step_results(result, rows: np.ndarray, vocab_size: int):
+    """Validates a step_turns answer for `rows`: (observations, rewards, done, failed)."""
+    if not isinstance(result, (tuple, list)) or len(result) != 4:
+        raise ValueError("step_turns must return (observations, rewards, done, failed), got "
+                         f"{type(result).__name__}" + (f" of {len(result)} items" if isinstance(result, (tuple, list))
+                                                       else ""))
+    observations, rewards, done, failed = result
+    count = len(rows)
+    if not isinstance(observations, (list, tuple)) or len(observations) != count:
+        raise ValueError(f"step_turns returned {len(observations) if hasattr(observations, '__len__') else '?'} "
+                         f"observations for {count} rows")
+    named = (("rewards", rewards, np.float32), ("done", done, bool), ("failed", failed, bool))
+    arrays = {}
+    for name, value, dtype in named:
+        value = np.asarray(value)
+        if value.shape != (count,):
+            raise ValueError(f"step_turns returned {name} of shape {value.shape} for {count} rows")
+        if dtype is bool and value.dtype != bool:
+            raise ValueError(f"step_turns returned {name} of dtype {value.dtype}, expected bool")
+        if dtype is np.float32 and not np.issubdtype(value.dtype, np.number):
+            raise ValueError(f"step_turns returned {name} of dtype {value.dtype}, expected float")
+        arrays[name] = value.astype(dtype)
+    ended = arrays["done"] | arrays["failed"]
+    checked = []
+    for i, (row, obs) in enumerate(zip(rows, observations)):
+        if ended[i]:
+            checked.append(None)
+            continue
+        ids = None if obs is None else np.asarray(obs)
+        if ids is None or ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"step_turns must return a non-empty 1-D array of int ids as the observation of row "
+                             f"{row}, which is not done; got " + ("None" if ids is None else
+                                                                 f"shape {ids.shape}, dtype {ids.dtype}"))
+        if ids.min() < 0 or ids.max() >= vocab_size:
+            raise ValueError(f"step_turns returned observation ids for row {row} outside the vocabulary "
+                             f"[0, {vocab_size})")
+        checked.append(ids.astype(np.int32))
+    return checked, arrays["rewards"], arrays["done"], arrays["failed"]
+
+
+def _play(driver, step_turns: StepTurns, *, batch: int, total: int, max_turns: int, turn_tokens: int, eos_ids,
+          pad_id: int, vocab_size: int) -> Trajectory:
+    tokens = np.full((batch, total), pad_id, np.int32)
+    kinds = np.full((batch, total), PAD, np.int8)
+    turn_ids = np.zeros((batch, total), np.int32)
+    logprobs, entropy, rewards = (np.zeros((batch, total), np.float32) for _ in range(3))
+    cursor = np.zeros((batch,), np.int64)
+    num_turns = np.zeros((batch,), np.int32)
+    live = np.ones((batch,), bool)
+    truncated, failed = np.zeros((batch,), bool), np.zeros((batch,), bool)
+    eos = np.asarray(eos_ids)
+    for turn in range(max_turns):
+        if not live.any():
+            break
+        active = live.copy()
+        out = driver.decode(active, cursor)
+        for row in np.flatnonzero(active):
+            n, at = int(out.lengths[row]), slice(cursor[row], cursor[row] + out.lengths[row])
+            tokens[row, at], logprobs[row, at], entropy[row, at] = (
+                out.tokens[row, :n], out.logprobs[row, :n], out.entropy[row, :n])
+            kinds[row, at], turn_ids[row, at] = ACTION, turn
+        num_turns[active] += 1
+        last = np.take_along_axis(out.tokens, np.maximum(out.lengths - 1, 0)[:, None], axis=1)[:, 0]
+        complete = active & (np.isin(last, eos) | (out.lengths == turn_tokens))
+        cursor = cursor + np.where(active, out.lengths, 0)
+        truncated |= active & ~complete
+        live &= complete
+        rows = np.flatnonzero(complete)
+        if not rows.size:
+            continue
+        actions = [tokens[row, cursor[row] - out.lengths[row]:cursor[row]].copy() for row in rows]
+        observations, step_rewards, done, step_failed = _step_results(step_turns(rows, actions), rows, vocab_size)
+        rewards[rows, cursor[rows] - 1] = step_rewards
+        failed[rows] = step_failed
+        appended = {}
+        for i, row in enumerate(rows):
+            if done[i] or step_failed[i]:
+                live[row] = False
+            elif turn + 1 == max_turns or cursor[row] + len(observations[i]) + 1 > total:
+                live[row], truncated[row] = False, True
+            else:
+                appended[row] = observations[i]
+        if appended:
+            driver.append(appended, cursor)
+            for row, obs in appended.items():
+                at = slice(cursor[row], cursor[row] + len(obs))
+                tokens[row, at], kinds[row, at], turn_ids[row, at] = obs, OBSERVATION, turn
+                cursor[row] += len(obs)
+    for row in range(batch):
+        turn_ids[row, cursor[row]:] = num_turns[row] - 1
+    return Trajectory(tokens, kinds, turn_ids, logprobs, entropy, rewards, num_turns, truncated, failed,
+                      prefill_tokens=driver.prefill_tokens, generated_tokens=int((kinds == ACTION).sum()))
+
+
+def _settings(model, prompt_ids, prompt_mask, row_keys, *, step_turns, max_turns, max_total_tokens, max_turn_tokens,
+              end_of_turn, temperature, top_k, top_p, pad_id, name: str):
+    """Validated (prompt_ids, prompt_mask, flags) of a multi-turn call."""
+    engine._check_model(model, name)
+    cfg = model.config
+    prompt_ids, prompt_mask = engine._as_array(prompt_ids), engine._as_array(prompt_mask)
+    check_tokens(cfg, prompt_ids, prompt_mask, "prompt_ids")
+    engine._check_left_padded(prompt_mask)
+    if not callable(step_turns):
+        raise ValueError(f"step_turns must be callable, got {type(step_turns).__name__}")
+    if not engine._is_int(max_turns) or max_turns < 1:
+        raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
+    if not engine._is_int(max_turn_tokens) or max_turn_tokens < 1:
+        raise ValueError(f"max_turn_tokens must be an int >= 1, got {max_turn_tokens!r}")
+    if not engine._is_int(max_total_tokens) or max_total_tokens < max_turn_tokens:
+        raise ValueError(f"max_total_tokens (the trajectory budget) must be an int >= max_turn_tokens="
+                         f"{max_turn_tokens} (one whole turn), got {max_total_tokens!r}")
+    if prompt_ids.shape[1] + max_total_tokens > cfg.max_position_embeddings:
+        raise ValueError(f"prompt length {prompt_ids.shape[1]} + max_total_tokens {max_total_tokens} exceeds the "
+                         f"model's max_position_embeddings {cfg.max_position_embeddings}")
+    engine._check_row_keys(row_keys, prompt_ids.shape[0])
+    flags = engine._sampler_flags(cfg, temperature, top_k, top_p, end_of_turn, pad_id)
+    return prompt_ids, prompt_mask, flags
+
+
+def run_turns(model: CausalLM, params, prompt_ids, prompt_mask, *, step_turns: StepTurns, row_keys, max_turns: int,
+              max_total_tokens: int, max_turn_tokens: int, end_of_turn: int | Sequence[int], temperature,
+              top_k: int = 0, top_p=1.0, pad_id: int, chunk: int = OBSERVATION_CHUNK) -> Trajectory:
+    """Multi-turn rollout of left-padded prompts `prompt_ids, prompt_mask [B, P]` against a host
+    callback, reusing one KV cache: the prompts are prefilled once, every observation is prefilled
+    on top of the cache (`chunk` tokens per forward pass), and no history is computed twice.
+
+    Each turn, the rows still playing decode until an `end_of_turn` id (an int or tuple), or
+    `max_turn_tokens` tokens, or their budget of `max_total_tokens` (T) columns; then
+    `step_turns(rows [R] int, actions: R int32 arrays) -> (observations: R int arrays or None
+    (done rows), rewards [R], done [R] bool, failed [R] bool)` steps the rows whose turn ended.
+    Column t of row i is drawn with `fold_in(row_keys[i], t)` (typed keys `[B]`); temperature 0
+    is greedy, top_k / top_p as in `generate`. Returns a `Trajectory` of `[B, T]` arrays (module
+    docstring: the layout and when a row ends or is truncated).
+    """
+    prompt_ids, prompt_mask, flags = _settings(
+        model, prompt_ids, prompt_mask, row_keys, step_turns=step_turns, max_turns=max_turns,
+        max_total_tokens=max_total_tokens, max_turn_tokens=max_turn_tokens, end_of_turn=end_of_turn,
+        temperature=temperature, top_k=top_k, top_p=top_p, pad_id=pad_id, name="run_turns")
+    if not engine._is_int(chunk) or chunk < 1:
+        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    driver = _CacheDriver(model, params, prompt_ids, prompt_mask, row_keys, temperature, top_p, flags,
+                          total=int(max_total_tokens), turn_tokens=int(max_turn_tokens), chunk=int(chunk))
+    return _play(driver, step_turns, batch=prompt_ids.shape[0], total=int(max_total_tokens), max_turns=int(max_turns),
+                 turn_tokens=int(max_turn_tokens), eos_ids=flags["eos_ids"], pad_id=flags["pad_id"],
+                 vocab_size=model.config.vocab_size)
+
+
+def reprefill_turns(model: CausalLM, params, prompt_ids, prompt_mask, *, step_turns: StepTurns, row_keys,
+                    max_turns: int, max_total_tokens: int, max_turn_tokens: int, end_of_turn: int | Sequence[int],
+                    temperature, top_k: int = 0, top_p=1.0, pad_id: int) -> Trajectory:
+    """`run_turns` by re-prefilling: every turn samples with `engine.continue_responses` after the
+    prompt and the whole history so far (one prefill of prompt + history per row and turn), with
+    the same keys. The reference `run_turns` is tested against, and its cost in prefill tokens.
+    An observation ending with an end-of-turn id would stop `continue_responses` before it
+    samples: give such environments to `run_turns` only."""
+    prompt_ids, prompt_mask, flags = _settings(
+        model, prompt_ids, prompt_mask, row_keys, step_turns=step_turns, max_turns=max_turns,
+        max_total_tokens=max_total_tokens, max_turn_tokens=max_turn_tokens, end_of_turn=end_of_turn,
+        temperature=temperature, top_k=top_k, top_p=top_p, pad_id=pad_id, name="reprefill_turns")
+    driver = _ReprefillDriver(model, params, prompt_ids, prompt_mask, row_keys, temperature, top_p, flags,
+                              total=int(max_total_tokens), turn_tokens=int(max_turn_tokens))
+    return _play(driver, step_turns, batch=prompt_ids.shape[0], total=int(max_total_tokens), max_turns=int(max_turns),
+                 turn_tokens=int(max_turn_tokens), eos_ids=flags["eos_ids"], pad_id=flags["pad_id"],
+                 vocab_size=model.config.vocab_size)
