@@ -55,12 +55,14 @@ class AppsTests:
 class SolutionEvaluation:
     """Per test case: `passed` (bool), `codes` (True / False / -1 / -2 as in the APPS
     evaluator) and sandbox `statuses`; `isolation` is the sandbox's self-report (its
-    `sandbox` names the jail that ran the program)."""
+    `sandbox` names the jail that ran the program); `outputs`: what each case printed (stdin
+    programs) or returned (call-based), None where it did not run to the end."""
 
     passed: tuple
     codes: tuple
     statuses: tuple
     isolation: dict
+    outputs: tuple = ()
 
 
 def parse_input_output(input_output: Union[str, dict]) -> AppsTests:
@@ -266,7 +268,8 @@ def evaluate_solution(code: str, input_output: Union[str, dict], timeout_s: floa
             codes.append(-1)
     return SolutionEvaluation(passed=tuple(c is True for c in codes), codes=tuple(codes),
                               statuses=tuple(c.status for c in run.cases),
-                              isolation=run.isolation)
+                              isolation=run.isolation,
+                              outputs=tuple(c.output for c in run.cases))
 
 
 def run_solution(code: str, input_output: Union[str, dict], timeout_s: float = 4.0,
