@@ -27,6 +27,9 @@ the static sampler over the B prompts in B / S calls of S rows (one jit, `lax.ma
 draws with `fold_in(key, c)`), each call decoding to its own longest row. Both then hold S rows of
 cache and cost about the same per step, so the ratio counts decode steps saved.
 
+`--turns=N`: the multi-turn rollout instead (`bench_turns.py`: one KV cache across N turns against
+re-prefilling the history every turn; `--batch` then defaults to 8).
+
 `--agreement` first compares the static call with `decode_slots=4` at temperature 0 and 0.8 (same
 key): the share of response positions with the same token and mask, and the largest logprob
 difference where they agree.
@@ -195,7 +198,7 @@ def vmap_ratio(model, params, ids, mask, *, slots: int, new: int, key, temperatu
 
 def main(argv):
     parser = argparse.ArgumentParser(prog="bench.py rollout", description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=None, help="prompts (default 32; 8 with --turns)")
     parser.add_argument("--slots", type=int, default=0, help="decode slots (default batch / 4)")
     parser.add_argument("--new", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.8)
@@ -207,10 +210,23 @@ def main(argv):
     parser.add_argument("--lengths", choices=("model", "chat"), default="model",
                         help="model: SmolLM2's own answers; chat: a random-weight SmolLM2-shaped model whose "
                              "rows stop at lengths drawn from the recorded chat profile (no checkpoint)")
-    parser.add_argument("--prompt", type=int, default=48, help="prompt tokens with --lengths=chat")
+    parser.add_argument("--prompt", type=int, default=None,
+                        help="prompt tokens with --lengths=chat (default 48) or --turns (default 32)")
     parser.add_argument("--vmap", type=int, default=0,
                         help="also time the slots of this many runs in one vmapped call against each alone")
+    parser.add_argument("--turns", type=int, default=0,
+                        help="time a multi-turn rollout of this many turns, one KV cache against re-prefilling")
+    parser.add_argument("--turn-tokens", type=int, default=24, help="most tokens of a turn with --turns")
+    parser.add_argument("--observation", type=int, default=16, help="tokens of an observation with --turns")
+    parser.add_argument("--shape", default="cpu", help="random policy shape with --turns (bench_models.SHAPES)")
     args = parser.parse_args(argv)
+    if args.turns:
+        import bench_turns
+
+        args.batch, args.prompt = args.batch or 8, args.prompt or 32
+        bench_turns.run(args)
+        return
+    args.batch, args.prompt = args.batch or 32, args.prompt or 48
     slots = args.slots or args.batch // 4
     key = jax.random.key(args.seed)
     max_lengths = None

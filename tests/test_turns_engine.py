@@ -214,3 +214,20 @@ def _bad_env(result):
 def test_bad_input_is_one_clear_error(change, message, llama):
     with pytest.raises(ValueError, match=message):
         _run(turns.run_turns, *llama, change.pop("step_turns", ScriptedEnv()), **change)
+
+
+def test_the_turns_bench_compares_both_drivers_on_one_batch(llama):
+    """bench.py rollout --turns: the same tokens from both drivers; the cache driver's prefill
+    tokens are the prompts plus one observation after every turn but each row's last."""
+    import sys
+    from train_util import ROOT
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from bench_turns import compare_turns
+
+    ids, mask = _prompts()
+    out = compare_turns(*llama, ids, mask, turns=3, turn_tokens=6, observation=4, temperature=0.8, seed=1,
+                        repeats=0)
+    assert out["same_tokens"]
+    assert out["num_turns"] == [3, 2, 3, 2]  # row b is done after turn 2 - b % 2
+    assert out["cache_prefill"] == (3 + 7 + 5 + 1) + 4 * (2 + 1 + 2 + 1)
+    assert out["reprefill_prefill"] > out["cache_prefill"]
