@@ -260,7 +260,8 @@ def test_apps_repair_rewards_sum_to_the_final_pass_rate_and_feedback_shows_faili
 
 # ---- failures ------------------------------------------------------------------------------
 class _Broken(CalculatorEnvironment):
-    """Breaks on the rows whose answer says how: 1 raises, 2 observes an int, 3 a NaN reward."""
+    """Breaks on the rows whose answer says how: 1 raises, 2 observes an int, 3 gives a NaN
+    reward, 4 answers three items."""
 
     def step_row(self, state, action_text, action_tokens):
         new_state, observation, reward, done = super().step_row(state, action_text,
@@ -271,23 +272,31 @@ class _Broken(CalculatorEnvironment):
             return new_state, 12, reward, done
         if state.answer == 3:
             return new_state, observation, float("nan"), done
+        if state.answer == 4:
+            return new_state, observation, reward
         return new_state, observation, reward, done
 
 
-def test_a_failing_environment_flags_its_row_and_leaves_the_others_untouched():
+@pytest.mark.parametrize("row_workers", [1, 3])
+def test_a_failing_environment_flags_its_row_and_leaves_the_others_untouched(row_workers):
     env = _Broken()
-    rows = [{"problem": "p", "answer": a} for a in (12, 1, 2, 3)]
-    states, _ = env.reset(rows, [0, 1, 2, 3])
-    result = env.step(states, ["calc ( 3 * 4 )"] * 4, [[]] * 4)
-    alone = CalculatorEnvironment().step(states[:1], ["calc ( 3 * 4 )"], [[]])
-    assert result.failed.tolist() == [False, True, True, True]
-    assert result.done.tolist() == [False, True, True, True]
-    assert result.observations == ["12", None, None, None]
-    assert result.rewards.tolist() == [0.0, 0.0, 0.0, 0.0] and result.rewards.dtype == np.float32
-    assert result.states[0] == alone.states[0] and result.states[0].turns == 1
-    assert all(result.states[i] is states[i] for i in (1, 2, 3))
-    assert envs.flag_counts(result.done, result.failed) == {"env/done_rows": 3,
-                                                            "env/failed_rows": 3}
+    env.row_workers = row_workers
+    rows = [{"problem": "p", "answer": a} for a in (12, 1, 2, 3, 4, 7)]
+    states, _ = env.reset(rows, range(6))
+    actions = ["calc ( 3 * 4 )"] * 5 + ["answer: 7"]
+    result = env.step(states, actions, [[]] * 6)
+    alone = CalculatorEnvironment().step([states[0], states[5]], [actions[0], actions[5]],
+                                         [[], []])
+    assert result.failed.tolist() == [False, True, True, True, True, False]
+    assert result.done.tolist() == [False, True, True, True, True, True]
+    assert result.observations == ["12", None, None, None, None, None]
+    assert result.rewards.tolist() == [0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+    assert result.rewards.dtype == np.float32
+    assert [result.states[0], result.states[5]] == alone.states
+    assert result.states[0].turns == 1
+    assert all(result.states[i] is states[i] for i in (1, 2, 3, 4))
+    assert envs.flag_counts(result.done, result.failed) == {"env/done_rows": 5,
+                                                            "env/failed_rows": 4}
     with pytest.raises(ValueError, match=r"cannot start from task row 1: a calculator row needs"):
         env.reset([rows[0], {"problem": "p"}], [0, 1])
 

@@ -9,6 +9,8 @@ and what the program gave (its output, or "runtime error", "timeout", ...), each
 `max_feedback_chars`; a program that does not compile is told so. The turn's reward is the gain
 in pass rate over the previous attempt (the first attempt's over 0), so an episode's rewards sum
 to its last attempt's pass rate. The episode ends at a perfect program or after `max_attempts`.
+A batch's rows run in parallel sandboxes (`max_workers`; None: one per CPU, as many as the
+host's memory holds at the per-program limit, `marl_jax.eval.sandbox.parallel_sandboxes`).
 
 Task rows are the APPS task's prompt records: {"prompt": str, "input_output": dict or JSON}.
 """
@@ -22,7 +24,7 @@ from marl_jax.data.real_tasks import extract_code
 from marl_jax.envs.base import Environment
 from marl_jax.envs.registry import register_environment
 from marl_jax.eval import apps
-from marl_jax.eval.sandbox import SANDBOXES, SandboxLimits
+from marl_jax.eval.sandbox import SANDBOXES, SandboxLimits, parallel_sandboxes
 
 _FAILURES = {"runtime_error": "runtime error", "timeout": "timeout",
              "output_limit": "output over the limit", "not_run": "not run"}
@@ -45,7 +47,7 @@ class AppsRepairEnvironment(Environment):
     def __init__(self, max_attempts: int = 4, timeout_s: float = 4.0,
                  sandbox: str = "bubblewrap", limits: Optional[SandboxLimits] = None,
                  allow_unfiltered_jail: bool = False, feedback_cases: int = 2,
-                 max_feedback_chars: int = 300):
+                 max_feedback_chars: int = 300, max_workers: Optional[int] = None):
         if not isinstance(max_attempts, int) or max_attempts < 1:
             raise ValueError(f"max_attempts={max_attempts!r} must be an int >= 1")
         if sandbox not in SANDBOXES:
@@ -56,6 +58,8 @@ class AppsRepairEnvironment(Environment):
             raise ValueError(f"max_feedback_chars={max_feedback_chars!r} must be an int >= 1")
         self.max_attempts = max_attempts
         self.timeout_s = float(timeout_s)
+        self.row_workers = parallel_sandboxes(
+            max_workers, dataclasses.replace(limits or SandboxLimits(), timeout_s=self.timeout_s))
         self.run_options = dict(limits=limits, sandbox=sandbox,
                                 allow_unfiltered_jail=allow_unfiltered_jail)
         self.feedback_cases = feedback_cases

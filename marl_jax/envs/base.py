@@ -14,6 +14,7 @@ stops the run nor touches the other rows; `flag_counts` gives the step's metrics
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import math
@@ -47,10 +48,12 @@ class Environment:
     """A multi-turn text environment. Subclasses implement `reset_row` and `step_row`.
 
     `observation_role` is the chat role of the observations ("user" or "tool") when they are
-    written into the conversation through the chat template.
+    written into the conversation through the chat template; `row_workers` is how many rows
+    `step` runs at once (threads: for environments that wait on subprocesses).
     """
 
     observation_role: str = "user"
+    row_workers: int = 1
 
     def reset_row(self, row: dict, rng: np.random.Generator) -> tuple[Any, list]:
         """(state, first prompt as chat messages) of the episode of task `row`."""
@@ -81,32 +84,45 @@ class Environment:
 
     def step(self, states: Sequence, action_texts: Sequence[str],
              action_token_lists: Sequence[Sequence[int]]) -> StepResult:
-        """One turn of every row: `step_row` per row, a failing row flagged (see the module)."""
+        """One turn of every row: `step_row` per row (on `row_workers` threads where an
+        environment waits on other processes, e.g. a jail), a failing row flagged (see the
+        module)."""
         states, texts, tokens = list(states), list(action_texts), list(action_token_lists)
         if not len(states) == len(texts) == len(tokens):
             raise ValueError(f"step got {len(states)} states, {len(texts)} action texts and "
                              f"{len(tokens)} action token lists; they must be as many")
         b = len(states)
+        rows = range(b)
+        if self.row_workers > 1 and b > 1:
+            with concurrent.futures.ThreadPoolExecutor(min(self.row_workers, b)) as pool:
+                outcomes = list(pool.map(self._step_checked, rows, states, texts, tokens))
+        else:
+            outcomes = list(map(self._step_checked, rows, states, texts, tokens))
         new_states, observations = list(states), [None] * b
         rewards = np.zeros(b, np.float32)
         done, failed = np.ones(b, bool), np.zeros(b, bool)
-        for i in range(b):
-            try:
-                state, observation, reward, finished = self.step_row(states[i], texts[i],
-                                                                     tokens[i])
-            except Exception as error:
-                logger.warning("%s failed on row %d: %s: %s", type(self).__name__, i,
-                               type(error).__name__, error)
+        for i, outcome in enumerate(outcomes):
+            if outcome is None:
                 failed[i] = True
                 continue
-            if not _well_formed(observation, reward, finished):
-                logger.warning("%s failed on row %d: observation %.80r, reward %r, done %r",
-                               type(self).__name__, i, observation, reward, finished)
-                failed[i] = True
-                continue
-            new_states[i], rewards[i], done[i] = state, reward, finished
-            observations[i] = None if finished else observation
+            new_states[i], observation, rewards[i], done[i] = outcome
+            observations[i] = None if done[i] else observation
         return StepResult(new_states, observations, rewards, done, failed)
+
+    def _step_checked(self, i: int, state, text: str, tokens):
+        """`step_row`'s answer for row i, or None where it raised or is malformed."""
+        try:
+            outcome = self.step_row(state, text, tokens)
+        except Exception as error:
+            logger.warning("%s failed on row %d: %s: %s", type(self).__name__, i,
+                           type(error).__name__, error)
+            return None
+        if not (isinstance(outcome, tuple) and len(outcome) == 4
+                and _well_formed(*outcome[1:])):
+            logger.warning("%s failed on row %d: step_row returned %.200r", type(self).__name__,
+                           i, outcome)
+            return None
+        return outcome
 
 
 def _well_formed(observation, reward, done) -> bool:
