@@ -143,7 +143,9 @@ class CalculatorState:
 
 @register_environment("calculator")
 class CalculatorEnvironment(Environment):
-    """The calculator episodes of task rows {"problem": str, "answer": int} (see the module)."""
+    """The calculator episodes of task rows {"problem": str, "answer": int} (see the module).
+    `max_value` bounds the values the tool shows: the task's tokenizer writes numbers up to
+    `CalculatorTask.max_value`."""
 
     observation_role = "tool"
 

@@ -28,16 +28,20 @@ def require_chat_template(tokenizer) -> None:
                          "multi-turn environments need one")
 
 
-def render_ids(tokenizer, messages: Sequence[dict], *, add_generation_prompt: bool) -> list:
-    """Token ids of `messages` rendered by the tokenizer's chat template."""
+def _render_text(tokenizer, messages: Sequence[dict], add_generation_prompt: bool) -> str:
     require_chat_template(tokenizer)
     try:
-        text = tokenizer.apply_chat_template(list(messages), tokenize=False,
+        return tokenizer.apply_chat_template(list(messages), tokenize=False,
                                              add_generation_prompt=add_generation_prompt)
     except Exception as error:
         roles = [m.get("role") for m in messages]
         raise ValueError(f"the chat template cannot render messages with roles {roles}: "
                          f"{error}") from None
+
+
+def render_ids(tokenizer, messages: Sequence[dict], *, add_generation_prompt: bool) -> list:
+    """Token ids of `messages` rendered by the tokenizer's chat template."""
+    text = _render_text(tokenizer, messages, add_generation_prompt)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -56,9 +60,8 @@ def end_of_turn_ids(tokenizer) -> tuple:
     for every common template: ChatML's `<|im_end|>`, Llama 3's `<|eot_id|>`, Gemma's
     `<end_of_turn>`). The policy's turn ends when it samples the first of them; the others, if
     any, belong to the observation span."""
-    require_chat_template(tokenizer)
     messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": _PROBE}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    text = _render_text(tokenizer, messages, False)
     at = text.rfind(_PROBE)
     if at < 0:
         raise ValueError("the chat template does not write an assistant message's content "
