@@ -3,7 +3,7 @@ the prompt and the whole history again at every turn (`rollout.reprefill_turns`)
 one run on the same batch, keys and environment.
 
 `python experiments/bench.py rollout --turns=N [--batch 8] [--prompt 32] [--turn-tokens 24]
-[--observation 16] [--shape cpu] [--temperature 0.8] [--seed 0] [--repeats 2]`
+[--observation 16] [--shape cpu] [--temperature 0.8] [--seed 0] [--repeats 2] [--slots S]`
 
 Workload: a random policy of `--shape` (experiments/bench_models.py; `cpu`: a 4-layer Llama of
 8192 ids) plays N turns against a scripted environment on B random prompts: a turn ends at an
@@ -16,10 +16,13 @@ N x (turn tokens + observation).
 Both drivers are compiled and run once, then timed alternately (`--repeats` times each, best
 taken). Printed: the prefill tokens each computes (cache reuse: the prompts once and every
 observation once; re-prefilling: every playing row's prompt and history at every turn), their
-ratio, the seconds of each and their ratio, and whether their tokens are the same. On a CPU the
+ratio, the seconds of each and their ratio, and whether their tokens are the same. With `--slots`
+also the cache driver over S decode slots (continuous batching across turns): its seconds and
+whether its tokens are the same. On a CPU the
 numbers are labelled as such: there the sampler's decode steps, which both drivers run alike,
 weigh more than on an accelerator.
 """
+import functools
 import time
 
 import jax
@@ -54,14 +57,17 @@ class ScriptedEnvironment:
 
 
 def compare_turns(model, params, ids, mask, *, turns: int, turn_tokens: int, observation: int, temperature: float,
-                  seed: int, repeats: int) -> dict:
-    """Both drivers on prompts `ids, mask [B, P]`: seconds (best of `repeats` after a first run),
-    prefill and generated tokens, and whether the trajectories' tokens agree."""
+                  seed: int, repeats: int, slots: int = 0) -> dict:
+    """Both drivers on prompts `ids, mask [B, P]` (and the cache driver over `slots` decode slots
+    when nonzero): seconds (best of `repeats` after a first run), prefill and generated tokens, and
+    whether the trajectories' tokens agree."""
     vocab = model.config.vocab_size
     settings = dict(row_keys=jax.random.split(jax.random.key(seed), ids.shape[0]), max_turns=turns,
                     max_total_tokens=turns * (turn_tokens + observation), max_turn_tokens=turn_tokens,
                     end_of_turn=tuple(range(20, vocab, 16)), temperature=temperature, pad_id=0)
     drivers = {"cache": rollout.run_turns, "reprefill": rollout.reprefill_turns}
+    if slots:
+        drivers["slots"] = functools.partial(rollout.run_turns, decode_slots=slots)
 
     def run(name):
         env = ScriptedEnvironment(turns, observation, vocab)
@@ -76,7 +82,9 @@ def compare_turns(model, params, ids, mask, *, turns: int, turn_tokens: int, obs
         for name in drivers:
             best[name] = min(best[name], run(name)[1])
     cache, reprefill = outputs["cache"], outputs["reprefill"]
-    return dict(cache_s=best["cache"], reprefill_s=best["reprefill"], cache_first_s=first["cache"],
+    extra = {} if not slots else dict(slots_s=best["slots"], slots_same_tokens=bool(
+        np.array_equal(cache.tokens, outputs["slots"].tokens)))
+    return dict(**extra, cache_s=best["cache"], reprefill_s=best["reprefill"], cache_first_s=first["cache"],
                 reprefill_first_s=first["reprefill"], cache_prefill=cache.prefill_tokens,
                 reprefill_prefill=reprefill.prefill_tokens, generated=cache.generated_tokens,
                 same_tokens=bool(np.array_equal(cache.tokens, reprefill.tokens)),
@@ -97,7 +105,7 @@ def run(args) -> None:
           f"observations of {args.observation} tokens, T={args.temperature}, seed {args.seed}")
     out = compare_turns(model, params, ids, mask, turns=args.turns, turn_tokens=args.turn_tokens,
                         observation=args.observation, temperature=args.temperature, seed=args.seed,
-                        repeats=args.repeats)
+                        repeats=args.repeats, slots=args.slots)
     print(f"compile + first run: cache {out['cache_first_s']:.1f} s, reprefill {out['reprefill_first_s']:.1f} s")
     print(f"turns per row: {' '.join(str(n) for n in out['num_turns'])}; {out['columns']} trajectory columns, "
           f"{out['generated']} sampled")
@@ -107,3 +115,6 @@ def run(args) -> None:
           f"time_ratio={out['reprefill_s'] / out['cache_s']:.2f} "
           f"prefill_ratio={out['reprefill_prefill'] / out['cache_prefill']:.2f} same_tokens={out['same_tokens']}"
           f"{label}")
+    if args.slots:
+        print(f"slots: cache over {args.slots} decode slots slots_s={out['slots_s']:.2f} "
+              f"same_tokens={out['slots_same_tokens']}{label}")

@@ -3,7 +3,8 @@ prefills the whole history again at every turn (`reprefill_turns`, i.e. `continu
 turn), greedy and sampled, on random checkpoints (a Llama; a sliding-window Mistral with scanned
 layers and observations split over several prefill chunks); the trajectory's layout rebuilt from
 what the callback saw (kinds, turn ids, rewards on each turn's last action); the prefill tokens
-counted by hand; truncation by max_turns and by the token budget; bad input."""
+counted by hand; truncation by max_turns and by the token budget; decode slots (rows waiting
+for a slot play as in one batch); the bench's comparison; bad input."""
 import functools
 
 import jax
@@ -51,12 +52,14 @@ class ScriptedEnv:
     def __init__(self, done_after=(2, 99, 99, 0), fail_at=(99, 99, 1, 99)):
         self.done_after, self.fail_at = done_after, fail_at
         self.calls = []  # (row, turn, action, observation or None)
+        self.steps = []  # the rows of each call of the callback
 
     def turn_of(self, row) -> int:
         return sum(1 for call in self.calls if call[0] == row)
 
     def __call__(self, rows, actions):
         observations, rewards, done, failed = [], [], [], []
+        self.steps.append(rows.tolist())
         for row, action in zip(rows.tolist(), actions):
             turn = self.turn_of(row)
             is_done, is_failed = turn >= self.done_after[row], turn >= self.fail_at[row]
@@ -116,6 +119,29 @@ def test_cache_reuse_gives_the_tokens_of_reprefilling_every_turn(case, llama, mi
     assert len(set(ours.num_turns.tolist())) >= 3
     assert (ours.logprobs[ours.kinds != turns.ACTION] == 0).all()
     assert (ours.logprobs[ours.kinds == turns.ACTION] < 0).all()
+
+
+def test_decode_slots_give_the_trajectories_of_one_batch(mistral_scanned):
+    """Two slots for four rows (scanned layers: the seated prompts' cache rows go in along axis
+    1): rows 2 and 3 wait for rows 0 and 1 to end, and every row plays as in one batch."""
+    settings = dict(temperature=1.0, top_p=0.9, chunk=2)
+    batch_env, slots_env = ScriptedEnv(), ScriptedEnv()
+    one_batch = _run(turns.run_turns, *mistral_scanned, batch_env, **settings)
+    slotted = _run(turns.run_turns, *mistral_scanned, slots_env, decode_slots=2, **settings)
+    for name in ("tokens", "kinds", "turn_ids", "turn_rewards", "num_turns", "truncated", "failed"):
+        np.testing.assert_array_equal(getattr(slotted, name), getattr(one_batch, name), err_msg=name)
+    np.testing.assert_allclose(slotted.logprobs, one_batch.logprobs, atol=ATOL, rtol=0)
+    assert slotted.prefill_tokens == one_batch.prefill_tokens
+    assert sorted(c[:3] for c in slots_env.calls) == sorted(c[:3] for c in batch_env.calls)
+    assert all(len(rows) <= 2 for rows in slots_env.steps)
+    # A row plays one turn per round from the round it is seated in (its first step) and ends
+    # after num_turns rounds (row 0 done after 3, row 1 after 4, the last maybe cut by the
+    # budget and not stepped): row 2 takes row 0's slot the round after, row 3 row 1's.
+    first = lambda row: next(i for i, rows in enumerate(slots_env.steps) if row in rows)
+    end = lambda row: first(row) + slotted.num_turns[row] - 1
+    assert slotted.num_turns[0] < slotted.num_turns[1]
+    assert slots_env.steps[:3] == [[0, 1]] * 3
+    assert first(2) == end(0) + 1 and first(3) == end(1) + 1
 
 
 def test_the_trajectory_is_what_the_callback_saw(greedy_run):
@@ -202,6 +228,7 @@ def _bad_env(result):
 @pytest.mark.parametrize("change, message", [
     (dict(max_turns=0), "max_turns must be an int >= 1"),
     (dict(max_total_tokens=9), "max_total_tokens .* >= max_turn_tokens=10"),
+    (dict(decode_slots=-1), "decode_slots must be None or a non-negative int"),
     (dict(step_turns=_bad_env(lambda n: ([None] * n, np.zeros(n), np.ones(n, bool)))),
      r"must return \(observations, rewards, done, failed\), got tuple of 3 items"),
     (dict(step_turns=_bad_env(lambda n: ([np.array([7])] * (n + 1), np.zeros(n), np.zeros(n, bool),

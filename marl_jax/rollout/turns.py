@@ -18,6 +18,11 @@ shorter than the chunk writes past its end into columns that the row's next toke
 before any query reads them (causality). Positions are the prompt's valid length plus the column,
 so the keys are those of the re-prefilled history.
 
+Continuous batching (`decode_slots` S < B): the cache holds S rows; a row keeps its slot from its
+first turn to its end, and the slot then takes the next waiting prompt (its prompt prefilled into
+the slot's cache rows) at the next round of turns. A round is one turn of every seated row and
+one call of the callback.
+
 Turn ends: an end-of-turn token or `max_turn_tokens` actions end a turn, which the callback then
 steps. A row ends when the callback says done (or failed); it ends truncated when its budget of
 T columns cuts a turn short (that turn is not stepped), when its observation and one more action
@@ -33,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from marl_jax.models import attention
+from marl_jax.models.decoder import init_cache
 from marl_jax.models.heads import CausalLM, check_tokens
 from marl_jax.rollout import engine
 
@@ -90,10 +96,18 @@ _FLAGS = ("top_k", "eos_ids", "pad_id", "greedy", "dynamic_temperature", "use_to
 
 
 @functools.partial(attention.jit_per_platform, static_argnames=("model", "steps"))
-def _prefill_prompts(model: CausalLM, params, prompt_ids, prompt_mask, *, steps):
-    """The prompts `[B, P]` into a fresh cache of `P + steps` slots: (last logits `[B, V]`, cache,
-    key mask `[B, P + steps]`, valid prompt tokens `[B]`)."""
-    return engine._prefill(model, engine._decoder(model, params), prompt_ids, prompt_mask, steps)
+def _seat_prompts(model: CausalLM, params, cache, logits, kv_mask, prompt_lengths, prompt_ids, prompt_mask, slots, *,
+                  steps):
+    """Prefills the prompts `[n, P]` into a fresh cache of `P + steps` slots and puts their rows at
+    decode slots `slots [n]` of the carried cache `[S, ...]`, logits `[S, V]`, key mask
+    `[S, P + steps]` and valid prompt tokens `[S]` (a slot listed twice gets the same row twice)."""
+    new_logits, new_cache, new_kv_mask, new_lengths = engine._prefill(
+        model, engine._decoder(model, params), prompt_ids, prompt_mask, steps)
+    batch_axis = 1 if model.config.scan_layers else 0  # scanned caches are [L, S, K, W, H]
+    index = (slice(None),) * batch_axis + (slots,)
+    cache = jax.tree.map(lambda old, new: old.at[index].set(new), cache, new_cache)
+    return (cache, logits.at[slots].set(new_logits), kv_mask.at[slots].set(new_kv_mask),
+            prompt_lengths.at[slots].set(new_lengths))
 
 
 @functools.partial(attention.jit_per_platform,
@@ -162,42 +176,90 @@ def _append_chunk(model: CausalLM, params, cache, logits, kv_mask, prompt_length
     return cache, jnp.where(has[:, None], new_logits, logits)
 
 
+def _bucket(count: int, limit: int) -> int:
+    """The smallest power of two at least `count`, at most `limit`: the prefill batch sizes that
+    seating compiles for."""
+    return min(1 << max(count - 1, 0).bit_length(), limit)
+
+
 class _CacheDriver:
-    """The turns of `run_turns`: one prompt prefill, then per turn a decode program over the
-    carried cache and the observations prefilled on top of it in chunks of `chunk` tokens."""
+    """The turns of `run_turns` over `slots` (S) decode slots: a row takes a free slot (its prompt
+    prefilled into the slot's cache rows) and keeps it until it ends; per turn a decode program
+    over the carried cache, and the observations prefilled on top of it in chunks of `chunk`
+    tokens. With S = B every row is seated at once."""
 
     def __init__(self, model, params, prompt_ids, prompt_mask, row_keys, temperature, top_p, flags, *, total,
-                 turn_tokens, chunk):
+                 turn_tokens, chunk, slots):
         self.model, self.params = engine._sampling_model(model, params)
+        self.prompt_ids, self.prompt_mask, self.row_keys = prompt_ids, prompt_mask, row_keys
         self.total, self.turn_tokens, self.chunk = total, turn_tokens, chunk
-        self.flags, self.row_keys = flags, row_keys
+        self.flags = flags
         self.scalars = engine._sampler_scalars(flags, temperature, top_p)
+        self.prompt_width = prompt_ids.shape[1]
         # Cache: prompt, T columns, and a scratch tail as wide as one observation chunk.
-        self.logits, self.cache, kv_mask, self.prompt_lengths = _prefill_prompts(
-            self.model, self.params, prompt_ids, prompt_mask, steps=total + chunk)
-        self.kv_mask, self.prompt_width = kv_mask, prompt_ids.shape[1]
-        self.prefill_tokens = int(np.asarray(prompt_mask).sum())
+        width = self.prompt_width + total + chunk
+        self.cache = init_cache(self.model.config, slots, width)
+        self.logits = jnp.zeros((slots, self.model.config.vocab_size), jnp.float32)
+        self.kv_mask = jnp.zeros((slots, width), jnp.int32)
+        self.prompt_lengths = jnp.zeros((slots,), jnp.int32)
+        self.slot_rows = np.full((slots,), -1)  # -1: free
+        self.seated = np.zeros((prompt_ids.shape[0],), bool)
+        self.prompt_tokens = np.asarray(prompt_mask).sum(axis=1)
+        self.prefill_tokens = 0
+
+    def seat(self, live: np.ndarray) -> np.ndarray:
+        """Frees the slots of rows that ended, seats waiting rows (in row order) in free slots (in
+        slot order) and returns the rows that play this round `[B]` bool."""
+        held = self.slot_rows >= 0
+        self.slot_rows[held & ~live[np.maximum(self.slot_rows, 0)]] = -1
+        free = np.flatnonzero(self.slot_rows < 0)
+        waiting = np.flatnonzero(live & ~self.seated)[:free.size]
+        if waiting.size:
+            slots = free[:waiting.size]
+            self.slot_rows[slots] = waiting
+            self.seated[waiting] = True
+            # Pad the prefill batch to its bucket by repeating the first row into its own slot.
+            size = _bucket(waiting.size, self.slot_rows.size)
+            rows, slots = (np.concatenate([x, np.full(size - x.size, x[0])]) for x in (waiting, slots))
+            self.cache, self.logits, self.kv_mask, self.prompt_lengths = _seat_prompts(
+                self.model, self.params, self.cache, self.logits, self.kv_mask, self.prompt_lengths,
+                jnp.take(self.prompt_ids, rows, axis=0), jnp.take(self.prompt_mask, rows, axis=0),
+                jnp.asarray(slots, jnp.int32), steps=self.total + self.chunk)
+            self.prefill_tokens += int(self.prompt_tokens[waiting].sum())
+        playing = np.zeros_like(live)
+        playing[self.slot_rows[self.slot_rows >= 0]] = True
+        return playing & live
 
     def decode(self, active: np.ndarray, cursor: np.ndarray) -> _TurnOut:
+        rows = np.maximum(self.slot_rows, 0)
         tokens, logprobs, entropy, taken, self.cache, self.logits = _decode_turn(
-            self.model, self.params, self.cache, self.logits, self.kv_mask, self.prompt_lengths, self.row_keys,
-            jnp.asarray(cursor, jnp.int32), jnp.asarray(active), *self.scalars, prompt_width=self.prompt_width,
+            self.model, self.params, self.cache, self.logits, self.kv_mask, self.prompt_lengths,
+            jnp.take(self.row_keys, jnp.asarray(rows)), jnp.asarray(cursor[rows], jnp.int32),
+            jnp.asarray((self.slot_rows >= 0) & active[rows]), *self.scalars, prompt_width=self.prompt_width,
             total=self.total, turn_tokens=self.turn_tokens, **self.flags)
-        return _TurnOut(*(np.asarray(x) for x in (tokens, logprobs, entropy, taken)))
+        out = [np.asarray(x) for x in (tokens, logprobs, entropy, taken)]
+        batch = active.shape[0]
+        by_row = [np.zeros((batch,) + x.shape[1:], x.dtype) for x in out]
+        held = np.flatnonzero(self.slot_rows >= 0)
+        for full, part in zip(by_row, out):
+            full[self.slot_rows[held]] = part[held]
+        return _TurnOut(*by_row)
 
     def append(self, observations: dict, cursor: np.ndarray) -> None:
-        """Prefills `observations {row: ids}` at columns `cursor [B]`."""
-        batch = cursor.shape[0]
+        """Prefills `observations {row: ids}` at columns `cursor [B]` of their rows' slots."""
+        slot_of = {int(row): slot for slot, row in enumerate(self.slot_rows) if row >= 0}
+        slots = self.slot_rows.size
+        starts = cursor[np.maximum(self.slot_rows, 0)]
         longest = max(len(ids) for ids in observations.values())
         for start in range(0, longest, self.chunk):
-            ids = np.full((batch, self.chunk), self.flags["pad_id"], np.int32)
-            counts = np.zeros((batch,), np.int32)
+            ids = np.full((slots, self.chunk), self.flags["pad_id"], np.int32)
+            counts = np.zeros((slots,), np.int32)
             for row, obs in observations.items():
                 piece = obs[start:start + self.chunk]
-                ids[row, :len(piece)], counts[row] = piece, len(piece)
+                ids[slot_of[row], :len(piece)], counts[slot_of[row]] = piece, len(piece)
             self.cache, self.logits = _append_chunk(
                 self.model, self.params, self.cache, self.logits, self.kv_mask, self.prompt_lengths,
-                jnp.asarray(ids), jnp.asarray(counts), jnp.asarray(cursor + start, jnp.int32),
+                jnp.asarray(ids), jnp.asarray(counts), jnp.asarray(starts + start, jnp.int32),
                 prompt_width=self.prompt_width, total=self.total)
             self.prefill_tokens += int(counts.sum())
 
@@ -216,6 +278,9 @@ class _ReprefillDriver:
         self.prompt_lengths = np.asarray(prompt_mask).sum(axis=1)
         self.history = np.full((prompt_ids.shape[0], total), flags["pad_id"], np.int32)
         self.prefill_tokens = 0
+
+    def seat(self, live: np.ndarray) -> np.ndarray:
+        return live
 
     def decode(self, active: np.ndarray, cursor: np.ndarray) -> _TurnOut:
         batch = active.shape[0]
@@ -293,22 +358,21 @@ def _play(driver, step_turns: StepTurns, *, batch: int, total: int, max_turns: i
     live = np.ones((batch,), bool)
     truncated, failed = np.zeros((batch,), bool), np.zeros((batch,), bool)
     eos = np.asarray(eos_ids)
-    for turn in range(max_turns):
-        if not live.any():
-            break
-        active = live.copy()
+    while live.any():
+        # Each round, every seated row plays its next turn (turn index num_turns before it).
+        active = driver.seat(live)
         out = driver.decode(active, cursor)
         for row in np.flatnonzero(active):
             n, at = int(out.lengths[row]), slice(cursor[row], cursor[row] + out.lengths[row])
             tokens[row, at], logprobs[row, at], entropy[row, at] = (
                 out.tokens[row, :n], out.logprobs[row, :n], out.entropy[row, :n])
-            kinds[row, at], turn_ids[row, at] = ACTION, turn
+            kinds[row, at], turn_ids[row, at] = ACTION, num_turns[row]
         num_turns[active] += 1
         last = np.take_along_axis(out.tokens, np.maximum(out.lengths - 1, 0)[:, None], axis=1)[:, 0]
         complete = active & (np.isin(last, eos) | (out.lengths == turn_tokens))
         cursor = cursor + np.where(active, out.lengths, 0)
         truncated |= active & ~complete
-        live &= complete
+        live &= complete | ~active
         rows = np.flatnonzero(complete)
         if not rows.size:
             continue
@@ -320,7 +384,7 @@ def _play(driver, step_turns: StepTurns, *, batch: int, total: int, max_turns: i
         for i, row in enumerate(rows):
             if done[i] or step_failed[i]:
                 live[row] = False
-            elif turn + 1 == max_turns or cursor[row] + len(observations[i]) + 1 > total:
+            elif num_turns[row] == max_turns or cursor[row] + len(observations[i]) + 1 > total:
                 live[row], truncated[row] = False, True
             else:
                 appended[row] = observations[i]
@@ -328,7 +392,7 @@ def _play(driver, step_turns: StepTurns, *, batch: int, total: int, max_turns: i
             driver.append(appended, cursor)
             for row, obs in appended.items():
                 at = slice(cursor[row], cursor[row] + len(obs))
-                tokens[row, at], kinds[row, at], turn_ids[row, at] = obs, OBSERVATION, turn
+                tokens[row, at], kinds[row, at], turn_ids[row, at] = obs, OBSERVATION, num_turns[row] - 1
                 cursor[row] += len(obs)
     for row in range(batch):
         turn_ids[row, cursor[row]:] = num_turns[row] - 1
@@ -363,7 +427,8 @@ def _settings(model, prompt_ids, prompt_mask, row_keys, *, step_turns, max_turns
 
 def run_turns(model: CausalLM, params, prompt_ids, prompt_mask, *, step_turns: StepTurns, row_keys, max_turns: int,
               max_total_tokens: int, max_turn_tokens: int, end_of_turn: int | Sequence[int], temperature,
-              top_k: int = 0, top_p=1.0, pad_id: int, chunk: int = OBSERVATION_CHUNK) -> Trajectory:
+              top_k: int = 0, top_p=1.0, pad_id: int, chunk: int = OBSERVATION_CHUNK,
+              decode_slots: int | None = None) -> Trajectory:
     """Multi-turn rollout of left-padded prompts `prompt_ids, prompt_mask [B, P]` against a host
     callback, reusing one KV cache: the prompts are prefilled once, every observation is prefilled
     on top of the cache (`chunk` tokens per forward pass), and no history is computed twice.
@@ -375,6 +440,12 @@ def run_turns(model: CausalLM, params, prompt_ids, prompt_mask, *, step_turns: S
     Column t of row i is drawn with `fold_in(row_keys[i], t)` (typed keys `[B]`); temperature 0
     is greedy, top_k / top_p as in `generate`. Returns a `Trajectory` of `[B, T]` arrays (module
     docstring: the layout and when a row ends or is truncated).
+
+    `decode_slots` S (None or 0: every row at once): continuous batching over S slots; the KV
+    cache holds S rows, a row keeps its slot until it ends, and a row that ends leaves its slot to
+    the next waiting prompt (prefilled in a batch of the next power of two of waiting rows, at
+    most S, padded by repeating one) at the next round of turns. A row's draws depend on its key
+    and columns only, so the trajectories are those of S = B (up to floating-point ties).
     """
     prompt_ids, prompt_mask, flags = _settings(
         model, prompt_ids, prompt_mask, row_keys, step_turns=step_turns, max_turns=max_turns,
@@ -382,8 +453,12 @@ def run_turns(model: CausalLM, params, prompt_ids, prompt_mask, *, step_turns: S
         temperature=temperature, top_k=top_k, top_p=top_p, pad_id=pad_id, name="run_turns")
     if not engine._is_int(chunk) or chunk < 1:
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    batch = prompt_ids.shape[0]
+    if decode_slots is not None and (not engine._is_int(decode_slots) or decode_slots < 0):
+        raise ValueError(f"decode_slots must be None or a non-negative int, got {decode_slots!r}")
+    slots = min(int(decode_slots), batch) if decode_slots else batch
     driver = _CacheDriver(model, params, prompt_ids, prompt_mask, row_keys, temperature, top_p, flags,
-                          total=int(max_total_tokens), turn_tokens=int(max_turn_tokens), chunk=int(chunk))
+                          total=int(max_total_tokens), turn_tokens=int(max_turn_tokens), chunk=int(chunk), slots=slots)
     return _play(driver, step_turns, batch=prompt_ids.shape[0], total=int(max_total_tokens), max_turns=int(max_turns),
                  turn_tokens=int(max_turn_tokens), eos_ids=flags["eos_ids"], pad_id=flags["pad_id"],
                  vocab_size=model.config.vocab_size)
