@@ -34,7 +34,7 @@ from marl_jax.models import lora
 from marl_jax.xla_flags import MODES as XLA_GPU_FLAG_MODES
 
 STAGES = ("sft", "rm", "ppo", "all", "experiment", "eval")
-TERMINATIONS = ("fixed", "randomized", "perplexity", "entropy", "parsing")
+TERMINATIONS = ("fixed", "randomized", "perplexity", "entropy", "parsing", "turn")
 SCHEDULES = ("constant", "linear", "cosine")
 CRITIC_INITS = ("rm", "sft", "random")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -82,6 +82,9 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
     _check_lora(c, check)
     p = c.ppo
     check(p.termination in TERMINATIONS, "ppo.termination", f"must be one of {TERMINATIONS}")
+    check(p.termination != "turn", "ppo.termination",
+          f"turn (one macro per assistant turn) needs multi-turn trajectories; task "
+          f"{c.task.name!r} trains single responses")
     check(isinstance(p.ngram, int) and p.ngram >= 1, "ppo.ngram", "must be an integer >= 1")
     check(p.value_weighting in VALUE_WEIGHTINGS, "ppo.value_weighting",
           f"must be one of {VALUE_WEIGHTINGS}")

@@ -246,7 +246,8 @@ def assemble_rewards(logprobs, ref_logprobs, scores, response_mask, *, kl_coef,
     """Per-token PPO rewards: r_t = -kl_coef * kl_t, plus the clipped score on the last token.
 
     The reward-model score is clipped to [-reward_clip, reward_clip] (None: no clipping) and
-    added on each sequence's last valid response token. With `missing_eos_penalty` (a positive
+    added on each sequence's last valid response token (a trajectory's last action token when
+    the mask has holes at observation spans, which take no KL and no reward). With `missing_eos_penalty` (a positive
     number, as in TRL), sequences whose `ended_with_eos` is False get `score - penalty`; the
     penalty is applied after clipping, so it always lowers the reward; so are
     `length_penalties` (DAPO's overlong punishment, `overlong_penalty`). Rows without any
@@ -256,7 +257,8 @@ def assemble_rewards(logprobs, ref_logprobs, scores, response_mask, *, kl_coef,
       logprobs, ref_logprobs: float `[B, T]` log-probabilities of the sampled response tokens
         under the policy that generated them and under the reference model.
       scores: float `[B]` reward-model scores.
-      response_mask: `[B, T]` left-aligned response mask.
+      response_mask: `[B, T]` 0/1 mask of the policy's tokens: left-aligned for one response,
+        with holes for a multi-turn trajectory.
       kl_coef: beta >= 0; a Python float or a (traced) scalar.
       kl_estimator: one of `KL_ESTIMATORS`.
       reward_clip: positive float or None.
@@ -272,7 +274,7 @@ def assemble_rewards(logprobs, ref_logprobs, scores, response_mask, *, kl_coef,
     check_rank(logprobs, 2, "logprobs")
     check_same_shape(logprobs, "logprobs", ref_logprobs=ref_logprobs,
                      response_mask=response_mask)
-    check_mask(response_mask, "response_mask", left_aligned=True)
+    check_mask(response_mask, "response_mask", left_aligned=False)
     if np.shape(scores) != np.shape(logprobs)[:1]:
         raise ValueError(
             f"scores must have shape {np.shape(logprobs)[:1]} (one per row), got "
@@ -305,8 +307,9 @@ def assemble_rewards(logprobs, ref_logprobs, scores, response_mask, *, kl_coef,
                              f"{np.shape(length_penalties)}")
         scores = scores - jnp.asarray(length_penalties, jnp.float32)
 
-    next_valid = jnp.concatenate([valid[:, 1:], jnp.zeros_like(valid[:, :1])], axis=1)
-    is_last = valid & ~next_valid
+    positions = jnp.arange(valid.shape[1])
+    last = jnp.where(valid, positions, -1).max(axis=1, keepdims=True)
+    is_last = valid & (positions == last)
     rewards = non_score + jnp.where(is_last, scores[:, None], 0)
     has_response = jnp.any(valid, axis=1)
     kl_sum = masked_mean(jnp.sum(kl, axis=1), has_response)

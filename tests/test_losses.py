@@ -227,7 +227,8 @@ def test_bad_input_names_the_argument():
     with pytest.raises(ValueError, match="kl_coef"):
         losses.assemble_rewards(x, x, np.zeros(2), mask, kl_coef=-0.1)
     with pytest.raises(ValueError, match="response_mask"):
-        losses.assemble_rewards(x, x, np.zeros(2), np.array([[0, 1, 1], [1, 1, 1]]),
+        # Holes are a trajectory's observation spans (allowed); a mask is 0/1.
+        losses.assemble_rewards(x, x, np.zeros(2), np.array([[0, 2, 1], [1, 1, 1]]),
                                 kl_coef=0.1)
     with pytest.raises(ValueError, match="rejected"):
         losses.bradley_terry_loss(np.zeros(3), np.zeros(2))

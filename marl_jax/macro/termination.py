@@ -26,6 +26,8 @@ from marl_jax.macro.checks import (
 )
 
 STRATEGIES = ("fixed", "randomized", "perplexity", "entropy")
+# One macro per assistant turn of a multi-turn trajectory (`turns`).
+TURN = "turn"
 
 
 def segment_ids_from_starts(starts, response_mask):
@@ -156,7 +158,8 @@ def entropy_spans(entropies, response_mask, *, quantile, isolate_last=True):
 def segment(strategy, response_mask, *, key=None, ref_logprobs=None, entropies=None, n=5,
             lengths=(2, 3, 5, 10), repeats=3, entropy_quantile=0.2, isolate_last=True,
             turn_ids=None):
-    """Segment ids `[B, T]` for one of `STRATEGIES` ("parsing" runs host-side, in parsing.py).
+    """Segment ids `[B, T]` for one of `STRATEGIES` ("parsing" runs host-side, in parsing.py),
+    or `TURN` (one macro per turn: `turns`, which needs `turn_ids`).
 
     `key` is required by "randomized", `ref_logprobs` by "perplexity", `entropies` by
     "entropy"; `n` is used by "fixed", `lengths` and `repeats` by "randomized",
@@ -167,7 +170,11 @@ def segment(strategy, response_mask, *, key=None, ref_logprobs=None, entropies=N
     boundary always ends a macro, fixed n-grams restart at every turn, and with `isolate_last`
     each turn's last action token (where a per-turn reward lands) is a macro of its own.
     """
-    check_choice(strategy, STRATEGIES, "strategy")
+    check_choice(strategy, STRATEGIES + (TURN,), "strategy")
+    if strategy == TURN:
+        if turn_ids is None:
+            raise ValueError("the turn strategy needs turn_ids (a multi-turn trajectory)")
+        return turns(turn_ids, response_mask)
     if turn_ids is not None:
         return _within_turns(strategy, response_mask, turn_ids, key=key,
                              ref_logprobs=ref_logprobs, entropies=entropies, n=n,

@@ -182,7 +182,8 @@ class Frozen:
 class Experience:
     """The scored rollout a step trains on. Every leaf has the leading row axis `[B, ...]`,
     which the phase programs split over the batch axes: scalars of a rollout travel in its
-    metrics."""
+    metrics. A multi-turn trajectory is the same rollout with observation spans among the
+    response tokens: the forward passes read them, nothing else does (`actions`)."""
 
     prompt_ids: jax.Array  # [B, P]
     prompt_mask: jax.Array  # [B, P]
@@ -203,6 +204,18 @@ class Experience:
     # [B] bool: the rows that enter the loss (dynamic sampling masks a shortfall of informative
     # groups); None: every row.
     loss_rows: Any = None
+    # A multi-turn trajectory (None: one response). `response_mask` then marks every token
+    # after the prompt that the forward passes read (actions and observations), `action_mask`
+    # [B, R] the policy's tokens (holes at the observation spans), `turn_ids` [B, R] the turn of
+    # each token (non-decreasing along a row).
+    action_mask: Any = None
+    turn_ids: Any = None
+
+    @property
+    def actions(self):
+        """`[B, R]` the policy's tokens: what the KL, the rewards, the advantages and the losses
+        see (`response_mask` for one response)."""
+        return self.response_mask if self.action_mask is None else self.action_mask
 
 
 @dataclasses.dataclass(frozen=True)

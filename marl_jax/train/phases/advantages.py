@@ -57,7 +57,7 @@ def compute_advantages(static: PPOStatic, models: Models, state: PPOState, froze
     out = Advantages(adv, ret, weights, variant_segments(static, segments, hparams.variant),
                      loss_rows)
     return out, {**est_metrics, **branch_budget, **weight_metrics, **row_metrics,
-                 **segment_stats(segments, hparams.variant, static, exp.response_mask)}
+                 **segment_stats(segments, hparams.variant, static, exp.actions)}
 
 
 def rows_in_loss(static: PPOStatic, exp: Experience):
@@ -73,7 +73,8 @@ def rows_in_loss(static: PPOStatic, exp: Experience):
 
 
 def segment_ids_for(static: PPOStatic, hparams: RunHparams, exp: Experience, key):
-    """Segment ids `[B, R]` of every distinct on-device termination, selected by the variant."""
+    """Segment ids `[B, R]` of every distinct on-device termination, selected by the variant:
+    over the action tokens, within turns for a multi-turn trajectory (`exp.turn_ids`)."""
     terminations = sorted({v[0] for v in static.variants})
     by_name = {}
     for name in terminations:
@@ -82,9 +83,9 @@ def segment_ids_for(static: PPOStatic, hparams: RunHparams, exp: Experience, key
         extra = dict(entropies=exp.entropies, entropy_quantile=static.entropy_quantile) \
             if name == "entropy" else {}
         by_name[name] = termination.segment(
-            name, exp.response_mask, key=key, ref_logprobs=exp.ref_base_logprobs,
+            name, exp.actions, key=key, ref_logprobs=exp.ref_base_logprobs,
             n=hparams.ngram, lengths=static.randomized_lengths, repeats=static.randomized_repeats,
-            isolate_last=static.isolate_last, **extra)
+            isolate_last=static.isolate_last, turn_ids=exp.turn_ids, **extra)
     return by_name
 
 
@@ -94,7 +95,7 @@ def advantages_and_returns(static: PPOStatic, hparams: RunHparams, exp: Experien
     results = []
     for term, weighting, aggregation in static.variants:
         results.append(estimators.ESTIMATORS["gae"].advantages(
-            exp.values, exp.rewards, exp.response_mask, segments[term], gamma=hparams.gamma,
+            exp.values, exp.rewards, exp.actions, segments[term], gamma=hparams.gamma,
             lam=hparams.lam, value_weighting=weighting, reward_aggregation=aggregation))
     if len(results) == 1:
         adv, ret = results[0]
@@ -103,7 +104,7 @@ def advantages_and_returns(static: PPOStatic, hparams: RunHparams, exp: Experien
         stacked_ret = jnp.stack([r[1] for r in results])
         adv, ret = stacked_adv[hparams.variant], stacked_ret[hparams.variant]
     if static.whiten_advantages:
-        adv = advantage.whiten(adv, exp.response_mask)
+        adv = advantage.whiten(adv, exp.actions)
     return adv, ret
 
 
@@ -128,7 +129,7 @@ def critic_free_advantages(static: PPOStatic, models: Models, state: PPOState, f
     those states (`monte_carlo_returns`).
     """
     estimator = estimators.ESTIMATORS[static.estimator]
-    mask = exp.response_mask
+    mask = exp.actions
     kl = losses.kl_per_token(exp.old_logprobs, exp.ref_logprobs, static.kl_estimator)
     inputs = estimators.AdvantageInputs(
         scores=jnp.where(mask.sum(axis=1) > 0,
@@ -219,12 +220,12 @@ def correction_weights(static: PPOStatic, exp: Experience, segments: dict, varia
         return None, {}
     level = static.rollout_correction
     seg = variant_segments(static, segments, variant) if level == "macro" else None
-    args = (exp.old_logprobs, exp.sampler_logprobs, exp.response_mask)
+    args = (exp.old_logprobs, exp.sampler_logprobs, exp.actions)
     weights = losses.rollout_correction_weights(*args, level=level, cap=static.rollout_is_cap,
                                                 segment_ids=seg)
     uncapped = losses.rollout_correction_weights(*args, level=level, cap=jnp.inf,
                                                  segment_ids=seg)
-    valid = exp.response_mask != 0
+    valid = exp.actions != 0
     return weights, {"rollout/is_weight_mean": losses.masked_mean(weights, valid),
                      "rollout/is_weight_capped_frac": losses.masked_mean(
                          uncapped > static.rollout_is_cap, valid)}

@@ -136,7 +136,8 @@ def length_penalties(static: PPOStatic, lengths):
 
 def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, prompt_ids,
           prompt_mask, response_ids, response_mask, documents=None, host_scores=None,
-          sampled_logprobs=None, sampled_entropy=None, first_step=None):
+          sampled_logprobs=None, sampled_entropy=None, first_step=None, action_mask=None,
+          turn_ids=None, turn_rewards=None):
     """One scoring pass over sampled responses: (Experience, metrics).
 
     Old and reference logprobs, critic values, the sequence score (the reward model's, the gold
@@ -149,16 +150,24 @@ def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, pr
     this is the first step (default `state.step == 0`); a vmapped caller passes one unbatched
     flag for all its runs, so the extra pass stays a branch taken once (under vmap a batched
     predicate turns `lax.cond` into a select that runs both branches at every step).
+
+    A multi-turn trajectory passes `action_mask [B, R]` (the policy's tokens; `response_mask`
+    then marks actions and observations, which every forward pass reads), `turn_ids [B, R]` and
+    `turn_rewards [B, R]` (the environment's reward of each turn on its last action token,
+    added to the per-token rewards). Logprobs, entropies, values, KL and rewards are then 0 on
+    the observation tokens, and the score lands on the trajectory's last action token.
     """
     args = (prompt_ids, prompt_mask, response_ids, response_mask)
+    actions = response_mask if action_mask is None else action_mask
+    only_actions = (lambda x: x) if action_mask is None else (lambda x: x * action_mask)
     trunk = shared_trunk(static, models, role_params(static, "reference", frozen), *args)
     # A shared trunk's states cover the whole batch; the config keeps it and chunks apart.
     n = static.rollout_chunks if trunk is None else 1
-    entropies = None if sampled_entropy is None else sampled_entropy * response_mask
-    sampler = None if sampled_logprobs is None else sampled_logprobs * response_mask
-    trainer_pass = lambda: in_row_chunks(n, lambda *a: token_logprobs(
-        models.policy, role_params(static, "actor", frozen, state.actor_params), *a,
-        static.temperature, trunk), *args)
+    entropies = None if sampled_entropy is None else sampled_entropy * actions
+    sampler = None if sampled_logprobs is None else sampled_logprobs * actions
+    trainer_pass = lambda: jax.tree.map(only_actions, in_row_chunks(
+        n, lambda *a: token_logprobs(models.policy, role_params(
+            static, "actor", frozen, state.actor_params), *a, static.temperature, trunk), *args))
     if sampler is not None and static.reuses_sampler_logprobs:
         old_logprobs = sampler
         trainer = None
@@ -170,26 +179,29 @@ def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, pr
         old_logprobs, actor_entropy = trainer_pass()
         trainer = old_logprobs
         entropies = actor_entropy if entropies is None else entropies
-    ref = in_row_chunks(n, lambda *a: continuation_scores(
+    ref = jax.tree.map(only_actions, in_row_chunks(n, lambda *a: continuation_scores(
         role_model(static, models, "reference"), role_params(static, "reference", frozen), *a,
-        static.temperature, trunk), *args)
+        static.temperature, trunk), *args))
     if entropies is None:
         entropies = jnp.zeros_like(old_logprobs)
     if static.uses_critic:
         values, final_values = in_row_chunks(n, lambda *a: critic_outputs(
             models.critic, role_params(static, "critic", frozen, state.critic_params), *a, trunk),
             *args)
+        values = only_actions(values)
     else:
         values = final_values = None
     scores, raw_scores = in_row_chunks(n, lambda *a: sequence_score(
         static, models, frozen, *a, trunk), *args, documents, host_scores)
-    ended_with_eos = ends_with_eos(response_ids, response_mask, static.eos_id)
-    penalties = length_penalties(static, response_mask.sum(axis=1))
+    ended_with_eos = ends_with_eos(response_ids, actions, static.eos_id)
+    penalties = length_penalties(static, actions.sum(axis=1))
     rewards, reward_metrics = losses.assemble_rewards(
-        old_logprobs, ref.logprobs, scores, response_mask, kl_coef=state.kl_coef,
+        old_logprobs, ref.logprobs, scores, actions, kl_coef=state.kl_coef,
         kl_estimator=static.kl_estimator, reward_clip=static.reward_clip,
         missing_eos_penalty=static.missing_eos_penalty or None, ended_with_eos=ended_with_eos,
         length_penalties=penalties)
+    if turn_rewards is not None:
+        rewards = rewards + turn_rewards * actions
     exp = Experience(prompt_ids, prompt_mask, response_ids, response_mask, old_logprobs,
                      ref.logprobs, ref.base_logprobs,
                      jnp.zeros_like(old_logprobs) if values is None else values, scores, rewards,
@@ -197,18 +209,21 @@ def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, pr
                      # Only Monte Carlo branches score again (with the gold function).
                      documents if estimators.ESTIMATORS[static.estimator].branches else None,
                      None if trunk is None else trunk[0],
-                     sampler if static.rollout_correction != "none" else None)
-    seq_kl = (losses.kl_per_token(old_logprobs, ref.logprobs, "k1") * response_mask).sum(axis=1)
+                     sampler if static.rollout_correction != "none" else None,
+                     action_mask=action_mask, turn_ids=turn_ids)
+    seq_kl = (losses.kl_per_token(old_logprobs, ref.logprobs, "k1") * actions).sum(axis=1)
     metrics = {
         "objective/kl": seq_kl.mean(),
-        "objective/entropy": (-old_logprobs * response_mask).sum(axis=1).mean(),
+        "objective/entropy": (-old_logprobs * actions).sum(axis=1).mean(),
         "objective/scores": scores.mean(),
         "objective/raw_scores": raw_scores.mean(),
         "objective/non_score_reward": reward_metrics["non_score_reward"],
         "objective/rlhf_reward": reward_metrics["rlhf_reward"],
         "val/num_eos_tokens": ended_with_eos.sum().astype(jnp.float32),
-        "val/response_length": response_mask.sum(axis=1).mean().astype(jnp.float32),
+        "val/response_length": actions.sum(axis=1).mean().astype(jnp.float32),
     }
+    if turn_rewards is not None:
+        metrics["objective/turn_rewards"] = (turn_rewards * actions).sum(axis=1).mean()
     if penalties is not None:
         metrics["overlong/penalty_mean"] = penalties.mean()
     if final_values is not None:
@@ -216,13 +231,15 @@ def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, pr
         # step when the critic starts from the reward model, rescaled to normalised scores).
         metrics["critic/score_value_error"] = jnp.abs(final_values - scores).mean()
     if sampler is not None and trainer is not None:
-        metrics.update(rollout_mismatch(trainer, sampler, response_mask, static.cliprange))
+        metrics.update(rollout_mismatch(trainer, sampler, actions, static.cliprange))
     return exp, metrics
 
 
 def ends_with_eos(response_ids, response_mask, eos_id):
-    """`[B]` bool: the response's last valid token is (one of) `eos_id`."""
-    last = jnp.maximum(response_mask.sum(axis=1) - 1, 0)
+    """`[B]` bool: the response's last valid token is (one of) `eos_id` (the last action token
+    of a trajectory, whose mask has holes)."""
+    positions = jnp.arange(response_mask.shape[1])
+    last = jnp.maximum(jnp.where(response_mask != 0, positions, -1).max(axis=1), 0)
     last_tok = jnp.take_along_axis(response_ids, last[:, None], axis=1)[:, 0]
     eos = jnp.atleast_1d(jnp.asarray(eos_id))
     return jnp.isin(last_tok, eos) & (response_mask.sum(axis=1) > 0)

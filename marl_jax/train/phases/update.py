@@ -22,10 +22,10 @@ def update_batch(static: PPOStatic, models: Models, state: PPOState, exp: Experi
     """(the rows every minibatch draws from: a dict of `[B, ...]` arrays, the shared trunk's
     layer count or None). The frozen trunk's output is computed once for every epoch and
     minibatch of actor and critic (the score phase's, when the experience carries it)."""
-    # The forward passes read `response_mask`; the losses `loss_mask`, without the rows that
-    # leave the loss (`adv.loss_rows`).
-    loss_mask = exp.response_mask if adv.loss_rows is None else (
-        exp.response_mask * adv.loss_rows[:, None].astype(exp.response_mask.dtype))
+    # The forward passes read `response_mask` (a trajectory's observations too); the losses
+    # `loss_mask`: the policy's tokens, without the rows that leave the loss (`adv.loss_rows`).
+    loss_mask = exp.actions if adv.loss_rows is None else (
+        exp.actions * adv.loss_rows[:, None].astype(exp.actions.dtype))
     data = dict(prompt_ids=exp.prompt_ids, prompt_mask=exp.prompt_mask,
                 response_ids=exp.response_ids, response_mask=exp.response_mask,
                 loss_mask=loss_mask, old_logprobs=exp.old_logprobs, old_values=exp.values,
@@ -212,14 +212,14 @@ def update(static: PPOStatic, models: Models, state: PPOState, exp: Experience,
     carry, metrics = jax.lax.scan(epoch, carry, jax.random.split(key, static.ppo_epochs))
     actor_params, actor_opt, critic_params, critic_opt, skipped = carry
     metrics = jax.tree.map(jnp.mean, metrics)
-    valid = exp.response_mask != 0
+    valid = exp.actions != 0
     metrics["objective/advantage_avg"] = losses.masked_mean(adv.advantages, valid)
     if static.ratio_level == "macro":
         metrics["policy/ratio_units_avg"] = (macro_count(data) / jnp.maximum(
             sequence_count(data), 1)).astype(jnp.float32)
     if static.uses_critic:
         metrics["critic/explained_variance"] = explained_variance(exp.values, adv.returns,
-                                                                  exp.response_mask)
+                                                                  exp.actions)
         metrics["objective/return_avg"] = losses.masked_mean(adv.returns, valid)
     metrics["train/skipped_updates"] = skipped
     # The rates of this step's first update, at the optimizers' own counts of applied updates
