@@ -3,8 +3,9 @@ prefills the whole history again at every turn (`reprefill_turns`, i.e. `continu
 turn), greedy and sampled, on random checkpoints (a Llama; a sliding-window Mistral with scanned
 layers and observations split over several prefill chunks); the trajectory's layout rebuilt from
 what the callback saw (kinds, turn ids, rewards on each turn's last action); the prefill tokens
-counted by hand; truncation by max_turns and by the token budget; decode slots (rows waiting
-for a slot play as in one batch); the bench's comparison; bad input."""
+counted by hand; truncation by max_turns and by the token budget; one turn is `generate` to the
+bit; decode slots (rows waiting for a slot play as in one batch); the bench's comparison; bad
+input."""
 import functools
 
 import jax
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 import marl_jax.models as M
+from marl_jax import rollout
 from marl_jax.rollout import turns
 from models_util import padded_batch, random_hf_model, write_checkpoint
 
@@ -121,6 +123,27 @@ def test_cache_reuse_gives_the_tokens_of_reprefilling_every_turn(case, llama, mi
     assert (ours.logprobs[ours.kinds == turns.ACTION] < 0).all()
 
 
+@pytest.mark.parametrize("case", ["greedy_llama", "sampled_window_scanned"])
+def test_one_turn_is_generate_bit_for_bit(case, llama, mistral_scanned):
+    """max_turns=1 over a budget of one turn: generate's tokens, logprobs and entropies to the
+    bit (the same prefill, decode steps and cache reads), the mask as the ACTION columns."""
+    model, params = llama if case == "greedy_llama" else mistral_scanned
+    temperature = 0.0 if case == "greedy_llama" else 1.0
+    ids, mask = _prompts()
+    keys = jax.random.split(jax.random.key(5), 4)
+    env = ScriptedEnv()
+    one = turns.run_turns(model, params, ids, mask, step_turns=env, row_keys=keys, max_turns=1,
+                          max_total_tokens=TURN_TOKENS, max_turn_tokens=TURN_TOKENS, end_of_turn=END_OF_TURN,
+                          temperature=temperature, pad_id=0)
+    single = rollout.generate(model, params, ids, mask, row_keys=keys, max_new_tokens=TURN_TOKENS,
+                              temperature=temperature, eos_id=END_OF_TURN, pad_id=0)
+    np.testing.assert_array_equal(one.tokens, single.tokens)
+    np.testing.assert_array_equal(one.logprobs, single.logprobs)
+    np.testing.assert_array_equal(one.entropy, single.entropy)
+    np.testing.assert_array_equal(one.kinds == turns.ACTION, np.asarray(single.mask, bool))
+    assert (one.turn_ids == 0).all() and (one.num_turns == 1).all()
+
+
 def test_decode_slots_give_the_trajectories_of_one_batch(mistral_scanned):
     """Two slots for four rows (scanned layers: the seated prompts' cache rows go in along axis
     1): rows 2 and 3 wait for rows 0 and 1 to end, and every row plays as in one batch."""
@@ -130,6 +153,7 @@ def test_decode_slots_give_the_trajectories_of_one_batch(mistral_scanned):
     slotted = _run(turns.run_turns, *mistral_scanned, slots_env, decode_slots=2, **settings)
     for name in ("tokens", "kinds", "turn_ids", "turn_rewards", "num_turns", "truncated", "failed"):
         np.testing.assert_array_equal(getattr(slotted, name), getattr(one_batch, name), err_msg=name)
+    # Two-row and four-row programs round their matmuls differently (measured: 1e-6).
     np.testing.assert_allclose(slotted.logprobs, one_batch.logprobs, atol=ATOL, rtol=0)
     assert slotted.prefill_tokens == one_batch.prefill_tokens
     assert sorted(c[:3] for c in slots_env.calls) == sorted(c[:3] for c in batch_env.calls)

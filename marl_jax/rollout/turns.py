@@ -11,12 +11,14 @@ with `fold_in(row_keys[i], t)` (as `generate` draws response position t), so a r
 depends on its key, its prompt and the callback's answers only, and both drivers give the same
 tokens.
 
-Cache layout: slots `[0, P)` the prompt, slot `P + t` column t, and a scratch tail of `chunk`
-slots. Rows write at their own slot (`cache_index [B]`): a row that idles while others decode, or
+Cache layout: cache slots `[0, P)` the prompt, `P + t` column t, and a scratch tail of `chunk`
+slots. Rows write at their own cache slot (`cache_index [B]`): a row that idles while others decode, or
 takes no observation, writes to the scratch tail, which no valid query reads; an observation
 shorter than the chunk writes past its end into columns that the row's next tokens overwrite
 before any query reads them (causality). Positions are the prompt's valid length plus the column,
-so the keys are those of the re-prefilled history.
+so the keys are those of the re-prefilled history. Every forward pass reads the first `P + T`
+cache slots (the key mask), as `generate` does for T new tokens: one turn is `generate` to the
+bit (tests).
 
 Continuous batching (`decode_slots` S < B): the cache holds S rows; a row keeps its slot from its
 first turn to its end, and the slot then takes the next waiting prompt (its prompt prefilled into
@@ -38,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from marl_jax.models import attention
-from marl_jax.models.decoder import init_cache
+from marl_jax.models.decoder import init_cache, positions_from_mask
 from marl_jax.models.heads import CausalLM, check_tokens
 from marl_jax.rollout import engine
 
@@ -59,7 +61,8 @@ class Trajectory(NamedTuple):
     its last action column), num_turns `[B]` int32 (turns with actions), truncated `[B]` bool,
     failed `[B]` bool; prefill_tokens: valid tokens the driver ran through multi-token forward
     passes (prompts and observations; the reference: prompt and history of every row at every
-    turn it plays), generated_tokens: ACTION columns sampled.
+    turn it plays; not counted: the copies that pad a batch of seated prompts to its size, and
+    the reference's rows that sit a turn out), generated_tokens: ACTION columns sampled.
     """
 
     tokens: np.ndarray
@@ -95,19 +98,30 @@ class _TurnOut(NamedTuple):
 _FLAGS = ("top_k", "eos_ids", "pad_id", "greedy", "dynamic_temperature", "use_top_p")
 
 
-@functools.partial(attention.jit_per_platform, static_argnames=("model", "steps"))
+@functools.partial(attention.jit_per_platform, static_argnames=("model", "total"))
 def _seat_prompts(model: CausalLM, params, cache, logits, kv_mask, prompt_lengths, prompt_ids, prompt_mask, slots, *,
-                  steps):
-    """Prefills the prompts `[n, P]` into a fresh cache of `P + steps` slots and puts their rows at
-    decode slots `slots [n]` of the carried cache `[S, ...]`, logits `[S, V]`, key mask
-    `[S, P + steps]` and valid prompt tokens `[S]` (a slot listed twice gets the same row twice)."""
-    new_logits, new_cache, new_kv_mask, new_lengths = engine._prefill(
-        model, engine._decoder(model, params), prompt_ids, prompt_mask, steps)
+                  total):
+    """Prefills the prompts `[n, P]` and puts their rows at decode slots `slots [n]` of the
+    carried cache `[S, ...]`, logits `[S, V]`, key mask `[S, P + total]` and valid prompt tokens
+    `[S]` (a slot listed twice gets the same row twice). The key mask covers the prompt and the
+    trajectory, not the scratch tail: every forward pass reads `P + total` cache slots, as
+    `generate`'s prefill and decode steps for `total` new tokens do."""
+    batch, width = prompt_ids.shape
+    mask = prompt_mask.astype(jnp.int32)
+    new_kv_mask = jnp.concatenate([mask, jnp.ones((batch, total), jnp.int32)], axis=1)
+    new_logits, new_cache = engine._decoder(model, params)(
+        prompt_ids, new_kv_mask, positions_from_mask(mask), init_cache(model.config, batch, _cache_width(cache, model)),
+        0)
     batch_axis = 1 if model.config.scan_layers else 0  # scanned caches are [L, S, K, W, H]
     index = (slice(None),) * batch_axis + (slots,)
     cache = jax.tree.map(lambda old, new: old.at[index].set(new), cache, new_cache)
     return (cache, logits.at[slots].set(new_logits), kv_mask.at[slots].set(new_kv_mask),
-            prompt_lengths.at[slots].set(new_lengths))
+            prompt_lengths.at[slots].set(mask.sum(axis=-1)))
+
+
+def _cache_width(cache, model: CausalLM) -> int:
+    """Cache slots of a cache in the `init_cache` layout of `model.config`."""
+    return (cache["k"] if model.config.scan_layers else cache[0]["k"]).shape[-2]
 
 
 @functools.partial(attention.jit_per_platform,
@@ -200,7 +214,7 @@ class _CacheDriver:
         width = self.prompt_width + total + chunk
         self.cache = init_cache(self.model.config, slots, width)
         self.logits = jnp.zeros((slots, self.model.config.vocab_size), jnp.float32)
-        self.kv_mask = jnp.zeros((slots, width), jnp.int32)
+        self.kv_mask = jnp.zeros((slots, self.prompt_width + total), jnp.int32)
         self.prompt_lengths = jnp.zeros((slots,), jnp.int32)
         self.slot_rows = np.full((slots,), -1)  # -1: free
         self.seated = np.zeros((prompt_ids.shape[0],), bool)
@@ -224,7 +238,7 @@ class _CacheDriver:
             self.cache, self.logits, self.kv_mask, self.prompt_lengths = _seat_prompts(
                 self.model, self.params, self.cache, self.logits, self.kv_mask, self.prompt_lengths,
                 jnp.take(self.prompt_ids, rows, axis=0), jnp.take(self.prompt_mask, rows, axis=0),
-                jnp.asarray(slots, jnp.int32), steps=self.total + self.chunk)
+                jnp.asarray(slots, jnp.int32), total=self.total)
             self.prefill_tokens += int(self.prompt_tokens[waiting].sum())
         playing = np.zeros_like(live)
         playing[self.slot_rows[self.slot_rows >= 0]] = True
