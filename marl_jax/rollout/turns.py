@@ -106,7 +106,7 @@ def _seat_prompts(model: CausalLM, params, cache, logits, kv_mask, prompt_length
     `[S]` (a slot listed twice gets the same row twice). The key mask covers the prompt and the
     trajectory, not the scratch tail: every forward pass reads `P + total` cache slots, as
     `generate`'s prefill and decode steps for `total` new tokens do."""
-    batch, width = prompt_ids.shape
+    batch = prompt_ids.shape[0]
     mask = prompt_mask.astype(jnp.int32)
     new_kv_mask = jnp.concatenate([mask, jnp.ones((batch, total), jnp.int32)], axis=1)
     new_logits, new_cache = engine._decoder(model, params)(
