@@ -66,11 +66,14 @@ class AdvantageInputs(NamedTuple):
       (0 on padding).
     kl_coef: beta, a scalar (traced under an adaptive controller).
     rewards: float `[B, R]` per-token rewards: -beta x kl on every token, plus the terminal reward
-      on the last valid one.
-    response_mask: `[B, R]` left-aligned response mask.
+      on the last valid one (and, in a multi-turn trajectory, each turn's reward on its last
+      action token).
+    response_mask: `[B, R]` the policy's tokens: a left-aligned response, or a trajectory's
+      action mask (holes at its observation spans).
     group_size: samples per prompt k (rows `g k .. g k + k - 1` are prompt g's), a Python int.
     branches: `(starts [B, M], valid [B, M], start_values [B, M])` of the Monte Carlo branch
       points (`choose_branch_points` and the mean returns of their continuations), or None.
+    turn_ids: int `[B, R]` a multi-turn trajectory's turn of each token, or None (one turn).
     """
 
     scores: Any
@@ -80,6 +83,7 @@ class AdvantageInputs(NamedTuple):
     response_mask: Any
     group_size: int = 1
     branches: Optional[tuple] = None
+    turn_ids: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -733,6 +737,23 @@ def _check_starts(starts, valid, response_mask):
 
 
 # ---- the records ------------------------------------------------------------------------------
+def _turn_estimator(method):
+    """A per-turn record's advantage function: the per-token rewards (the KL penalty on each
+    action token, each turn's reward on its last action token, the score on the last one) summed
+    per turn, and a turn's advantage on its action tokens; a single response is one turn."""
+    def advantages(inputs: AdvantageInputs):
+        mask = jnp.asarray(inputs.response_mask)
+        turn_ids = (jnp.zeros(mask.shape, jnp.int32) if inputs.turn_ids is None
+                    else inputs.turn_ids)
+        if method == "turn_rloo":
+            return _turn_rloo_advantages(inputs.rewards, mask, turn_ids,
+                                         group_size=inputs.group_size)
+        return _turn_index_normalised_advantages(inputs.rewards, mask, turn_ids,
+                                                 group_size=inputs.group_size,
+                                                 divide_by_std=True)
+    return advantages
+
+
 def _group_estimator(method):
     def advantages(inputs: AdvantageInputs):
         mask = inputs.response_mask
@@ -793,4 +814,14 @@ ESTIMATORS.update(
                    min_group_size=2, group_normalised=True, clipranges=(0.2, 0.28),
                    dynamic_sampling_oversample=3, overlong_buffer_fraction=0.2,
                    overlong_penalty=1.0),
+)
+# Per-turn credit for multi-turn trajectories (`turn_rloo_advantages`: unbiased when the policy
+# decides when to stop; `turn_index_normalised_advantages`, MT-GRPO's per-turn-index
+# normalisation, to compare with), the KL in the reward as RLOO's; on one turn `turn_rloo` is
+# RLOO.
+ESTIMATORS.update(
+    turn_rloo=Estimator(_turn_estimator("turn_rloo"), kl_in_loss=False,
+                        loss_aggregation="token_mean", min_group_size=2),
+    turn_grpo=Estimator(_turn_estimator("turn_grpo"), kl_in_loss=False,
+                        loss_aggregation="token_mean", min_group_size=2),
 )

@@ -42,6 +42,8 @@ CASES = {
     "macro_mc": dict(estimator="macro_mc", ngram=3, mc_rollouts=2, mc_branch_points=2),
     "gspo": dict(estimator="gspo", group_size=2),
     "dapo": dict(estimator="dapo", group_size=2),
+    "turn_rloo": dict(estimator="turn_rloo", group_size=2),
+    "turn_grpo": dict(estimator="turn_grpo", group_size=2),
 }
 # The matrix's shared settings: two minibatches, so every schedule is more than one update;
 # 16 rows, so a group record's prompts (8) split over the 8 test devices.

@@ -131,7 +131,8 @@ def test_one_turn_is_todays_step_to_the_bit(tiny_pipe):
     dict(ngram=3),  # macro GAE with the critic, fixed 3-grams within turns
     dict(termination="fixed", ngram=1, estimator="reinforce_pp"),
     dict(estimator="grpo", group_size=2),
-], ids=["macro_gae", "reinforce_pp", "grpo"])
+    dict(estimator="turn_rloo", group_size=2),
+], ids=["macro_gae", "reinforce_pp", "grpo", "turn_rloo"])
 def test_observation_spans_take_no_target_kl_reward_or_step(tiny_pipe, fields):
     static, mods, state, frozen, hparams, sampled = _setup(tiny_pipe, **fields)
     ids, context, actions, turns, where = _with_spans(sampled, mods.policy.config.vocab_size)

@@ -316,3 +316,29 @@ def test_monte_carlo_agrees_with_the_enumeration():
     mean, error = sampled["turn_index"]
     assert np.any(np.abs(mean) > 4 * error)
     np.testing.assert_array_less(np.abs(sampled["turn_rloo"][0]), 4 * sampled["turn_rloo"][1])
+
+
+def test_the_turn_records_on_one_response():
+    """Through the estimator records (what the step calls): on a single response (one turn,
+    the KL penalty on every token and the score on the last) `turn_rloo` is RLOO's advantage,
+    and `turn_grpo` is GRPO's normalisation of the KL-regularised return."""
+    rng = np.random.default_rng(3)
+    lengths = np.array([5, 3, 6, 6, 2, 4])
+    mask = (np.arange(6)[None] < lengths[:, None]).astype(np.int32)
+    kl = rng.normal(0, 0.3, (6, 6)) * mask
+    scores, beta = rng.normal(size=6), 0.1
+    rewards = -beta * kl
+    rewards[np.arange(6), lengths - 1] += scores
+    inputs = estimators.AdvantageInputs(
+        scores=jnp.asarray(scores, jnp.float32), kl=jnp.asarray(kl, jnp.float32),
+        kl_coef=jnp.float32(beta), rewards=jnp.asarray(rewards, jnp.float32),
+        response_mask=jnp.asarray(mask), group_size=3)
+    rloo = estimators.ESTIMATORS["rloo"].advantages(inputs)
+    turn = estimators.ESTIMATORS["turn_rloo"].advantages(inputs)
+    np.testing.assert_allclose(np.asarray(turn), np.asarray(rloo), rtol=1e-5, atol=1e-6)
+    returns = (scores - beta * kl.sum(axis=1)).reshape(2, 3)
+    normalised = (returns - returns.mean(axis=1, keepdims=True)) / (
+        returns.std(axis=1, ddof=1, keepdims=True) + 1e-4)
+    want = normalised.reshape(6)[:, None] * mask
+    got = estimators.ESTIMATORS["turn_grpo"].advantages(inputs)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)

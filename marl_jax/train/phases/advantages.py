@@ -136,7 +136,7 @@ def critic_free_advantages(static: PPOStatic, models: Models, state: PPOState, f
                          score.terminal_reward(static, exp.scores, exp.ended_with_eos,
                                                mask.sum(axis=1)), 0.0),
         kl=jnp.where(mask != 0, kl, 0.0), kl_coef=state.kl_coef, rewards=exp.rewards,
-        response_mask=mask, group_size=static.group_size)
+        response_mask=mask, group_size=static.group_size, turn_ids=exp.turn_ids)
     if not estimator.branches:
         return estimator.advantages(inputs), {}, {}
     k_points, k_rollouts = jax.random.split(key)
