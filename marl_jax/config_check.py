@@ -19,6 +19,7 @@ from urllib.parse import urlparse
 import ml_collections
 
 from marl_jax.config import (
+    CALCULATOR_TASK_FIELDS,
     REVIEW_TASK_FIELDS,
     SYNTHETIC_TASK_FIELDS,
     TASK_CONFIGS,
@@ -389,11 +390,12 @@ def _check_task_fields(c, config_file):
     name = c.task.name
     if name not in TASK_CONFIGS:
         raise ValueError(f"config.task.name={name!r}: must be one of {tuple(TASK_CONFIGS)}")
-    needed = {"synthetic": SYNTHETIC_TASK_FIELDS, "reviews": REVIEW_TASK_FIELDS}.get(
-        name, tuple(base_config().task))
+    needed = {"synthetic": SYNTHETIC_TASK_FIELDS, "reviews": REVIEW_TASK_FIELDS,
+              "calculator": CALCULATOR_TASK_FIELDS}.get(name, tuple(base_config().task))
     missing = [f for f in needed if f not in c.task]
     if missing:
-        kind = {"synthetic": "synthetic", "reviews": "review"}.get(name, "real-dataset")
+        kind = {"synthetic": "synthetic", "reviews": "review",
+                "calculator": "calculator"}.get(name, "real-dataset")
         raise ValueError(
             f"config.task.name={name!r} needs the {kind} task fields ({', '.join(missing)}) that "
             f"{config_file or 'this config'} does not have; use --config={TASK_CONFIGS[name]}")

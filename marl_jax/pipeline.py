@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from marl_jax import distributed
+from marl_jax import envs  # noqa: F401  (registers the multi-turn tasks)
 from marl_jax.config_check import validate_config
 from marl_jax.data.real_tasks import decode_responses
 from marl_jax.data.tasks import build_task

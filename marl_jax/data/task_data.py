@@ -12,8 +12,9 @@ class TaskData:
     response_length: int
     # SFT: prompts [N, P] (left-padded) and demonstrations [N, R] (left-aligned, EOS included).
     sft: dict
-    # RM: prompts [M, P], chosen [M, R], rejected [M, R] (+ masks).
-    rm: dict
+    # RM: prompts [M, P], chosen [M, R], rejected [M, R] (+ masks); None for a task whose
+    # reward is its environment's (a multi-turn task: no reward model).
+    rm: Optional[dict]
     # PPO prompts [K, P] and held-out evaluation prompts [E, P].
     rl: dict
     eval: dict
@@ -38,6 +39,12 @@ class TaskData:
     # The gold of decoded responses to the held-out prompts, attached by the pipeline for tasks
     # whose gold runs on the host: eval_gold(texts [E]) -> [E] float, in `eval` order.
     eval_gold: Optional[Callable] = None
+    # A multi-turn task's environment: {"name", "kwargs"}, what
+    # `marl_jax.envs.environment(name, **kwargs)` builds; its task rows of the `rl` / `eval`
+    # prompts are `info["rl_rows"]` / `info["eval_rows"]`, in the order of the arrays. With it,
+    # `sft` also holds `action_mask` [N, R] (1 on the policy's tokens, 0 on observations) and
+    # `turn_ids` [N, R], and R is the trajectory's budget (actions and observations).
+    environment: Optional[dict] = None
     info: dict = dataclasses.field(default_factory=dict)
 
 

@@ -1,12 +1,14 @@
 """Multi-turn environments: the protocol (`base`), the registry, token-in-token-out turns
-through a chat template (`chat_turns`), the rollout's host callback (`turn_callback`), and one
-module per environment, each registered under its name:
+through a chat template (`chat_turns`), the rollout's host callback (`turn_callback`),
+conversations as trajectories (`transcripts`), the multi-turn tasks of the pipeline (`tasks`),
+and one module per environment, each registered under its name:
 
 - `calculator`: arithmetic word problems with a calculator tool (synthetic, exact gold);
 - `guess_number`: guess the number with higher / lower feedback every turn;
 - `apps_repair`: APPS programs repaired from the failing tests' feedback (the APPS jail).
 """
 from marl_jax.envs import apps_repair, calculator, guess_number  # noqa: F401  (they register)
+from marl_jax.envs import tasks  # noqa: F401  (registers the multi-turn tasks)
 from marl_jax.envs.base import Environment, StepResult, flag_counts
 from marl_jax.envs.registry import environment, environment_names, register_environment
 from marl_jax.envs.turn_callback import TurnStep, turn_callback

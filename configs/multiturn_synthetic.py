@@ -1,0 +1,103 @@
+"""Multi-turn RLHF on the calculator task (marl_jax/envs/calculator.py): arithmetic word problems
+solved in turns, each turn a calculator call or the answer, the tool's value coming back as the
+next observation; the reward is the environment's (1 for the gold answer, else 0), so there is
+no reward model.
+
+    python experiments/run.py --config=configs/multiturn_synthetic.py --config.stage=sft
+
+SFT trains on demonstrations of good tool use (one call per operation, then the answer: three
+assistant turns, 29 tokens of actions and observations) on the action tokens only; PPO plays the
+environment from the first prompts of fresh problems within a trajectory budget of
+`ppo.response_length` tokens (actions and observations) and `task.max_turns` turns. Sizes are
+chosen so that SFT finishes in well under a minute on a 2-core CPU.
+"""
+import ml_collections
+
+from marl_jax.config import base_config
+
+
+def get_config():
+    c = base_config()
+    c.stage = "all"
+    c.seed = 0
+    c.seeds = tuple(range(12))
+    c.checkpoint_every = 50
+    c.log_every = 1
+
+    c.task = ml_collections.ConfigDict(dict(
+        name="calculator",
+        path="",
+        data_seed=0,
+        num_sft=2048,
+        num_rl_prompts=4096,
+        num_eval_prompts=128,
+        # The first prompt (chat template and generation prompt) of the longest story.
+        prompt_length=32,
+        max_turns=4,
+        # A turn's tokens: an action ("calc ( 20 + 72 )" and the end of turn: 7) and an
+        # observation span ("<|im_start|> tool error: bad expression <|im_end|> <|im_start|>
+        # assistant": 7).
+        max_turn_tokens=10,
+        max_observation_tokens=8,
+        # The problems (see CalculatorTask): a in [min_a, max_a], b and c in [2, max_bc],
+        # numbers written as words up to max_value (the largest value is (max_a + max_bc) *
+        # max_bc = 261).
+        min_a=10,
+        max_a=20,
+        max_bc=9,
+        max_value=299,
+    ))
+
+    c.model.config = ml_collections.ConfigDict(dict(
+        family="llama",
+        hidden_size=32,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        norm_eps=1e-5,
+    ))
+
+    c.sft.steps = 300
+    c.sft.batch_size = 32
+    c.sft.learning_rate = 3e-3
+    c.sft.schedule = "cosine"
+    c.sft.weight_decay = 0.0
+
+    # The environment's answer check is the reward: no reward model to train.
+    c.rm.steps = 0
+    c.rm.batch_size = 32
+    c.rm.learning_rate = 1e-3
+    c.rm.schedule = "cosine"
+    c.rm.weight_decay = 0.0
+
+    p = c.ppo
+    p.steps = 120
+    p.batch_size = 16
+    p.learning_rate = 2e-4
+    p.critic_learning_rate = 1e-3
+    p.schedule = "constant"
+    p.warmup_ratio = 0.0
+    p.weight_decay = 0.0
+    # The environment's rewards; the critic starts from the SFT policy (no reward model).
+    p.reward_source = "env"
+    p.critic_init = "sft"
+    # The trajectory budget: max_turns turns of max_turn_tokens + max_observation_tokens.
+    p.response_length = 72
+    # The vocabulary has a few hundred words, most of them numbers.
+    p.top_k = 0
+    p.eval_every = 5
+
+    c.experiment = ml_collections.ConfigDict(dict(
+        arms=("ppo", "ma_ppo", "ma_ppo_ctrl", "ma_ppo_smdp", "ma_ppo_smdp_ctrl", "ppo_lam1"),
+        add_controls=False,
+        controls=ml_collections.ConfigDict(),
+        smoothing=1,
+        horizons=(),
+        runs_per_program=0,
+    ))
+    return c

@@ -1,0 +1,71 @@
+"""The multi-turn tasks, registered by name in `marl_jax.data.task_registry` like the single-turn
+ones (`marl_jax.envs` imports this module, so importing the package registers them).
+
+`calculator` (configs/multiturn_synthetic.py): the calculator environment's word problems
+(`marl_jax.envs.calculator`). SFT trains on its demonstrations as whole trajectories
+(`marl_jax.envs.transcripts`: the first prompt, then the assistant turns and tool observations
+in chat-template tokens, with the action mask and turn ids); PPO and the evaluation start from
+the first prompts of fresh problems and play them against the environment
+`TaskData.environment` names, whose task rows are `info["rl_rows"]` / `info["eval_rows"]` in the
+order of the prompt arrays. There is no reward model: the environment's answer check is the
+reward (`TaskData.rm` is None).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from marl_jax.data.task_data import TaskData
+from marl_jax.data.task_registry import register_task
+from marl_jax.envs import calculator
+from marl_jax.envs.chat_turns import prompt_ids
+from marl_jax.envs.registry import environment
+from marl_jax.envs.transcripts import left_padded, pad_id, transcript_arrays
+
+# The problems' sizes a calculator task section sets (`calculator.CalculatorTask`).
+CALCULATOR_SIZES = ("min_a", "max_a", "max_bc", "max_value")
+
+
+def calculator_task_from_config(t) -> calculator.CalculatorTask:
+    """The `CalculatorTask` of a task section (its `CALCULATOR_SIZES` fields)."""
+    return calculator.CalculatorTask(**{k: int(t[k]) for k in CALCULATOR_SIZES})
+
+
+def first_prompts(env, tokenizer, rows, prompt_length: int) -> dict:
+    """{"ids", "mask"} [K, P] of the first prompts of the environment's episodes of `rows`
+    (chat template and generation prompt, left-padded): what the multi-turn rollout starts
+    from."""
+    _, conversations = env.reset(rows, range(len(rows)))
+    ids, mask = left_padded([prompt_ids(tokenizer, m) for m in conversations], prompt_length,
+                            pad_id(tokenizer), field="config.task.prompt_length")
+    return dict(ids=ids, mask=mask)
+
+
+@register_task("calculator")
+def calculator_task_data(config, workdir: str) -> TaskData:
+    """The calculator task (see the module); deterministic in `config.task`. SFT demonstrations
+    come from seed `data_seed`, the PPO prompts' problems from `data_seed + 1` and the held-out
+    evaluation's from `data_seed + 2`."""
+    t = config.task
+    task = calculator_task_from_config(t)
+    tokenizer = calculator.build_tokenizer(task, os.path.join(workdir, "tokenizer"))
+    p, r = int(t.prompt_length), int(config.ppo.response_length)
+    seed = int(t.data_seed)
+    demos = calculator.demonstrations(task, seed, int(t.num_sft))
+    turns = max((len(d["messages"]) // 2 for d in demos), default=0)
+    if int(t.max_turns) < turns:
+        raise ValueError(f"config.task.max_turns={t.max_turns}: the demonstrations take {turns} "
+                         "assistant turns; raise it")
+    env_kwargs = dict(max_turns=int(t.max_turns), max_value=task.max_value)
+    env = environment("calculator", **env_kwargs)
+    sft = transcript_arrays(tokenizer, [d["messages"] for d in demos], p, r)
+    rl_rows = calculator.problems(task, seed + 1, int(t.num_rl_prompts))
+    eval_rows = calculator.problems(task, seed + 2, int(t.num_eval_prompts))
+    return TaskData(
+        tokenizer=tokenizer, prompt_length=p, response_length=r, sft=sft, rm=None,
+        rl=first_prompts(env, tokenizer, rl_rows, p),
+        eval=first_prompts(env, tokenizer, eval_rows, p),
+        environment=dict(name="calculator", kwargs=env_kwargs),
+        info=dict(task="calculator", calculator=dataclasses.asdict(task), rl_rows=rl_rows,
+                  eval_rows=eval_rows),
+    )
