@@ -83,9 +83,7 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
     _check_lora(c, check)
     p = c.ppo
     check(p.termination in TERMINATIONS, "ppo.termination", f"must be one of {TERMINATIONS}")
-    check(p.termination != "turn", "ppo.termination",
-          f"turn (one macro per assistant turn) needs multi-turn trajectories; task "
-          f"{c.task.name!r} trains single responses")
+    _check_multi_turn(c, check)
     check(isinstance(p.ngram, int) and p.ngram >= 1, "ppo.ngram", "must be an integer >= 1")
     check(p.value_weighting in VALUE_WEIGHTINGS, "ppo.value_weighting",
           f"must be one of {VALUE_WEIGHTINGS}")
@@ -93,8 +91,8 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
           f"must be one of {REWARD_AGGREGATIONS}")
     check(p.kl_estimator in KL_ESTIMATORS, "ppo.kl_estimator", f"must be one of {KL_ESTIMATORS}")
     check(p.critic_init in CRITIC_INITS, "ppo.critic_init", f"must be one of {CRITIC_INITS}")
-    check(p.reward_source in ("rm", "gold", "host"), "ppo.reward_source",
-          "must be rm, gold or host")
+    check(p.reward_source in ("rm", "gold", "host", "env"), "ppo.reward_source",
+          "must be rm, gold, host or env")
     check(p.loss_aggregation in ("auto",) + POLICY_AGGREGATIONS, "ppo.loss_aggregation",
           f"must be one of {('auto',) + POLICY_AGGREGATIONS}")
     check(p.old_logprobs in OLD_LOGPROBS, "ppo.old_logprobs", f"must be one of {OLD_LOGPROBS}")
@@ -382,6 +380,39 @@ def _wandb_credentials() -> bool:
         return netrc.netrc(path).authenticators(host) is not None
     except (OSError, netrc.NetrcParseError):
         return False
+
+
+def multi_turn_task(c) -> bool:
+    """Whether `config.task` is an environment's (trained on multi-turn trajectories)."""
+    from marl_jax.envs import environment_names
+
+    return c.task.name in environment_names()
+
+
+def _check_multi_turn(c, check):
+    """A multi-turn task's rewards are its environment's and its rollouts are played from the
+    host; the turn termination and the environment's reward need such a task."""
+    p, t = c.ppo, c.task
+    if not multi_turn_task(c):
+        check(p.termination != "turn", "ppo.termination",
+              f"turn (one macro per assistant turn) needs multi-turn trajectories; task "
+              f"{t.name!r} trains single responses")
+        check(p.reward_source != "env", "ppo.reward_source",
+              f"env (an environment's rewards) needs a multi-turn task; task {t.name!r} has no "
+              "environment")
+        return
+    check(p.reward_source == "env", "ppo.reward_source",
+          f"task {t.name!r} is an environment: its rewards are the environment's (use env)")
+    for name in ("max_turns", "max_turn_tokens", "max_observation_tokens"):
+        value = t.get(name)
+        check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+              f"task.{name}", "must be an integer >= 1")
+    check(c.stage != "eval", "stage",
+          f"task {t.name!r} is evaluated by its ppo stage (the held-out return in every eval "
+          "row); the eval stage samples single responses")
+    check(not (ESTIMATORS[p.estimator].needs_critic and p.critic_init == "rm"),
+          "ppo.critic_init", f"task {t.name!r} has no reward model to start the critic from: "
+          "use sft or random")
 
 
 def _check_task_fields(c, config_file):

@@ -35,7 +35,7 @@ from marl_jax.data.real_tasks import decode_responses
 from marl_jax.eval.report import SFT_ARM  # the SFT policy's final rows (step-0 evaluations)
 from marl_jax.eval.report import instruction_set
 from marl_jax.pipeline import Pipeline
-from marl_jax.train import loop, perf, preemption, programs, sharding
+from marl_jax.train import loop, perf, preemption, programs, sharding, turn_step
 from marl_jax.train.metrics import status_line
 from marl_jax.train.phased_step import PhaseClock
 from marl_jax.train import ppo as ppo_lib
@@ -59,6 +59,10 @@ ARMS = {
                              reward_aggregation="weighted"),
     # The semi-MDP choices: the value of the state where a macro starts, summed rewards.
     "ma_ppo_smdp": lambda p: dict(ngram=p.ngram, termination="fixed", value_weighting="first",
+                                  reward_aggregation="sum"),
+    # Multi-turn: one macro per assistant turn (AReaL's turn-level GAE: the value where the turn
+    # starts, its rewards summed).
+    "ma_ppo_turn": lambda p: dict(ngram=1, termination="turn", value_weighting="first",
                                   reward_aggregation="sum"),
     # Ablations (configs/synthetic_sweep.py), relative to the base config's macro settings.
     "n3": lambda p: dict(ngram=3),
@@ -147,7 +151,10 @@ def is_macro_arm(fields: dict) -> bool:
 
 def mean_macro_length(fields: dict, ppo_cfg):
     """L of a macro arm when it is known without rollouts: n for fixed n-grams shorter than the
-    responses; None (measured on the arm's own rollouts) for the other terminations."""
+    responses; None (measured on the arm's own rollouts) for the other terminations and on
+    multi-turn trajectories (an environment's rewards), where turn boundaries cut n-grams."""
+    if ppo_cfg.get("reward_source") == "env":
+        return None
     if fields["termination"] == "fixed" and int(fields["ngram"]) < int(ppo_cfg.response_length):
         return float(fields["ngram"])
     return None
@@ -401,9 +408,13 @@ class _GroupProgram:
     hparams: RunHparams
     variants: tuple
     step_prompts: object  # step -> the runs' prompts of that step, sharded `[runs, B/G, P]`
+    task_rl: dict = None  # the task's RL prompts (host arrays)
     phase_fns: dict | None = None  # `programs.experiment_phase_programs`, when phase-timed
+    turns: object = None  # `_GroupTurns` of a multi-turn task, else None
 
     def step(self, state, step):
+        if self.turns is not None:
+            return self.turns.step(self, state, step)
         prompts = self.step_prompts(step)
         ids, mask, documents = prompts["ids"], prompts["mask"], prompts.get("documents")
         if self.phase_fns is None:
@@ -417,6 +428,54 @@ class _GroupProgram:
         state, metrics = clock.done("update", fns["update"](state, exp, adv, roll_metrics,
                                                             adv_metrics, frozen))
         return state, dict(metrics, **clock.seconds)
+
+
+class _GroupTurns:
+    """A multi-turn group's step: every run's actor plays the task's environment from the host
+    (`turn_step.play_runs`), then the vmapped score (`experiment_trajectory_score_program`),
+    advantages and update programs, timed as the phases are."""
+
+    def __init__(self, config, task, static, mods, run_sh, frozen_sh, mesh, runs):
+        self.player = turn_step.TrajectoryPlayer(config, task, static, mods.policy)
+        self.score = programs.experiment_trajectory_score_program(static, mods, run_sh,
+                                                                  frozen_sh, mesh).fn
+        self.static, self.mesh = static, mesh
+        self.seeds = [int(r.seed) for r in runs]
+        self.task_rows = task.info["rl_rows"]
+        self.rows = _step_rows(static, task, runs)
+
+    def trajectories(self, program, state, step):
+        """(prompt ids, prompt mask `[runs, B, P]`, trajectories `[runs, B, T]`), sharded."""
+        k = self.static.group_size
+        rows = np.repeat(self.rows(step), k, axis=1)
+        prompts = {key: v[rows] for key, v in program.task_rl.items()}
+        played = turn_step.play_runs(
+            self.player, self.static, state, program.frozen, prompts["ids"], prompts["mask"],
+            [[self.task_rows[i] for i in r] for r in rows], self.seeds, step)
+        batch = sharding.shard_batch(dict(played, ids=prompts["ids"], mask=prompts["mask"]),
+                                     self.mesh, axis=1)
+        return batch["ids"], batch["mask"], {key: batch[key] for key in played}
+
+    def step(self, program, state, step):
+        fns, frozen, clock = program.phase_fns, program.frozen, PhaseClock(timed=True)
+        ids, mask, trajectory = self.trajectories(program, state, step)
+        clock.done("rollout", None)
+        exp, roll_metrics = clock.done("score", self.score(state, frozen, ids, mask,
+                                                           trajectory))
+        adv, adv_metrics = clock.done("advantages", fns["advantages"](state, frozen,
+                                                                      program.hparams, exp))
+        state, metrics = clock.done("update", fns["update"](state, exp, adv, roll_metrics,
+                                                            adv_metrics, frozen))
+        return state, dict(metrics, **clock.seconds)
+
+    def macro_lengths(self, program):
+        """`[runs]` tokens per macro of every run's first trajectories (its step 0's) under its
+        own termination (`macro/len_avg` of the advantages phase)."""
+        ids, mask, trajectory = self.trajectories(program, program.state, 0)
+        exp, _ = self.score(program.state, program.frozen, ids, mask, trajectory)
+        _, metrics = program.phase_fns["advantages"](program.state, program.frozen,
+                                                     program.hparams, exp)
+        return distributed.global_to_host(metrics["macro/len_avg"])
 
 
 def _group_program(config, pipe, runs, sft_params, rm_params, stats) -> _GroupProgram:
@@ -459,16 +518,28 @@ def _group_program(config, pipe, runs, sft_params, rm_params, stats) -> _GroupPr
     state_sh = jax.tree.map(programs.with_run_axis, run_sh)
     frozen = jax.device_put(ppo_lib.frozen_models(mods, sft_params, rm_params, stats),
                             frozen_sh)
-    phase_fns = None
-    if p.get("phase_timing", True):
+    phase_fns = turns = None
+    # A multi-turn group's rollout is played from the host: it always runs as its phases.
+    if task.environment is not None:
+        turns = _GroupTurns(config, task, static, mods, run_sh, frozen_sh, mesh, runs)
+    if p.get("phase_timing", True) or turns is not None:
         phase_fns = {name: program.fn for name, program in programs.experiment_phase_programs(
             static, mods, run_sh, frozen_sh, mesh).items()}
     return _GroupProgram(
-        static=static, mods=mods, phase_fns=phase_fns,
+        static=static, mods=mods, phase_fns=phase_fns, turns=turns, task_rl=task.rl,
         step_fn=programs.experiment_step_program(static, mods, run_sh, frozen_sh, mesh).fn,
         state=jax.device_put(_stack(states), state_sh), state_sh=state_sh, frozen=frozen,
         hparams=jax.device_put(_run_hparams(runs, variants), sharding.replicated(mesh)),
         variants=variants, step_prompts=_step_prompts(static, task, mesh, runs))
+
+
+def _step_rows(static, task, runs):
+    """step -> `[runs, B/G]` every run's RL prompt rows of that step (run r draws with seed
+    r.seed + 2), as `_step_prompts` draws them."""
+    seeds = [int(r.seed) for r in runs]
+    num_prompts = len(task.rl["ids"])
+    return lambda step: np.stack([batches.batch_indices(num_prompts, static.prompts_per_step,
+                                                        s + 2, step) for s in seeds])
 
 
 def _step_prompts(static, task, mesh, runs):
@@ -493,6 +564,16 @@ def _measure_macro_lengths(config, program: _GroupProgram, runs, mesh):
     coefficients (which the length scales) updated."""
     if all(r.ppo["mean_macro_length"] is not None for r in runs):
         return runs, program
+    if program.turns is not None:
+        lengths = program.turns.macro_lengths(program)
+        runs = _with_measured_lengths(config, runs, [float(x) for x in lengths])
+        state = program.state.replace(kl_coef=jax.device_put(
+            jnp.asarray([r.ppo["kl_coef"] for r in runs], jnp.float32),
+            program.state_sh.kl_coef))
+        return runs, dataclasses.replace(
+            program, state=state,
+            hparams=jax.device_put(_run_hparams(runs, program.variants),
+                                   sharding.replicated(mesh)))
     measure = jax.jit(jax.vmap(functools.partial(_mean_macro_length_at_start, program.static,
                                                  program.mods),
                                in_axes=(0, None, 0, 0, 0, 0)))
@@ -520,6 +601,8 @@ class _GroupEvaluator:
             ppo_lib.evaluate_from_key_data, program.static, program.mods, gold_fn=task.gold_fn,
             samples_per_prompt=self.m), in_axes=(0, None, None, None, None, 0)))
         self.frozen = program.frozen
+        self.trajectories = None if task.environment is None else \
+            turn_step.TrajectoryEvaluation(config, task, program.static, program.mods)
         self.inputs = sharding.put_global(task.eval, mesh)
         self.keys = sharding.put_global(np.stack([
             jax.random.key_data(jax.random.fold_in(jax.random.key(int(r.seed)), 7))
@@ -538,6 +621,14 @@ class _GroupEvaluator:
         n = len(self.task.eval["ids"])
         status_line(f"[eval] {n * self.m * len(self.runs)} held-out responses "
                     f"({len(self.runs)} run(s) x {n} prompts x {self.m}): sampling and scoring")
+        if self.trajectories is not None:
+            # Each run plays the held-out episodes with its own actor and its seed's key.
+            runs = [self.trajectories.results(
+                jax.tree.map(lambda x, i=i: x[i], state.actor_params), self.frozen,
+                jax.random.fold_in(jax.random.key(int(r.seed)), 7))
+                for i, r in enumerate(self.runs)]
+            status_line(f"[eval] done in {time.monotonic() - start:.0f} s")
+            return {k: np.stack([x[k] for x in runs]) for k in ppo_lib.EVAL_ROW_KEYS}
         result = self.fn(state.actor_params, self.frozen, self.inputs["ids"],
                          self.inputs["mask"], self.inputs.get("documents"), self.keys)
         result = distributed.global_to_host({k: v for k, v in result.items()

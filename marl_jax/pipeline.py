@@ -131,6 +131,9 @@ class Pipeline:
         return os.path.abspath(base_dir)
 
     def rm(self, needed_by: str = ""):
+        if self._rm is None and self.task.rm is None:
+            # An environment's task: its rewards are the environment's, no reward model.
+            self._rm = (None, {"mean": 0.0, "std": 1.0})
         if self._rm is None:
             if needed_by:
                 self._require("rm", needed_by)

@@ -21,6 +21,7 @@ from marl_jax.models import lora
 from marl_jax.train import build, checkpoint, loop, perf, programs, sharding
 from marl_jax.train import phases
 from marl_jax.train.phased_step import PhasedStep
+from marl_jax.train.turn_step import MultiTurnStep, TrajectoryEvaluation
 from marl_jax.train.optim import adapter_weight_decay, make_optimizer, stage_schedule
 from marl_jax.train.ppo_types import (Frozen, Models, PPOState, PPOStatic, RunHparams, role_model,
                                       role_params, sampler_logprobs_are_exact)
@@ -356,7 +357,11 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
     # own; so does phase timing. Otherwise the step is one program.
     phased = None
     timed = p.get("phase_timing", True)
-    if timed or p.termination == "parsing" or p.reward_source == "host":
+    if task.environment is not None:
+        # Multi-turn: the rollout plays the environment from the host, phase by phase.
+        phased = MultiTurnStep(config, task, static, mods, state_sh, frozen_sh, mesh,
+                               timed=timed)
+    elif timed or p.termination == "parsing" or p.reward_source == "host":
         phased = PhasedStep(config, task, static, mods, state_sh, frozen_sh, mesh, timed=timed)
     step_fn = programs.ppo_step_program(static, mods, state_sh, frozen_sh, mesh).fn
     eval_fn = jax.jit(functools.partial(evaluate_from_key_data, static, mods,
@@ -368,7 +373,12 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
     eval_inputs = sharding.put_global(
         dict(task.eval, key_data=jax.random.key_data(eval_key(config.seed))), mesh)
 
+    trajectory_eval = None if task.environment is None else TrajectoryEvaluation(
+        config, task, static, mods)
+
     def run_eval(state):
+        if trajectory_eval is not None:
+            return trajectory_eval(state.actor_params, frozen)
         result = eval_fn(state.actor_params, frozen, eval_inputs["ids"], eval_inputs["mask"],
                          eval_inputs.get("documents"), eval_inputs["key_data"])
         return eval_row(distributed.global_to_host(
@@ -417,7 +427,10 @@ def step_cost(static: PPOStatic, mods: Models, prompt_length: int):
 
     def cost(row):
         generated = np.atleast_1d(row["budget/generated_tokens"])
-        prompts = np.atleast_1d(row["budget/prefill_tokens"]) * static.group_size
+        # A single-turn rollout prefills each prompt once for its group; a multi-turn one every
+        # row's prompt and observations, which the step's passes read as they read a prompt.
+        prompts = np.atleast_1d(row["budget/prefill_tokens"]) * (
+            1 if "multiturn/turns_avg" in row else static.group_size)
         lengths = np.atleast_1d(row["val/response_length"])
         total = sum(perf.ppo_step_flops(static, *flops, prompt_length, g, n)["total"]
                     for g, n in zip(generated, lengths))

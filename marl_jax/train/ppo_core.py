@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from marl_jax.rollout import turns
 from marl_jax.train.phases import advantages, rollout as rollout_phases, score, update
 from marl_jax.train.ppo_types import (Experience, Frozen, Models, PPOState, PPOStatic,
                                       RunHparams, step_keys)
@@ -41,6 +42,36 @@ def score_phase(static: PPOStatic, models: Models, state: PPOState, frozen: Froz
     budget = rollout_phases.rollout_budget(static, prompt_mask, response_mask)
     exp, group_metrics = rollout_phases.keep_informative_groups(static, exp)
     return exp, {**metrics, **budget, **group_metrics}
+
+
+def score_trajectory_phase(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen,
+                           prompt_ids, prompt_mask, trajectory: dict, first_step=None):
+    """The score phase on multi-turn trajectories (`rollout.turns.run_turns`, one row per
+    sample, the prompts `[B, P]` already repeated): `trajectory` holds the `[B, T]` arrays
+    `tokens`, `kinds`, `turn_ids`, `logprobs`, `entropy`, `turn_rewards` and the `[B]` flags
+    `truncated`, `failed`. The forward passes read the observations, the policy's terms the
+    action tokens only (`score.score`); the environment's rewards are the turn rewards (no
+    sequence score on top). (Experience `[B, ...]`, metrics with the rollout's budget: the
+    action tokens generated, the prompt and observation tokens prefilled.)"""
+    kinds = trajectory["kinds"]
+    context = (kinds != turns.PAD).astype(jnp.int32)
+    actions = (kinds == turns.ACTION).astype(jnp.int32)
+    exp, metrics = score.score(
+        static, models, state, frozen, prompt_ids, prompt_mask, trajectory["tokens"], context,
+        host_scores=jnp.zeros(kinds.shape[:1], jnp.float32),
+        sampled_logprobs=trajectory["logprobs"], sampled_entropy=trajectory["entropy"],
+        first_step=first_step, action_mask=actions, turn_ids=trajectory["turn_ids"],
+        turn_rewards=trajectory["turn_rewards"])
+    turn_count = jnp.where(actions != 0, trajectory["turn_ids"] + 1, 0).max(axis=1)
+    observed = (kinds == turns.OBSERVATION).sum()
+    metrics = dict(metrics, **{
+        "budget/generated_tokens": actions.sum().astype(jnp.float32),
+        "budget/prefill_tokens": (prompt_mask.sum() + observed).astype(jnp.float32),
+        "multiturn/turns_avg": turn_count.mean().astype(jnp.float32),
+        "multiturn/observation_tokens_avg": (observed / kinds.shape[0]).astype(jnp.float32),
+        "multiturn/truncated_frac": trajectory["truncated"].astype(jnp.float32).mean(),
+        "multiturn/failed_frac": trajectory["failed"].astype(jnp.float32).mean()})
+    return exp, metrics
 
 
 def rollout(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, prompt_ids,

@@ -10,6 +10,8 @@
                          argument but `frozen` with a leading run axis `[runs, ...]`
     phase_programs       the four phases of the ppo step as programs of their own (timed one
                          by one, `train/phased_step.py`): rollout, score, advantages, update
+    trajectory_score_program  the score phase on multi-turn trajectories
+                         (`train/turn_step.py`, whose rollout is host-driven)
     experiment_phase_programs  the same four phases vmapped over runs, as the experiment's
                          step is
 
@@ -74,8 +76,9 @@ def frozen_shardings(mods: Models, mesh, state_sh: PPOState, rm_params,
     adapters_sh = None if ref_adapters is None else build.param_shardings(
         mods.policy, mesh, build.abstract(ref_adapters))
     return Frozen(ref_params=ref_sh,
-                       rm_params=build.param_shardings(mods.reward, mesh,
-                                                       build.abstract(rm_params)),
+                       # No reward model on an environment's task.
+                       rm_params=None if rm_params is None else build.param_shardings(
+                           mods.reward, mesh, build.abstract(rm_params)),
                        reward_mean=rep, reward_std=rep, ref_adapters=adapters_sh)
 
 
@@ -105,6 +108,16 @@ def update_program(static: PPOStatic, mods: Models, state_sh: PPOState,
     return jit_program(functools.partial(core.update_phase, static, mods),
                        (state_sh, batch_sh, rep, rep, batch_sh, frozen_sh), (state_sh, rep),
                        donate_argnums=(0,))
+
+
+def trajectory_score_program(static: PPOStatic, mods: Models, state_sh: PPOState,
+                             frozen_sh: Frozen, mesh) -> Program:
+    """The score phase on multi-turn trajectories (`ppo_core.score_trajectory_phase`: state,
+    frozen, prompt ids and mask `[B, P]`, the trajectory's `[B, T]` arrays) -> (experience,
+    rollout metrics); the multi-turn step's advantages and update are `phase_programs`'."""
+    rep, batch_sh = sharding.replicated(mesh), sharding.batch_sharding(mesh)
+    return jit_program(functools.partial(core.score_trajectory_phase, static, mods),
+                       (state_sh, frozen_sh, batch_sh, batch_sh, batch_sh), (batch_sh, rep))
 
 
 def phase_programs(static: PPOStatic, mods: Models, state_sh: PPOState, frozen_sh: Frozen,
@@ -160,6 +173,24 @@ def experiment_step_program(static: PPOStatic, mods: Models, run_state_sh: PPOSt
 
     return jit_program(step, (state_sh, frozen_sh, rep, prompts_sh, prompts_sh, prompts_sh),
                        (state_sh, rep), donate_argnums=(0,))
+
+
+def experiment_trajectory_score_program(static: PPOStatic, mods: Models, run_state_sh: PPOState,
+                                        frozen_sh: Frozen, mesh) -> Program:
+    """`trajectory_score_program` vmapped over runs (the multi-turn experiment's score phase):
+    prompts `[runs, B, P]` and trajectories `[runs, B, T]` split along B, the frozen models
+    shared, the group's one unbatched first-step flag."""
+    rep = sharding.replicated(mesh)
+    state_sh = jax.tree.map(with_run_axis, run_state_sh)
+    runs_sh = sharding.batch_sharding(mesh, axis=1)
+
+    def score(state, frozen, ids, mask, trajectory):
+        first_step = state.step[0] == 0
+        return jax.vmap(lambda s, i, m, t: core.score_trajectory_phase(
+            static, mods, s, frozen, i, m, t, first_step=first_step))(state, ids, mask,
+                                                                      trajectory)
+
+    return jit_program(score, (state_sh, frozen_sh, runs_sh, runs_sh, runs_sh), (runs_sh, rep))
 
 
 def experiment_phase_programs(static: PPOStatic, mods: Models, run_state_sh: PPOState,

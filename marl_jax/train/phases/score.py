@@ -99,8 +99,9 @@ def rollout_mismatch(trainer_logprobs, sampler_logprobs, response_mask, cliprang
 def sequence_score(static: PPOStatic, models: Models, frozen: Frozen, prompt_ids, prompt_mask,
                    response_ids, response_mask, documents=None, host_scores=None, trunk=None):
     """(score, raw score) `[B]`: the reward model's (normalised when `normalize_reward`), the
-    gold function's on `documents`, or the host's `host_scores`, before clipping."""
-    if static.reward_source == "host":
+    gold function's on `documents`, or the host's `host_scores` (an environment's trajectories:
+    0, its rewards are the turns'), before clipping."""
+    if static.reward_source in ("host", "env"):
         scores = jnp.asarray(host_scores, jnp.float32)
         return scores, scores
     if static.reward_source == "gold":
