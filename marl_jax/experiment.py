@@ -565,15 +565,7 @@ def _measure_macro_lengths(config, program: _GroupProgram, runs, mesh):
     if all(r.ppo["mean_macro_length"] is not None for r in runs):
         return runs, program
     if program.turns is not None:
-        lengths = program.turns.macro_lengths(program)
-        runs = _with_measured_lengths(config, runs, [float(x) for x in lengths])
-        state = program.state.replace(kl_coef=jax.device_put(
-            jnp.asarray([r.ppo["kl_coef"] for r in runs], jnp.float32),
-            program.state_sh.kl_coef))
-        return runs, dataclasses.replace(
-            program, state=state,
-            hparams=jax.device_put(_run_hparams(runs, program.variants),
-                                   sharding.replicated(mesh)))
+        return _with_lengths(config, program, runs, program.turns.macro_lengths(program), mesh)
     measure = jax.jit(jax.vmap(functools.partial(_mean_macro_length_at_start, program.static,
                                                  program.mods),
                                in_axes=(0, None, 0, 0, 0, 0)))
@@ -581,6 +573,12 @@ def _measure_macro_lengths(config, program: _GroupProgram, runs, mesh):
     lengths = distributed.global_to_host(measure(
         program.state, program.frozen, program.hparams, prompts["ids"], prompts["mask"],
         prompts.get("documents")))
+    return _with_lengths(config, program, runs, lengths, mesh)
+
+
+def _with_lengths(config, program: _GroupProgram, runs, lengths, mesh):
+    """(runs, program) with the measured mean macro lengths `[runs]` filled in, and the
+    program's hparams and KL coefficients (which the lengths scale) updated."""
     runs = _with_measured_lengths(config, runs, [float(x) for x in lengths])
     state = program.state.replace(kl_coef=jax.device_put(
         jnp.asarray([r.ppo["kl_coef"] for r in runs], jnp.float32), program.state_sh.kl_coef))

@@ -127,7 +127,7 @@ def test_a_multi_turn_experiment_measures_macro_lengths_on_its_trajectories(tmp_
 
 # Every step checkpoints, so the kill lands between (or inside) checkpoints of the PPO stage.
 KILL_FLAGS = {
-    "sft.steps": 20, "ppo.steps": 3, "ppo.eval_every": 3, "ppo.batch_size": 8,
+    "stage": "all", "sft.steps": 20, "ppo.steps": 3, "ppo.eval_every": 3, "ppo.batch_size": 8,
     "task.num_eval_prompts": 4, "task.num_sft": 64, "task.num_rl_prompts": 16,
     "model.config.num_layers": 1, "checkpoint_every": 1,
     "mesh.data": 1, "mesh.fsdp": 1, "mesh.tensor": 1,

@@ -17,7 +17,7 @@ from marl_jax.macro import termination
 from marl_jax.macro.checks import check_mask, check_rank, check_same_shape
 from marl_jax.train import optim, phases, ppo as ppo_lib, ppo_core as core, ppo_types
 
-from train_util import tiny_config, trained_tiny_pipeline
+from train_util import ppo_setup, tiny_config, trained_tiny_pipeline
 
 # Two responses of three macros each: row 0 has 5 tokens, row 1 has 4 and one pad.
 MASK = np.array([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]])
@@ -451,14 +451,8 @@ def tiny_pipe(tmp_path_factory):
 
 
 def _step(tiny_pipe, **fields):
-    pipe, sft, rm, stats = tiny_pipe
-    cfg = tiny_config(**{f"ppo.{k}": v for k, v in fields.items()})
-    validate_config(cfg)
-    static = ppo_lib.static_from_config(cfg, pipe.task.tokenizer)
-    mods = ppo_lib.make_models(cfg, pipe.policy, pipe.critic, pipe.reward_model, pipe.task.gold_fn)
-    critic = ppo_lib.initial_critic_params(cfg, pipe.critic, sft, rm, jax.random.key(0), stats)
-    state = ppo_lib.initial_state(cfg, mods, sft, critic, seed=0)
-    frozen = ppo_types.Frozen(sft, rm, jnp.float32(stats["mean"]), jnp.float32(stats["std"]))
+    pipe = tiny_pipe[0]
+    cfg, static, mods, state, frozen = ppo_setup(tiny_pipe, **fields)
     ids = pipe.task.rl["ids"][:static.prompts_per_step]
     mask = pipe.task.rl["mask"][:static.prompts_per_step]
     hparams = ppo_lib.hparams_from_config(cfg.ppo)

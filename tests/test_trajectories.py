@@ -17,9 +17,9 @@ import pytest
 
 from marl_jax import losses
 from marl_jax.config_check import validate_config
-from marl_jax.train import ppo as ppo_lib, ppo_core as core, ppo_types, phases
+from marl_jax.train import ppo as ppo_lib, ppo_core as core, phases
 
-from train_util import tiny_config, trained_tiny_pipeline
+from train_util import ppo_setup, tiny_config, trained_tiny_pipeline
 
 SPANS = 2  # observation spans per row: three turns
 
@@ -30,14 +30,8 @@ def tiny_pipe(tmp_path_factory):
 
 
 def _setup(tiny_pipe, **fields):
-    pipe, sft, rm, stats = tiny_pipe
-    cfg = tiny_config(**{f"ppo.{k}": v for k, v in fields.items()})
-    validate_config(cfg)
-    static = ppo_lib.static_from_config(cfg, pipe.task.tokenizer)
-    mods = ppo_lib.make_models(cfg, pipe.policy, pipe.critic, pipe.reward_model, pipe.task.gold_fn)
-    critic = ppo_lib.initial_critic_params(cfg, pipe.critic, sft, rm, jax.random.key(0), stats)
-    state = ppo_lib.initial_state(cfg, mods, sft, critic, seed=0)
-    frozen = ppo_types.Frozen(sft, rm, jnp.float32(stats["mean"]), jnp.float32(stats["std"]))
+    pipe = tiny_pipe[0]
+    cfg, static, mods, state, frozen = ppo_setup(tiny_pipe, **fields)
     hparams = ppo_lib.hparams_from_config(cfg.ppo)
     ids = pipe.task.rl["ids"][:static.prompts_per_step]
     mask = pipe.task.rl["mask"][:static.prompts_per_step]

@@ -59,3 +59,23 @@ def trained_tiny_pipeline(workdir):
     rm, stats = pipe.rm()
     yield pipe, sft, rm, stats
     pipe.close()
+
+
+def ppo_setup(tiny_pipe, **fields):
+    """(config, static, models, state, frozen) of a PPO run of `tiny_config` with `ppo` fields
+    `fields`, started from a `trained_tiny_pipeline` (validated first)."""
+    import jax
+    import jax.numpy as jnp
+
+    from marl_jax.config_check import validate_config
+    from marl_jax.train import ppo as ppo_lib, ppo_types
+
+    pipe, sft, rm, stats = tiny_pipe
+    cfg = tiny_config(**{f"ppo.{k}": v for k, v in fields.items()})
+    validate_config(cfg)
+    static = ppo_lib.static_from_config(cfg, pipe.task.tokenizer)
+    mods = ppo_lib.make_models(cfg, pipe.policy, pipe.critic, pipe.reward_model, pipe.task.gold_fn)
+    critic = ppo_lib.initial_critic_params(cfg, pipe.critic, sft, rm, jax.random.key(0), stats)
+    state = ppo_lib.initial_state(cfg, mods, sft, critic, seed=0)
+    frozen = ppo_types.Frozen(sft, rm, jnp.float32(stats["mean"]), jnp.float32(stats["std"]))
+    return cfg, static, mods, state, frozen

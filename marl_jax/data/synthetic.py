@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -183,26 +182,16 @@ def build_tokenizer(task: SyntheticTask, directory: str):
     Every process writes its own temporary copy and loads that; the first complete copy is
     renamed into place, so concurrent processes never read a half-written file.
     """
-    import shutil
-    import tempfile
-
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
+
+    from marl_jax.models.tokenizer import write_tokenizer
 
     raw = Tokenizer(models.WordLevel(vocab=task.ids, unk_token=UNK))
     raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token=BOS, eos_token=EOS,
                                    pad_token=PAD, unk_token=UNK, padding_side="left")
-    parent = os.path.dirname(os.path.abspath(directory))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tokenizer-", dir=parent)
-    fast.save_pretrained(tmp)
-    tokenizer = AutoTokenizer.from_pretrained(tmp)
-    try:
-        os.rename(tmp, directory)
-    except OSError:  # another process got there first; its copy is identical
-        shutil.rmtree(tmp, ignore_errors=True)
-    return tokenizer
+    return write_tokenizer(fast, directory)
 
 
 # ---- the gold reward ---------------------------------------------------------------------------

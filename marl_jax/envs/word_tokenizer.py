@@ -7,10 +7,9 @@ token is `<|im_end|>`, also its EOS; decoding joins words with single spaces.
 """
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from typing import Sequence
+
+from marl_jax.models.tokenizer import write_tokenizer
 
 PAD, UNK, IM_START, IM_END = "<pad>", "<unk>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (PAD, UNK, IM_START, IM_END)
@@ -36,7 +35,7 @@ def build_word_chat_tokenizer(words: Sequence[str], directory: str):
     transformers. Every process writes its own temporary copy and renames the first complete one
     into place, so concurrent processes never read a half-written file."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     vocab = chat_vocabulary(words)
     raw = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(vocab)}, unk_token=UNK))
@@ -44,13 +43,4 @@ def build_word_chat_tokenizer(words: Sequence[str], directory: str):
     fast = PreTrainedTokenizerFast(tokenizer_object=raw, pad_token=PAD, unk_token=UNK,
                                    eos_token=IM_END, additional_special_tokens=[IM_START],
                                    chat_template=CHATML_TEMPLATE, padding_side="left")
-    parent = os.path.dirname(os.path.abspath(directory))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tokenizer-", dir=parent)
-    fast.save_pretrained(tmp)
-    tokenizer = AutoTokenizer.from_pretrained(tmp)
-    try:
-        os.rename(tmp, directory)
-    except OSError:  # another process got there first; its copy is identical
-        shutil.rmtree(tmp, ignore_errors=True)
-    return tokenizer
+    return write_tokenizer(fast, directory)

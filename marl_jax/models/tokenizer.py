@@ -265,3 +265,25 @@ def load_tokenizer(path: str | os.PathLike, *, padding_side: str = "left"):
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def write_tokenizer(fast, directory: str):
+    """Saves the `transformers` tokenizer `fast` to `directory` and returns it loaded back by
+    `AutoTokenizer`, the path of any pretrained model's tokenizer. Every process writes its own
+    temporary copy and loads that; the first complete copy is renamed into place, so concurrent
+    processes never read a half-written file."""
+    import shutil
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    parent = os.path.dirname(os.path.abspath(directory))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tokenizer-", dir=parent)
+    fast.save_pretrained(tmp)
+    tokenizer = AutoTokenizer.from_pretrained(tmp)
+    try:
+        os.rename(tmp, directory)
+    except OSError:  # another process got there first; its copy is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer
