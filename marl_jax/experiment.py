@@ -520,7 +520,7 @@ def _group_program(config, pipe, runs, sft_params, rm_params, stats) -> _GroupPr
                             frozen_sh)
     phase_fns = turns = None
     # A multi-turn group's rollout is played from the host: it always runs as its phases.
-    if task.environment is not None:
+    if task.turn_callback is not None:
         turns = _GroupTurns(config, task, static, mods, run_sh, frozen_sh, mesh, runs)
     if p.get("phase_timing", True) or turns is not None:
         phase_fns = {name: program.fn for name, program in programs.experiment_phase_programs(
@@ -599,7 +599,7 @@ class _GroupEvaluator:
             ppo_lib.evaluate_from_key_data, program.static, program.mods, gold_fn=task.gold_fn,
             samples_per_prompt=self.m), in_axes=(0, None, None, None, None, 0)))
         self.frozen = program.frozen
-        self.trajectories = None if task.environment is None else \
+        self.trajectories = None if task.turn_callback is None else \
             turn_step.TrajectoryEvaluation(config, task, program.static, program.mods)
         self.inputs = sharding.put_global(task.eval, mesh)
         self.keys = sharding.put_global(np.stack([

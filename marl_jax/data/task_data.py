@@ -45,6 +45,11 @@ class TaskData:
     # `sft` also holds `action_mask` [N, R] (1 on the policy's tokens, 0 on observations) and
     # `turn_ids` [N, R], and R is the trajectory's budget (actions and observations).
     environment: Optional[dict] = None
+    # How the trainer plays a multi-turn task (set with `environment`): turn_callback(task rows
+    # [B], episode seeds [B]) -> the host callback `rollout.turns.run_turns` steps the episodes
+    # of those rows with; end_of_turn: the token ids that end an assistant turn.
+    turn_callback: Optional[Callable] = None
+    end_of_turn: tuple = ()
     info: dict = dataclasses.field(default_factory=dict)
 
 

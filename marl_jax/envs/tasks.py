@@ -18,9 +18,10 @@ import os
 from marl_jax.data.task_data import TaskData
 from marl_jax.data.task_registry import register_task
 from marl_jax.envs import calculator
-from marl_jax.envs.chat_turns import prompt_ids
+from marl_jax.envs.chat_turns import end_of_turn_ids, prompt_ids
 from marl_jax.envs.registry import environment
 from marl_jax.envs.transcripts import left_padded, pad_id, transcript_arrays
+from marl_jax.envs.turn_callback import turn_callback
 
 # The problems' sizes a calculator task section sets (`calculator.CalculatorTask`).
 CALCULATOR_SIZES = ("min_a", "max_a", "max_bc", "max_value")
@@ -66,6 +67,10 @@ def calculator_task_data(config, workdir: str) -> TaskData:
         rl=first_prompts(env, tokenizer, rl_rows, p),
         eval=first_prompts(env, tokenizer, eval_rows, p),
         environment=dict(name="calculator", kwargs=env_kwargs),
+        turn_callback=lambda rows, seeds: turn_callback(
+            env, tokenizer, rows, seeds,
+            max_observation_tokens=int(t.max_observation_tokens))[1],
+        end_of_turn=tuple(end_of_turn_ids(tokenizer)),
         info=dict(task="calculator", calculator=dataclasses.asdict(task), rl_rows=rl_rows,
                   eval_rows=eval_rows),
     )

@@ -357,7 +357,7 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
     # own; so does phase timing. Otherwise the step is one program.
     phased = None
     timed = p.get("phase_timing", True)
-    if task.environment is not None:
+    if task.turn_callback is not None:
         # Multi-turn: the rollout plays the environment from the host, phase by phase.
         phased = MultiTurnStep(config, task, static, mods, state_sh, frozen_sh, mesh,
                                timed=timed)
@@ -373,7 +373,7 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
     eval_inputs = sharding.put_global(
         dict(task.eval, key_data=jax.random.key_data(eval_key(config.seed))), mesh)
 
-    trajectory_eval = None if task.environment is None else TrajectoryEvaluation(
+    trajectory_eval = None if task.turn_callback is None else TrajectoryEvaluation(
         config, task, static, mods)
 
     def run_eval(state):

@@ -1,6 +1,7 @@
-"""A PPO step on multi-turn trajectories: the policy plays an environment (`marl_jax.envs`) turn
-by turn over one KV cache (`rollout.turns.run_turns`), then the trajectories go through the
-score, advantages and update programs as a single-turn rollout does.
+"""A PPO step on multi-turn trajectories: the policy plays a task's environment turn by turn over
+one KV cache (`rollout.turns.run_turns`, stepping the episodes through the task's
+`TaskData.turn_callback`), then the trajectories go through the score, advantages and update
+programs as a single-turn rollout does.
 
     rollout (host-driven: decode a turn on device, step the environments on the host, prefill
     the observations on top of the cache, decode on) -> score (device: the forward passes read
@@ -21,8 +22,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from marl_jax import envs
-from marl_jax.envs.chat_turns import end_of_turn_ids
 from marl_jax.rollout import turns
 from marl_jax.train import programs, sharding
 from marl_jax.train.phased_step import PhaseClock
@@ -43,7 +42,7 @@ def episode_seeds(seed: int, step: int, rows, *, held_out: bool = False) -> list
 
 
 class TrajectoryPlayer:
-    """Plays `task.environment` with a policy: `play(params, prompt_ids, prompt_mask, task_rows,
+    """Plays a multi-turn task's episodes (`task.turn_callback`) with a policy: `play(params, prompt_ids, prompt_mask, task_rows,
     seeds, key) -> rollout.turns.Trajectory` (numpy `[B, T]`), the prompts left-padded `[B, P]`
     and the environment's rows and seeds one per row."""
 
@@ -52,21 +51,16 @@ class TrajectoryPlayer:
             raise ValueError("multi-turn rollouts step their environments on one host: run "
                              "them with one process")
         t = config.task
-        self.environment = envs.environment(task.environment["name"],
-                                            **task.environment.get("kwargs", {}))
-        self.tokenizer, self.policy, self.static = task.tokenizer, policy, static
+        self.turn_callback, self.end_of_turn = task.turn_callback, task.end_of_turn
+        self.policy, self.static = policy, static
         self.max_turns, self.max_turn_tokens = int(t.max_turns), int(t.max_turn_tokens)
-        self.max_observation_tokens = int(t.max_observation_tokens)
-        self.end_of_turn = end_of_turn_ids(task.tokenizer)
 
     def play(self, params, prompt_ids, prompt_mask, task_rows, seeds, key,
              temperature=None) -> turns.Trajectory:
         s = self.static
-        _, step_turns = envs.turn_callback(self.environment, self.tokenizer, task_rows, seeds,
-                                           max_observation_tokens=self.max_observation_tokens)
         return turns.run_turns(
             self.policy, params, np.asarray(prompt_ids), np.asarray(prompt_mask),
-            step_turns=step_turns, row_keys=jax.random.split(key, len(task_rows)),
+            step_turns=self.turn_callback(task_rows, seeds), row_keys=jax.random.split(key, len(task_rows)),
             max_turns=self.max_turns, max_total_tokens=s.response_length,
             max_turn_tokens=self.max_turn_tokens, end_of_turn=self.end_of_turn,
             temperature=s.temperature if temperature is None else temperature,
