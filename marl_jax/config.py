@@ -31,7 +31,8 @@ SYNTHETIC_TASK_FIELDS = ("data_seed", "num_sft", "num_pairs", "num_rl_prompts",
                          "num_eval_prompts")
 # What marl_jax/envs/tasks.py reads of the calculator task's section.
 CALCULATOR_TASK_FIELDS = ("data_seed", "num_sft", "num_rl_prompts", "num_eval_prompts",
-                          "prompt_length", "max_turns", "min_a", "max_a", "max_bc", "max_value")
+                          "prompt_length", "max_turns", "min_a", "max_a", "max_bc", "max_value",
+                          "demo_shortcut")
 # What marl_jax/data/review_task.py and the pipeline read of the review task's section.
 REVIEW_TASK_FIELDS = ("data_seed", "tokenizer", "max_prompt_length", "use_chat_template",
                       "num_eval_prompts", "num_rm_eval", "num_sft", "num_pairs",

@@ -212,6 +212,31 @@ def test_calculator_demonstrations_solve_their_problems(calc_tokenizer):
             assert calc_tokenizer.decode(calc_tokenizer(m["content"])["input_ids"]) == m["content"]
 
 
+def test_shortcut_demonstrations_stop_after_one_call_and_earn_nothing():
+    """With `demo_shortcut` a demonstration may answer the first call's value right after it:
+    two assistant turns instead of three, the same problems as without shortcuts, and the
+    environment scores exactly the demonstrations that did not stop early."""
+    full = calculator.demonstrations(calculator.CalculatorTask(), seed=5, n=64)
+    demos = calculator.demonstrations(calculator.CalculatorTask(demo_shortcut=0.5), seed=5, n=64)
+    assert 16 < sum(d["shortcut"] for d in demos) < 48 and not any(d["shortcut"] for d in full)
+    env = CalculatorEnvironment(max_turns=4)
+    for demo, whole in zip(demos, full):
+        assert demo["problem"] == whole["problem"]
+        messages = demo["messages"]
+        if not demo["shortcut"]:
+            assert messages == whole["messages"]
+            continue
+        assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant"]
+        assert messages[:3] == whole["messages"][:3]
+        assert messages[3]["content"] == f"answer: {messages[2]['content']}"
+        states, _ = env.reset([demo], [0])
+        states = env.step(states, [messages[1]["content"]], [[]]).states
+        result = env.step(states, [messages[3]["content"]], [[]])
+        assert bool(result.done[0]) and float(result.rewards[0]) == 0.0
+    with pytest.raises(ValueError, match="demo_shortcut"):
+        calculator.CalculatorTask(demo_shortcut=1.5)
+
+
 def test_guess_number_rewards_and_observations_by_hand():
     env = envs.environment("guess_number", max_turns=4)
     row = {"low": 1, "high": 100, "secret": 37}

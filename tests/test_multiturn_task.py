@@ -10,7 +10,7 @@ import pytest
 from marl_jax import envs
 from marl_jax.config_check import validate_config
 from marl_jax.data.tasks import build_task
-from marl_jax.envs import calculator, transcripts
+from marl_jax.envs import calculator, tasks, transcripts
 from marl_jax.train import build
 from marl_jax.train.sft import sft_loss
 
@@ -30,7 +30,7 @@ def tiny_calculator_config(**task):
 def task_and_demos(tmp_path_factory):
     config = tiny_calculator_config()
     data = build_task(config, str(tmp_path_factory.mktemp("calculator")))
-    demos = calculator.demonstrations(calculator.CalculatorTask(max_value=299), 0, 64)
+    demos = calculator.demonstrations(tasks.calculator_task_from_config(config.task), 0, 64)
     return config, data, demos
 
 

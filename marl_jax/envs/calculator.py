@@ -57,12 +57,15 @@ _ANSWER = re.compile(r"\s*answer:\s*(-?)\s*([0-9]+)\s*")
 @dataclasses.dataclass(frozen=True)
 class CalculatorTask:
     """The problems' sizes: `a` in [min_a, max_a], `b` and `c` in [2, max_bc]; numbers are words
-    up to `max_value`."""
+    up to `max_value`. `demo_shortcut`: the share of SFT demonstrations that stop early, answering
+    the first tool call's value instead of making the second call (a wrong answer: the policy
+    decides when to stop, and the demonstrations sometimes stop too soon)."""
 
     min_a: int = 10
     max_a: int = 20
     max_bc: int = 9
     max_value: int = 999
+    demo_shortcut: float = 0.0
 
     def __post_init__(self):
         if not 2 < self.max_bc < self.min_a <= self.max_a:
@@ -72,6 +75,8 @@ class CalculatorTask:
         if self.max_value < largest:
             raise ValueError(f"max_value={self.max_value} must hold the largest intermediate "
                              f"value {largest}")
+        if not 0.0 <= self.demo_shortcut <= 1.0:
+            raise ValueError(f"demo_shortcut={self.demo_shortcut} must be in [0, 1]")
 
 
 def number_text(value: int) -> str:
@@ -107,17 +112,22 @@ def problems(task: CalculatorTask, seed: int, n: int) -> list:
 
 
 def demonstrations(task: CalculatorTask, seed: int, n: int) -> list:
-    """[{"problem", "answer", "messages"}]: SFT transcripts of good tool use. `messages` is the
-    whole conversation: the problem (user), then per operation a calc call (assistant) and its
-    value (tool), then the answer (assistant)."""
+    """[{"problem", "answer", "messages", "shortcut"}]: SFT transcripts of tool use. `messages` is
+    the whole conversation: the problem (user), then per operation a calc call (assistant) and
+    its value (tool), then the answer (assistant); a share `task.demo_shortcut` of them (drawn
+    with seed `[seed, 1]`, `shortcut` True) answers the first call's value right after it."""
     rows = []
-    for row in problems(task, seed, n):
+    stops = np.random.default_rng([seed, 1]).random(n) < task.demo_shortcut
+    for row, stop in zip(problems(task, seed, n), stops):
         messages = [{"role": "user", "content": row["problem"]}]
-        for expression, value in row["steps"]:
+        steps = row["steps"][:1] if stop else row["steps"]
+        for expression, value in steps:
             messages.append({"role": "assistant", "content": f"calc ( {expression} )"})
             messages.append({"role": "tool", "content": number_text(value)})
-        messages.append({"role": "assistant", "content": f"answer: {number_text(row['answer'])}"})
-        rows.append(dict(problem=row["problem"], answer=row["answer"], messages=messages))
+        answer = steps[-1][1] if stop else row["answer"]
+        messages.append({"role": "assistant", "content": f"answer: {number_text(answer)}"})
+        rows.append(dict(problem=row["problem"], answer=row["answer"], messages=messages,
+                         shortcut=bool(stop)))
     return rows
 
 

@@ -28,8 +28,10 @@ CALCULATOR_SIZES = ("min_a", "max_a", "max_bc", "max_value")
 
 
 def calculator_task_from_config(t) -> calculator.CalculatorTask:
-    """The `CalculatorTask` of a task section (its `CALCULATOR_SIZES` fields)."""
-    return calculator.CalculatorTask(**{k: int(t[k]) for k in CALCULATOR_SIZES})
+    """The `CalculatorTask` of a task section (its `CALCULATOR_SIZES` fields and the share of
+    demonstrations that stop early, `demo_shortcut`)."""
+    return calculator.CalculatorTask(**{k: int(t[k]) for k in CALCULATOR_SIZES},
+                                     demo_shortcut=float(t.demo_shortcut))
 
 
 def first_prompts(env, tokenizer, rows, prompt_length: int) -> dict:
