@@ -113,8 +113,8 @@ def test_one_turn_is_todays_step_to_the_bit(tiny_pipe):
                               turn_ids=jnp.zeros_like(sampled.response_mask),
                               turn_rewards=jnp.zeros(sampled.response_mask.shape, jnp.float32))
     assert turned_m.pop("objective/turn_rewards") == 0
-    assert _leaves_equal(one.replace(action_mask=None, turn_ids=None),
-                         turned.replace(action_mask=None, turn_ids=None)) and _leaves_equal(
+    plain = dict(action_mask=None, turn_ids=None, turn_rewards=None)
+    assert _leaves_equal(one.replace(**plain), turned.replace(**plain)) and _leaves_equal(
         one_m, turned_m)
     results = [_advantages_and_update(static, mods, state, frozen, hparams, e, one_m)
                for e in (one, turned)]
@@ -186,6 +186,15 @@ def test_observation_spans_take_no_target_kl_reward_or_step(tiny_pipe, fields):
         np.testing.assert_allclose(_gather(got, where)[valid], want[valid], rtol=1e-6,
                                    atol=1e-6, err_msg=name)
     assert np.any(np.asarray(adv.advantages)[~obs] != 0)
+    if fields.get("estimator") == "grpo":
+        # GRPO's one score per trajectory is all it earned: the clipped score and its turns'
+        # rewards, normalised in its group of 2 by hand.
+        total = (terminal + np.asarray(turn_rewards, np.float64).sum(axis=1)).reshape(-1, 2)
+        want = (total - total.mean(axis=1, keepdims=True)) / (
+            total.std(axis=1, ddof=1, keepdims=True) + 1e-4)
+        first = np.argmax(np.asarray(actions), axis=1)
+        np.testing.assert_allclose(np.asarray(adv.advantages)[np.arange(rows), first],
+                                   want.reshape(-1), rtol=1e-4, atol=1e-5)
 
     # The update reads nothing at an observation token: garbage there changes no bit.
     noise = lambda x: jnp.where(jnp.asarray(obs), 7.0 + 3 * x, x)  # noqa: E731

@@ -210,6 +210,10 @@ class Experience:
     # each token (non-decreasing along a row).
     action_mask: Any = None
     turn_ids: Any = None
+    # [B, R] the environment's reward of each turn on its last action token (in `rewards`
+    # too); what a trajectory earned besides its sequence score, which the estimators that
+    # read one score per response add to it.
+    turn_rewards: Any = None
 
     @property
     def actions(self):

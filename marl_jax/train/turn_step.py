@@ -42,9 +42,10 @@ def episode_seeds(seed: int, step: int, rows, *, held_out: bool = False) -> list
 
 
 class TrajectoryPlayer:
-    """Plays a multi-turn task's episodes (`task.turn_callback`) with a policy: `play(params, prompt_ids, prompt_mask, task_rows,
-    seeds, key) -> rollout.turns.Trajectory` (numpy `[B, T]`), the prompts left-padded `[B, P]`
-    and the environment's rows and seeds one per row."""
+    """Plays a multi-turn task's episodes (`task.turn_callback`) with a policy: `play(params,
+    prompt_ids, prompt_mask, task_rows, seeds, key) -> rollout.turns.Trajectory` (numpy
+    `[B, T]`), the prompts left-padded `[B, P]` and the environment's rows and seeds one per
+    row."""
 
     def __init__(self, config, task, static: PPOStatic, policy):
         if jax.process_count() > 1:
@@ -60,7 +61,8 @@ class TrajectoryPlayer:
         s = self.static
         return turns.run_turns(
             self.policy, params, np.asarray(prompt_ids), np.asarray(prompt_mask),
-            step_turns=self.turn_callback(task_rows, seeds), row_keys=jax.random.split(key, len(task_rows)),
+            step_turns=self.turn_callback(task_rows, seeds),
+            row_keys=jax.random.split(key, len(task_rows)),
             max_turns=self.max_turns, max_total_tokens=s.response_length,
             max_turn_tokens=self.max_turn_tokens, end_of_turn=self.end_of_turn,
             temperature=s.temperature if temperature is None else temperature,

@@ -121,7 +121,8 @@ def critic_free_advantages(static: PPOStatic, models: Models, state: PPOState, f
     """Per-token advantages `[B, R]` without a critic: (advantages, metrics, extra budget), from
     the estimator's record (`estimators.ESTIMATORS`).
 
-    The record's advantage function reads the responses' terminal rewards (clipped score,
+    The record's advantage function reads the responses' terminal rewards (clipped score, a
+    trajectory's turn rewards added,
     missing-EOS penalty), their per-token KL estimates to the reference at `state.kl_coef`, and
     the per-token rewards (`estimators.AdvantageInputs`). An estimator that branches (macro_mc)
     first samples `mc_rollouts` continuations from up to `mc_branch_points` macro starts of
@@ -131,10 +132,12 @@ def critic_free_advantages(static: PPOStatic, models: Models, state: PPOState, f
     estimator = estimators.ESTIMATORS[static.estimator]
     mask = exp.actions
     kl = losses.kl_per_token(exp.old_logprobs, exp.ref_logprobs, static.kl_estimator)
+    terminal = score.terminal_reward(static, exp.scores, exp.ended_with_eos, mask.sum(axis=1))
+    if exp.turn_rewards is not None:
+        # A trajectory's score is everything it earned: its turns' rewards too.
+        terminal = terminal + exp.turn_rewards.sum(axis=1)
     inputs = estimators.AdvantageInputs(
-        scores=jnp.where(mask.sum(axis=1) > 0,
-                         score.terminal_reward(static, exp.scores, exp.ended_with_eos,
-                                               mask.sum(axis=1)), 0.0),
+        scores=jnp.where(mask.sum(axis=1) > 0, terminal, 0.0),
         kl=jnp.where(mask != 0, kl, 0.0), kl_coef=state.kl_coef, rewards=exp.rewards,
         response_mask=mask, group_size=static.group_size, turn_ids=exp.turn_ids)
     if not estimator.branches:

@@ -211,7 +211,8 @@ def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, pr
                      documents if estimators.ESTIMATORS[static.estimator].branches else None,
                      None if trunk is None else trunk[0],
                      sampler if static.rollout_correction != "none" else None,
-                     action_mask=action_mask, turn_ids=turn_ids)
+                     action_mask=action_mask, turn_ids=turn_ids,
+                     turn_rewards=None if turn_rewards is None else turn_rewards * actions)
     seq_kl = (losses.kl_per_token(old_logprobs, ref.logprobs, "k1") * actions).sum(axis=1)
     metrics = {
         "objective/kl": seq_kl.mean(),
