@@ -423,6 +423,12 @@ class _GroupProgram:
         sample = clock.done("rollout", fns["rollout"](state, frozen, ids, mask))
         exp, roll_metrics = clock.done("score", fns["score"](state, frozen, ids, mask, sample,
                                                              documents))
+        return self.learn(state, exp, roll_metrics, clock)
+
+    def learn(self, state, exp, roll_metrics, clock):
+        """The advantages and update phases on a scored rollout, timed by `clock`:
+        (state, the step's metrics)."""
+        fns, frozen = self.phase_fns, self.frozen
         adv, adv_metrics = clock.done("advantages", fns["advantages"](state, frozen,
                                                                       self.hparams, exp))
         state, metrics = clock.done("update", fns["update"](state, exp, adv, roll_metrics,
@@ -457,16 +463,12 @@ class _GroupTurns:
         return batch["ids"], batch["mask"], {key: batch[key] for key in played}
 
     def step(self, program, state, step):
-        fns, frozen, clock = program.phase_fns, program.frozen, PhaseClock(timed=True)
+        clock = PhaseClock(timed=True)
         ids, mask, trajectory = self.trajectories(program, state, step)
         clock.done("rollout", None)
-        exp, roll_metrics = clock.done("score", self.score(state, frozen, ids, mask,
+        exp, roll_metrics = clock.done("score", self.score(state, program.frozen, ids, mask,
                                                            trajectory))
-        adv, adv_metrics = clock.done("advantages", fns["advantages"](state, frozen,
-                                                                      program.hparams, exp))
-        state, metrics = clock.done("update", fns["update"](state, exp, adv, roll_metrics,
-                                                            adv_metrics, frozen))
-        return state, dict(metrics, **clock.seconds)
+        return program.learn(state, exp, roll_metrics, clock)
 
     def macro_lengths(self, program):
         """`[runs]` tokens per macro of every run's first trajectories (its step 0's) under its

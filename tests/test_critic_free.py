@@ -16,7 +16,7 @@ from marl_jax import experiment
 from marl_jax.train import ppo as ppo_lib, phases, ppo_core as core, ppo_types
 from marl_jax.train.metrics import read_metrics
 
-from train_util import tiny_config, trained_tiny_pipeline
+from train_util import ppo_setup, tiny_config, trained_tiny_pipeline
 
 
 @pytest.fixture(scope="module")
@@ -24,21 +24,10 @@ def tiny_pipe(tmp_path_factory):
     yield from trained_tiny_pipeline(tmp_path_factory.mktemp("tiny"))
 
 
-def _setup(tiny_pipe, **overrides):
-    pipe, sft, rm, stats = tiny_pipe
-    cfg = tiny_config(**overrides)
-    static = ppo_lib.static_from_config(cfg, pipe.task.tokenizer)
-    mods = ppo_lib.make_models(cfg, pipe.policy, pipe.critic, pipe.reward_model, pipe.task.gold_fn)
-    critic = ppo_lib.initial_critic_params(cfg, pipe.critic, sft, rm, jax.random.key(0), stats)
-    state = ppo_lib.initial_state(cfg, mods, sft, critic, seed=0)
-    frozen = ppo_types.Frozen(sft, rm, jnp.float32(stats["mean"]), jnp.float32(stats["std"]))
-    return cfg, static, mods, state, frozen
-
-
 def test_group_estimators_train_without_a_critic(tiny_pipe):
     pipe = tiny_pipe[0]
-    cfg, static, mods, state, frozen = _setup(
-        tiny_pipe, **{"ppo.estimator": "grpo", "ppo.group_size": 4, "ppo.batch_size": 8})
+    cfg, static, mods, state, frozen = ppo_setup(tiny_pipe, estimator="grpo", group_size=4,
+                                                 batch_size=8)
     assert state.critic_params == {} and static.prompts_per_step == 2
     # A reference other than the actor, so the responses' KL is not 0.
     frozen = frozen.replace(ref_params=jax.tree.map(lambda x: x * 1.05, frozen.ref_params))
@@ -85,7 +74,7 @@ def test_group_estimators_train_without_a_critic(tiny_pipe):
 
 def test_gae_step_counts_its_budget(tiny_pipe):
     pipe = tiny_pipe[0]
-    cfg, static, mods, state, frozen = _setup(tiny_pipe)
+    cfg, static, mods, state, frozen = ppo_setup(tiny_pipe)
     ids, mask = pipe.task.rl["ids"][:8], pipe.task.rl["mask"][:8]
     step = jax.jit(functools.partial(core.ppo_step, static, mods))
     new, metrics = step(state, frozen, ppo_lib.hparams_from_config(cfg.ppo), ids, mask)
