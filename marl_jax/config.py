@@ -180,6 +180,12 @@ def base_config() -> ml_collections.ConfigDict:
     p.randomized_lengths = (2, 3, 5, 10)
     p.randomized_repeats = 3
     p.entropy_quantile = 0.2  # entropy termination: share of tokens (top entropy) starting macros
+    # low_probability termination (SAE): the share of each response's tokens, those of lowest
+    # sampled probability, after which a macro ends (0.2: macros of 5 tokens on average, as
+    # MA-RLHF's 5-grams); or, when low_probability_threshold > 0, every token whose probability
+    # is below that threshold ends one (0: the quantile decides).
+    p.low_probability_quantile = 0.2
+    p.low_probability_threshold = 0.0
     p.parsing_cutoff = 5
     p.parsing_model = "en_core_web_sm"
     p.isolate_last = True

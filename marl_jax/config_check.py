@@ -35,7 +35,8 @@ from marl_jax.models import lora
 from marl_jax.xla_flags import MODES as XLA_GPU_FLAG_MODES
 
 STAGES = ("sft", "rm", "ppo", "all", "experiment", "eval")
-TERMINATIONS = ("fixed", "randomized", "perplexity", "entropy", "parsing", "turn")
+TERMINATIONS = ("fixed", "randomized", "perplexity", "entropy", "low_probability", "parsing",
+                "turn")
 SCHEDULES = ("constant", "linear", "cosine")
 CRITIC_INITS = ("rm", "sft", "random")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -106,7 +107,8 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
     check(len(p.randomized_lengths) > 0 and all(int(x) >= 1 for x in p.randomized_lengths),
           "ppo.randomized_lengths", "must be a non-empty tuple of integers >= 1")
     check(p.randomized_repeats >= 1, "ppo.randomized_repeats", "must be >= 1")
-    check(0 < p.entropy_quantile <= 1, "ppo.entropy_quantile", "must be in (0, 1]")
+    problem = termination_problem(p, p.temperature)
+    check(problem is None, *(problem or (None, None)))
     check(p.temperature >= 0, "ppo.temperature", "must be >= 0")
     check(0 < p.top_p <= 1, "ppo.top_p", "must be in (0, 1]")
     check(p.top_k >= 0, "ppo.top_k", "must be >= 0 (0 disables top-k)")
@@ -258,6 +260,33 @@ def dynamic_sampling_problem(estimator: str, oversample):
             f"which carry no signal only under a group-normalised estimator ({GROUP_NORMALISED});"
             f" under ppo.estimator={estimator!r} they still do, and dropping them selects on the "
             "reward: set ppo.dynamic_sampling_oversample=1")
+
+
+def termination_problem(p, temperature) -> tuple[str, str] | None:
+    """(`ppo.<field>`, one line) for the first termination setting of `p` (`config.ppo`, or an
+    experiment arm's fields) that cannot work, else None: an unknown termination, a quantile or
+    threshold out of range, or a rule that reads what the run does not have (`low_probability`
+    cuts at the tokens sampled with low probability; greedy decoding, `temperature` 0, samples
+    none, every old logprob is that of a point mass)."""
+    def share(name, low_open=True):
+        value = p[name]
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return number and (0 < value <= 1 if low_open else 0 <= value <= 1)
+
+    rules = (
+        ("termination", p["termination"] in TERMINATIONS, f"must be one of {TERMINATIONS}"),
+        ("entropy_quantile", share("entropy_quantile"), "must be in (0, 1]"),
+        ("low_probability_quantile", share("low_probability_quantile"), "must be in (0, 1]"),
+        ("low_probability_threshold", share("low_probability_threshold", low_open=False),
+         "must be in [0, 1] (0: ppo.low_probability_quantile decides)"),
+        ("termination", not (p["termination"] == "low_probability" and temperature == 0),
+         "low_probability cuts after the tokens the policy sampled with low probability, but "
+         "ppo.temperature=0 decodes greedily (no sampled probabilities): use a temperature > 0"),
+    )
+    for field, ok, message in rules:
+        if not ok:
+            return f"ppo.{field}", message
+    return None
 
 
 def check_seeds(seeds) -> None:

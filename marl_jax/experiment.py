@@ -71,6 +71,9 @@ ARMS = {
     "n_inf": lambda p: dict(ngram=p.response_length),
     "randomized": lambda p: dict(termination="randomized"),
     "perplexity": lambda p: dict(termination="perplexity"),
+    # Macros that start at high-entropy "forking" tokens, or end after low-probability ones (SAE).
+    "entropy": lambda p: dict(termination="entropy"),
+    "low_probability": lambda p: dict(termination="low_probability"),
     "equal": lambda p: dict(value_weighting="equal"),
     "unit": lambda p: dict(value_weighting="unit"),
     "position": lambda p: dict(value_weighting="position"),
@@ -84,12 +87,14 @@ ARMS = {
 }
 TRACED_FIELDS = ("lam", "gamma", "kl_coef", "ngram", "termination", "value_weighting",
                  "reward_aggregation", "critic_init")
-# Fields that change the compiled step (the estimator, its loss and the batch shapes): runs that
-# differ in them are separate groups, each one vmapped program, run one after the other.
+# Fields that change the compiled step (the estimator, its loss, the batch shapes and the
+# terminations' shares and thresholds): runs that differ in them are separate groups, each one
+# vmapped program, run one after the other.
 STATIC_FIELDS = ("estimator", "group_size", "batch_size", "mc_rollouts", "mc_branch_points",
                  "loss_aggregation", "ratio_level", "ratio_form", "cliprange_low",
                  "cliprange_high", "dual_clip", "dynamic_sampling_oversample", "overlong_buffer",
-                 "overlong_penalty", "mask_truncated")
+                 "overlong_penalty", "mask_truncated", "entropy_quantile",
+                 "low_probability_quantile", "low_probability_threshold")
 # Critic-free estimators (configs/synthetic_estimators.py), one arm each by the estimator's
 # name (`estimators.ESTIMATORS`); sizes are set by the config.
 ARMS.update({name: (lambda p, name=name: dict(TOKEN_PPO, estimator=name))
@@ -207,6 +212,10 @@ def resolve_arm(name: str, ppo_cfg) -> dict:
                          "vmapped; run it as a single pipeline (--config.stage=all)")
     if int(fields["ngram"]) < 1:
         raise ValueError(f"arm {name!r}: ngram={fields['ngram']} must be >= 1")
+    problem = config_check.termination_problem(fields, ppo_cfg.temperature)
+    if problem:
+        field = problem[0].split(".")[-1]
+        raise ValueError(f"arm {name!r}: {field}={fields[field]!r}: {problem[1]}")
     problem = config_check.dynamic_sampling_problem(fields["estimator"],
                                                     fields["dynamic_sampling_oversample"])
     if problem:

@@ -193,7 +193,7 @@ def _trajectory(seed, rows=3, turns=3, width=30):
 def _within(strategy, mask, turn_ids, logp, entropy, **kw):
     return np.asarray(termination.segment(
         strategy, mask, turn_ids=turn_ids, key=jax.random.key(0), ref_logprobs=logp,
-        entropies=entropy, n=kw.pop("n", 3), **kw))
+        entropies=entropy, logprobs=logp, n=kw.pop("n", 3), **kw))
 
 
 @pytest.mark.parametrize("strategy", termination.STRATEGIES)
@@ -218,7 +218,8 @@ def test_one_turn_without_holes_is_the_single_response_strategy(strategy):
     logp = np.random.default_rng(5).normal(-2, 1, mask.shape).astype(np.float32)
     entropy = np.random.default_rng(6).random(mask.shape).astype(np.float32)
     plain = np.asarray(termination.segment(strategy, mask, key=jax.random.key(0),
-                                           ref_logprobs=logp, entropies=entropy, n=3))
+                                           ref_logprobs=logp, entropies=entropy, logprobs=logp,
+                                           n=3))
     np.testing.assert_array_equal(
         _within(strategy, mask, np.zeros_like(mask), logp, entropy), plain)
 

@@ -228,7 +228,8 @@ def test_segment_dispatches_to_each_strategy():
                                   randomized_ngram(key, mask, lengths=(1, 4), repeats=2))
     np.testing.assert_array_equal(segment("perplexity", mask, ref_logprobs=ref_logprobs),
                                   perplexity(ref_logprobs, mask))
-    assert termination.STRATEGIES == ("fixed", "randomized", "perplexity", "entropy")
+    assert termination.STRATEGIES == ("fixed", "randomized", "perplexity", "entropy",
+                                      "low_probability")
 
 
 # ---------------------------------------------------------------- bad input

@@ -25,7 +25,7 @@ from marl_jax.macro.checks import (
     is_concrete,
 )
 
-STRATEGIES = ("fixed", "randomized", "perplexity", "entropy")
+STRATEGIES = ("fixed", "randomized", "perplexity", "entropy", "low_probability")
 # One macro per assistant turn of a multi-turn trajectory (`turns`).
 TURN = "turn"
 
@@ -148,27 +148,73 @@ def entropy_spans(entropies, response_mask, *, quantile, isolate_last=True):
     check_rank(entropies, 2, "entropies")
     _check_response_mask(response_mask)
     check_same_shape(response_mask, "response_mask", entropies=entropies)
-    if is_concrete(quantile):
-        array = np.asarray(quantile)
-        if array.ndim != 0 or not 0 < float(array) <= 1:
-            raise ValueError(f"quantile must be a scalar in (0, 1], got {quantile!r}")
+    _check_share(quantile, "quantile")
     return _entropy_spans(entropies, response_mask, quantile, isolate_last=isolate_last)
 
 
-def segment(strategy, response_mask, *, key=None, ref_logprobs=None, entropies=None, n=5,
-            lengths=(2, 3, 5, 10), repeats=3, entropy_quantile=0.2, isolate_last=True,
+def low_probability(logprobs, response_mask, *, quantile=None, threshold=None, isolate_last=True):
+    """Low-probability macros (SAE, Gong et al. 2026, arXiv 2601.07320): a macro ends after a
+    token that the policy sampled with low probability.
+
+    Token t ends its macro (token t + 1 starts the next) when, with `threshold`, its probability
+    is below it (`logprobs[t] < log(threshold)`, compared in log space), or, with `quantile`, its
+    logprob is at most the row's k-th lowest among the row's L valid tokens, k = ceil(quantile *
+    L): the lowest `quantile` share of the row's tokens, plus any tied with the k-th (the product
+    read with `entropy_spans`' relative tolerance of 1e-6). Exactly one of the two is given.
+    Token 0 always starts a macro; padding takes no part. `quantile = 1` gives one token per
+    macro.
+
+    Which logprobs: the probability the rollout policy gave each token it sampled, which a PPO
+    step holds as its old logprobs (`Experience.old_logprobs`, the ratio's denominator): the
+    numbers SAE thresholds, always kept (the sampler's own are kept only under a rollout
+    correction), and the sampler's to ~1e-5 at any temperature in float32 without top-k / top-p
+    (the temperature-scaled policy; with top-k / top-p the sampler renormalises over the kept
+    tokens, the old logprobs do not).
+
+    Args:
+      logprobs: float `[B, T]` log-probabilities of the response tokens under the policy that
+        sampled them.
+      response_mask: `[B, T]` left-aligned response mask.
+      quantile: fraction of each row's valid tokens that end macros, in (0, 1]; a Python float
+        or a (traced) float scalar.
+      threshold: probability below which a token ends its macro, in (0, 1]; a Python float or a
+        (traced) float scalar.
+      isolate_last: make the last valid token its own macro.
+
+    Returns:
+      int32 `[B, T]` segment ids.
+    """
+    check_rank(logprobs, 2, "logprobs")
+    _check_response_mask(response_mask)
+    check_same_shape(response_mask, "response_mask", logprobs=logprobs)
+    if (quantile is None) == (threshold is None):
+        raise ValueError("low_probability takes exactly one of quantile and threshold, got "
+                         f"quantile={quantile!r}, threshold={threshold!r}")
+    name, level = ("quantile", quantile) if threshold is None else ("threshold", threshold)
+    _check_share(level, name)
+    return _low_probability(logprobs, response_mask, level, by_quantile=threshold is None,
+                            isolate_last=isolate_last)
+
+
+def segment(strategy, response_mask, *, key=None, ref_logprobs=None, entropies=None,
+            logprobs=None, n=5, lengths=(2, 3, 5, 10), repeats=3, entropy_quantile=0.2,
+            low_probability_quantile=0.2, low_probability_threshold=None, isolate_last=True,
             turn_ids=None):
     """Segment ids `[B, T]` for one of `STRATEGIES` ("parsing" runs host-side, in parsing.py),
     or `TURN` (one macro per turn: `turns`, which needs `turn_ids`).
 
     `key` is required by "randomized", `ref_logprobs` by "perplexity", `entropies` by
-    "entropy"; `n` is used by "fixed", `lengths` and `repeats` by "randomized",
-    `entropy_quantile` by "entropy".
+    "entropy", `logprobs` (the sampling policy's) by "low_probability"; `n` is used by "fixed",
+    `lengths` and `repeats` by "randomized", `entropy_quantile` by "entropy", and by
+    "low_probability" `low_probability_threshold` when it is not None, else
+    `low_probability_quantile`.
 
     With `turn_ids` (int `[B, T]`, a multi-turn trajectory's turn of each token) the strategy
     runs within turns: `response_mask` is the action mask (observation spans are holes), a turn
     boundary always ends a macro, fixed n-grams restart at every turn, and with `isolate_last`
-    each turn's last action token (where a per-turn reward lands) is a macro of its own.
+    each turn's last action token (where a per-turn reward lands) is a macro of its own. The
+    other strategies read the row's action tokens as one response (a quantile is a share of the
+    whole trajectory's action tokens) and the turn boundaries are added to their cuts.
     """
     check_choice(strategy, STRATEGIES + (TURN,), "strategy")
     if strategy == TURN:
@@ -177,8 +223,11 @@ def segment(strategy, response_mask, *, key=None, ref_logprobs=None, entropies=N
         return turns(turn_ids, response_mask)
     if turn_ids is not None:
         return _within_turns(strategy, response_mask, turn_ids, key=key,
-                             ref_logprobs=ref_logprobs, entropies=entropies, n=n,
-                             lengths=lengths, repeats=repeats, entropy_quantile=entropy_quantile,
+                             ref_logprobs=ref_logprobs, entropies=entropies, logprobs=logprobs,
+                             n=n, lengths=lengths, repeats=repeats,
+                             entropy_quantile=entropy_quantile,
+                             low_probability_quantile=low_probability_quantile,
+                             low_probability_threshold=low_probability_threshold,
                              isolate_last=isolate_last)
     if strategy == "fixed":
         return fixed_ngram(response_mask, n, isolate_last=isolate_last)
@@ -190,13 +239,22 @@ def segment(strategy, response_mask, *, key=None, ref_logprobs=None, entropies=N
             raise ValueError("entropies is required for the entropy strategy")
         return entropy_spans(entropies, response_mask, quantile=entropy_quantile,
                              isolate_last=isolate_last)
+    if strategy == "low_probability":
+        if logprobs is None:
+            raise ValueError("logprobs (the sampling policy's) is required for the "
+                             "low_probability strategy")
+        if low_probability_threshold is not None:
+            return low_probability(logprobs, response_mask, threshold=low_probability_threshold,
+                                   isolate_last=isolate_last)
+        return low_probability(logprobs, response_mask, quantile=low_probability_quantile,
+                               isolate_last=isolate_last)
     if ref_logprobs is None:
         raise ValueError("ref_logprobs is required for the perplexity strategy")
     return perplexity(ref_logprobs, response_mask, isolate_last=isolate_last)
 
 
 def _within_turns(strategy, action_mask, turn_ids, *, isolate_last, n, ref_logprobs,
-                  entropies, **settings):
+                  entropies, logprobs, **settings):
     check_rank(turn_ids, 2, "turn_ids")
     check_mask(action_mask, "action_mask", left_aligned=False)
     check_same_shape(action_mask, "action_mask", turn_ids=turn_ids)
@@ -212,7 +270,7 @@ def _within_turns(strategy, action_mask, turn_ids, *, isolate_last, n, ref_logpr
             jnp.asarray(x), order, axis=1)
         ids = segment(strategy, compact(valid).astype(jnp.int32), n=n,
                       ref_logprobs=compact(ref_logprobs), entropies=compact(entropies),
-                      isolate_last=False, **settings)
+                      logprobs=compact(logprobs), isolate_last=False, **settings)
         starts = _starts(valid, jnp.take_along_axis(ids, inverse, axis=1))
     starts = starts | _starts(valid, turn_ids)
     if isolate_last:
@@ -298,6 +356,15 @@ def _check_positive_int(value, name):
         raise ValueError(f"{name} must be >= 1, got {int(array)}")
 
 
+def _check_share(value, name):
+    """A concrete `value` must be a scalar in (0, 1] (a quantile or a probability)."""
+    if not is_concrete(value):
+        return
+    array = np.asarray(value)
+    if array.ndim != 0 or not np.issubdtype(array.dtype, np.number) or not 0 < float(array) <= 1:
+        raise ValueError(f"{name} must be a scalar in (0, 1], got {value!r}")
+
+
 def _check_response_mask(response_mask):
     check_mask(response_mask, "response_mask", left_aligned=True)
 
@@ -342,16 +409,40 @@ def _perplexity(ref_logprobs, response_mask, *, isolate_last):
 @functools.partial(jax.jit, static_argnames="isolate_last")
 def _entropy_spans(entropies, response_mask, quantile, *, isolate_last):
     valid = response_mask != 0
-    entropies = jnp.asarray(entropies, jnp.promote_types(entropies.dtype, jnp.float32))
+    return _finish(_top_share(_as_float(entropies), valid, quantile), valid, isolate_last)
+
+
+@functools.partial(jax.jit, static_argnames=("by_quantile", "isolate_last"))
+def _low_probability(logprobs, response_mask, level, *, by_quantile, isolate_last):
+    valid = response_mask != 0
+    logprobs = _as_float(logprobs)
+    if by_quantile:
+        low = _top_share(-logprobs, valid, level)
+    else:
+        low = logprobs < jnp.log(jnp.asarray(level, logprobs.dtype))
+    # A low-probability token ends its macro: the token after it starts the next one.
+    starts = jnp.concatenate([jnp.ones_like(low[:, :1]), low[:, :-1]], axis=1)
+    return _finish(starts, valid, isolate_last)
+
+
+def _as_float(x):
+    x = jnp.asarray(x)
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def _top_share(scores, valid, quantile):
+    """bool `[B, T]`: the tokens whose score is at least the row's k-th largest among its L
+    valid tokens, k = ceil(quantile * L) (ties with the k-th included; entries on padding are
+    not read, and may be set)."""
     lengths = jnp.sum(valid, axis=1, dtype=jnp.int32)
     # k = ceil(quantile * L), shrunk by a relative 1e-6 so that a product that is an integer up
     # to rounding is not pushed to the next one.
     scaled = jnp.asarray(quantile, jnp.float32) * lengths.astype(jnp.float32)
     k = jnp.ceil(scaled * (1 - 1e-6)).astype(jnp.int32)
     k = jnp.clip(k, 1, jnp.maximum(lengths, 1))
-    descending = -jnp.sort(jnp.where(valid, -entropies, jnp.inf), axis=1)
+    descending = -jnp.sort(jnp.where(valid, -scores, jnp.inf), axis=1)
     threshold = jnp.take_along_axis(descending, (k - 1)[:, None], axis=1)
-    return _finish(entropies >= threshold, valid, isolate_last)
+    return scores >= threshold
 
 
 def _finish(starts, valid, isolate_last):

@@ -92,6 +92,10 @@ class PPOStatic:
     mc_rollouts: int = 4  # macro_mc: continuations per branch point
     mc_branch_points: int = 4  # macro_mc: branch points per response (0: every macro start)
     entropy_quantile: float = 0.2  # entropy termination: the top fraction of tokens start macros
+    # low_probability termination: the lowest-probability fraction of tokens end macros, or
+    # (threshold > 0) the tokens of probability below the threshold do.
+    low_probability_quantile: float = 0.2
+    low_probability_threshold: float = 0.0
     num_layers_unfrozen: int = -1  # actor and critic train their top n layers only (-1: all)
     # > 0: the actor, reference, critic and reward model have the same embeddings and first k
     # layers (all frozen), which the scoring pass and the update run once for all of them.

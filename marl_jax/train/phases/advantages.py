@@ -80,8 +80,14 @@ def segment_ids_for(static: PPOStatic, hparams: RunHparams, exp: Experience, key
     for name in terminations:
         if name == "parsing":
             continue
-        extra = dict(entropies=exp.entropies, entropy_quantile=static.entropy_quantile) \
-            if name == "entropy" else {}
+        extra = {"entropy": dict(entropies=exp.entropies,
+                                 entropy_quantile=static.entropy_quantile),
+                 # The probability the policy gave each token it sampled: its old logprobs.
+                 "low_probability": dict(
+                     logprobs=exp.old_logprobs,
+                     low_probability_quantile=static.low_probability_quantile,
+                     low_probability_threshold=static.low_probability_threshold or None),
+                 }.get(name, {})
         by_name[name] = termination.segment(
             name, exp.actions, key=key, ref_logprobs=exp.ref_base_logprobs,
             n=hparams.ngram, lengths=static.randomized_lengths, repeats=static.randomized_repeats,
