@@ -3,7 +3,8 @@
 temperature 1) every state's value follows exactly by enumerating all continuations with the
 model's probabilities, and the Monte Carlo values and A* agree with it within their standard
 errors; the continuations of a state are fresh samples from its prefix with its keys (a
-full-forward reference sampler draws the same tokens); the scorer against numpy / scipy and an
+full-forward reference sampler draws the same tokens, and from the empty prefix `generate` with
+the same keys); the scorer against numpy / scipy and an
 explicit resampling loop, correlation 1 for the exact advantages, the known correlation, sign
 agreement and variance of a noisy estimator, the noise ceiling of pure noise and of a known
 reliability; bad input."""
@@ -20,6 +21,7 @@ import marl_jax.models as M
 from marl_jax.eval import credit_scores as cs
 from marl_jax.eval import credit_truth as ct
 from marl_jax.eval import study_stats as st
+from marl_jax.rollout import generate
 
 VOCAB, RESPONSE, EOS, PAD = 4, 4, 2, 0
 GAMMA = 0.5
@@ -182,17 +184,22 @@ def test_monte_carlo_values_and_advantages_agree_with_enumeration(truth, tabular
     assert np.corrcoef(got.halves.T)[0, 1] > 0.5, "the halves measure the same advantages"
 
 
-def _reference_continuation(model, params, prompt_ids, prompt_mask, response, t, key):
-    """Fresh sampling from prompt + response[:t] with full forward passes (no cache): the token at
-    response position u drawn as categorical(fold_in(key, u), logits), stopping after EOS."""
-    tokens = list(int(x) for x in response[:t])
-    while len(tokens) < RESPONSE and (not tokens or tokens[-1] != EOS):
-        ids = np.r_[np.asarray(prompt_ids), tokens, np.zeros(RESPONSE - len(tokens), int)][None]
-        mask = np.r_[np.asarray(prompt_mask), np.ones(RESPONSE, int)][None]
-        logits = _forward(model)(params, jnp.asarray(ids, jnp.int32), jnp.asarray(mask, jnp.int32))
-        step = prompt_ids.shape[0] + len(tokens) - 1
-        tokens.append(int(jax.random.categorical(jax.random.fold_in(key, len(tokens)), logits[0, step])))
-    return np.array(tokens + [PAD] * (RESPONSE - len(tokens)))
+def _reference_continuations(model, params, prompt_ids, prompt_mask, response_ids, positions, keys):
+    """Fresh sampling after prompt + response[:t] `[N, ...]` with full forward passes (no cache):
+    the token at response position u >= t drawn as categorical(fold_in(key, u), logits), none
+    after EOS. Returns tokens `[N, RESPONSE]` (PAD after the end)."""
+    tokens = np.where(np.arange(RESPONSE)[None, :] < positions[:, None], np.asarray(response_ids), PAD)
+    done = np.array([t > 0 and tokens[i, t - 1] == EOS for i, t in enumerate(positions)])
+    draw = jax.vmap(lambda key, u, logits: jax.random.categorical(jax.random.fold_in(key, u), logits))
+    width = prompt_ids.shape[1]
+    mask = jnp.concatenate([prompt_mask, jnp.ones_like(tokens)], axis=1)
+    for u in range(RESPONSE):
+        logits = _forward(model)(params, jnp.concatenate([prompt_ids, jnp.asarray(tokens)], axis=1), mask)
+        drawn = np.asarray(draw(keys, jnp.full(len(keys), u), logits[:, width - 1 + u]))
+        sample = (u >= positions) & ~done
+        tokens[:, u] = np.where(sample, drawn, tokens[:, u])
+        done |= sample & (drawn == EOS)
+    return tokens
 
 
 def test_continuations_are_fresh_samples_from_the_prefix_with_their_keys(tabular, truth):
@@ -206,16 +213,18 @@ def test_continuations_are_fresh_samples_from_the_prefix_with_their_keys(tabular
     out = ct.continue_states(model, params, prompt_ids, prompt_mask, response_ids, response_mask,
                              states.rows[chosen], states.positions[chosen], keys[chosen], temperature=1.0,
                              eos_id=EOS, pad_id=PAD)
-    first_two = (np.arange(len(chosen) * K) % K) < 2
-    expected = np.stack([_reference_continuation(model, params, prompt_ids[states.rows[i]],
-                                                 prompt_mask[states.rows[i]], np.asarray(response_ids[states.rows[i]]),
-                                                 states.positions[i], keys[i, j])
-                         for i in chosen for j in range(2)])
-    np.testing.assert_array_equal(np.asarray(out.tokens)[first_two], expected)
-    # The chunked values used exactly these continuations (state i, continuation j: keys[i, j]).
     rep = np.repeat(states.rows[chosen], K)
+    positions = np.repeat(states.positions[chosen], K)
+    expected = _reference_continuations(model, params, prompt_ids[rep], prompt_mask[rep], response_ids[rep],
+                                        positions, keys[chosen].reshape(-1))
+    np.testing.assert_array_equal(np.asarray(out.tokens), expected)
+    # From the empty prefix they are what the sampler draws for the prompt with the same keys.
+    fresh = generate(model, params, prompt_ids[:1], prompt_mask[:1], row_keys=keys[0], num_samples=K,
+                     max_new_tokens=RESPONSE, temperature=1.0, eos_id=EOS, pad_id=PAD)
+    np.testing.assert_array_equal(np.asarray(out.tokens)[2 * K:3 * K], np.asarray(fresh.tokens))
+    # The chunked values used exactly these continuations (state i, continuation j: keys[i, j]).
     rewards = np.asarray(reward_fn(prompt_ids[rep], prompt_mask[rep], out.tokens, out.mask), np.float64)
-    u = np.arange(RESPONSE)[None, :] - np.repeat(states.positions[chosen], K)[:, None]
+    u = np.arange(RESPONSE)[None, :] - positions[:, None]
     returns = np.where(u >= 0, rewards * GAMMA ** np.maximum(u, 0), 0.0).sum(axis=1)
     np.testing.assert_allclose(states.returns[chosen].ravel(), returns, rtol=1e-6, atol=1e-6)
 
