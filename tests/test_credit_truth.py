@@ -4,10 +4,9 @@ temperature 1) every state's value follows exactly by enumerating all continuati
 model's probabilities, and the Monte Carlo values and A* agree with it within their standard
 errors; the continuations of a state are fresh samples from its prefix with its keys (a
 full-forward reference sampler draws the same tokens, and from the empty prefix `generate` with
-the same keys); the scorer against numpy / scipy and an
-explicit resampling loop, correlation 1 for the exact advantages, the known correlation, sign
-agreement and variance of a noisy estimator, the noise ceiling of pure noise and of a known
-reliability; bad input."""
+the same keys); the scorer against numpy / scipy and an explicit resampling loop, correlation 1
+for the exact advantages, the known correlation, sign agreement and variance of a noisy
+estimator, the noise ceiling of pure noise and of a known reliability; bad input."""
 import functools
 import itertools
 
