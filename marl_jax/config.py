@@ -298,6 +298,22 @@ def base_config() -> ml_collections.ConfigDict:
         pass_at_k=(1, 5),
         histogram_bins=30,
     ))
+
+    # Advantage quality (`marl_jax.train.credit`): every `every` PPO steps (and at step 0), one
+    # rollout of the first `prompts` held-out prompts, `group_size` samples each, on which every
+    # estimator's advantages are scored against Monte Carlo ground truth (`continuations`
+    # samples from every state of every response). 0: off.
+    c.credit = ml_collections.ConfigDict(dict(
+        every=0,
+        prompts=8,
+        group_size=4,          # samples per prompt: GRPO's and RLOO's groups
+        continuations=8,       # K >= 2 per state (two halves give the noise ceiling)
+        chunk_states=256,      # states per continuation call
+        rules=("fixed", "randomized", "perplexity", "entropy", "low_probability"),
+        weightings=("equal", "first"),
+        mc_rollouts=4,         # the Monte Carlo macro-value estimator's own continuations
+        seed=1234,
+    ))
     return c
 
 

@@ -85,6 +85,7 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
     p = c.ppo
     check(p.termination in TERMINATIONS, "ppo.termination", f"must be one of {TERMINATIONS}")
     _check_multi_turn(c, check)
+    _check_credit(c, check)
     check(isinstance(p.ngram, int) and p.ngram >= 1, "ppo.ngram", "must be an integer >= 1")
     check(p.value_weighting in VALUE_WEIGHTINGS, "ppo.value_weighting",
           f"must be one of {VALUE_WEIGHTINGS}")
@@ -416,6 +417,43 @@ def multi_turn_task(c) -> bool:
     from marl_jax.envs import environment_names
 
     return c.task.name in environment_names()
+
+
+def _check_credit(c, check):
+    """The advantage-quality probe (`config.credit`, off at every = 0): its sizes, rules and
+    weightings, a critic to score (token and macro GAE read the run's values), and sampled
+    logprobs and entropies for the rules that read them."""
+    if "credit" not in c or not c.credit.every:
+        return
+    r, p = c.credit, c.ppo
+    check(isinstance(r.every, int) and r.every >= 0, "credit.every",
+          "must be an integer >= 0 (0: off)")
+    check(isinstance(r.continuations, int) and r.continuations >= 2, "credit.continuations",
+          "must be an integer >= 2: the noise ceiling compares two halves of them")
+    check(isinstance(r.prompts, int) and r.prompts >= 2, "credit.prompts",
+          "must be an integer >= 2 (intervals resample prompts)")
+    check(isinstance(r.group_size, int) and r.group_size >= 2, "credit.group_size",
+          "must be an integer >= 2 (GRPO's and RLOO's groups)")
+    check(isinstance(r.chunk_states, int) and r.chunk_states >= 1, "credit.chunk_states",
+          "must be an integer >= 1")
+    check(isinstance(r.mc_rollouts, int) and r.mc_rollouts >= 1, "credit.mc_rollouts",
+          "must be an integer >= 1")
+    rules = tuple(r.rules)
+    on_device = tuple(t for t in TERMINATIONS if t not in ("parsing", "turn"))
+    check(bool(rules) and set(rules) <= set(on_device), "credit.rules",
+          f"must be a non-empty subset of {on_device} (the rules cut on the device)")
+    check(bool(tuple(r.weightings)) and set(r.weightings) <= set(VALUE_WEIGHTINGS),
+          "credit.weightings", f"must be a non-empty subset of {VALUE_WEIGHTINGS}")
+    check(p.estimator == "gae", "credit.every",
+          f"the probe scores the run's critic: ppo.estimator must be gae, not {p.estimator!r}")
+    check(c.stage in ("ppo", "all"), "credit.every",
+          f"the probe runs inside a PPO run (stage ppo or all), not stage {c.stage!r}")
+    check(not multi_turn_task(c), "credit.every",
+          "the probe scores single responses; multi-turn tasks are not supported yet")
+    check(not ({"low_probability", "entropy"} & set(rules)) or p.temperature > 0, "credit.rules",
+          "entropy and low_probability read sampled probabilities: ppo.temperature must be > 0")
+    check(p.reward_source in ("rm", "gold"), "credit.every",
+          f"the ground truth rescoring needs reward_source rm or gold, not {p.reward_source!r}")
 
 
 def _check_multi_turn(c, check):

@@ -18,7 +18,7 @@ from marl_jax import models as models_lib
 from marl_jax import rollout
 from marl_jax.data import batches
 from marl_jax.models import lora
-from marl_jax.train import build, checkpoint, loop, perf, programs, sharding
+from marl_jax.train import build, checkpoint, credit, loop, perf, programs, sharding
 from marl_jax.train import phases
 from marl_jax.train.phased_step import PhasedStep
 from marl_jax.train.turn_step import MultiTurnStep, TrajectoryEvaluation
@@ -396,9 +396,18 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
                        prompts.get("documents"))
 
     evaluates = loop.evaluation_steps(p.eval_every, p.steps)
+    probe = None
+    if config.get("credit") is not None and config.credit.every:
+        probe = credit.CreditProbe(config, task, static, mods, workdir)
+
+    def hooks_due(done):
+        return evaluates(done) or (probe is not None and probe.due(done))
 
     def eval_hook(state, done):
-        return [dict(stage="eval", **run_eval(state))] if evaluates(done) else []
+        rows = [dict(stage="eval", **run_eval(state))] if evaluates(done) else []
+        if probe is not None and probe.due(done):
+            rows.append(probe(state, frozen, hparams, done))
+        return rows
 
     stage = loop.Stage("ppo", workdir, max_to_keep=config.max_to_keep)
     with sharding.mesh_context(mesh, sharding.logical_rules(mesh, build.model_dims(
@@ -406,12 +415,15 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
         if not stage.latest_step() and p.eval_every > 0:
             writer.truncate_after("eval", -1)
             writer.write(dict(stage="eval", step=0, **run_eval(state)))
+        if not stage.latest_step() and probe is not None:
+            writer.truncate_after("credit", -1)
+            writer.write(probe(state, frozen, hparams, 0))
         state, _ = loop.run(stage, state=state, total_steps=p.steps, step_fn=run_step,
                             writer=writer, metadata=metadata,
                             checkpoint_every=config.checkpoint_every, log_every=config.log_every,
-                            shardings=state_sh, truncate_stages=("ppo", "eval"),
+                            shardings=state_sh, truncate_stages=("ppo", "eval", "credit"),
                             progress_keys=("objective/scores", "objective/kl"),
-                            hooks=eval_hook, hooks_due=evaluates, cost=step_cost(static, mods, task.prompt_length),
+                            hooks=eval_hook, hooks_due=hooks_due, cost=step_cost(static, mods, task.prompt_length),
                             peak_flops=perf.devices_peak_flops(policy.config.dtype,
                                                             policy.config.precision))
     stage.close()

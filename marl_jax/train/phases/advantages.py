@@ -137,15 +137,7 @@ def critic_free_advantages(static: PPOStatic, models: Models, state: PPOState, f
     """
     estimator = estimators.ESTIMATORS[static.estimator]
     mask = exp.actions
-    kl = losses.kl_per_token(exp.old_logprobs, exp.ref_logprobs, static.kl_estimator)
-    terminal = score.terminal_reward(static, exp.scores, exp.ended_with_eos, mask.sum(axis=1))
-    if exp.turn_rewards is not None:
-        # A trajectory's score is everything it earned: its turns' rewards too.
-        terminal = terminal + exp.turn_rewards.sum(axis=1)
-    inputs = estimators.AdvantageInputs(
-        scores=jnp.where(mask.sum(axis=1) > 0, terminal, 0.0),
-        kl=jnp.where(mask != 0, kl, 0.0), kl_coef=state.kl_coef, rewards=exp.rewards,
-        response_mask=mask, group_size=static.group_size, turn_ids=exp.turn_ids)
+    inputs = advantage_inputs(static, exp, state.kl_coef, static.group_size)
     if not estimator.branches:
         return estimator.advantages(inputs), {}, {}
     k_points, k_rollouts = jax.random.split(key)
@@ -160,6 +152,23 @@ def critic_free_advantages(static: PPOStatic, models: Models, state: PPOState, f
                "mc/value_at_start": values[:, 0].mean(),
                "mc/value_std_avg": returns.std(axis=-1).mean()}
     return adv, metrics, budget
+
+
+def advantage_inputs(static: PPOStatic, exp: Experience, kl_coef, group_size: int):
+    """What a critic-free estimator reads of a scored batch (`estimators.AdvantageInputs`):
+    each response's terminal reward (clipped score, missing-EOS and overlong penalties, a
+    trajectory's turn rewards added), its per-token KL estimates to the reference, the
+    per-token rewards at `kl_coef`, with groups of `group_size` adjacent rows."""
+    mask = exp.actions
+    kl = losses.kl_per_token(exp.old_logprobs, exp.ref_logprobs, static.kl_estimator)
+    terminal = score.terminal_reward(static, exp.scores, exp.ended_with_eos, mask.sum(axis=1))
+    if exp.turn_rewards is not None:
+        # A trajectory's score is everything it earned: its turns' rewards too.
+        terminal = terminal + exp.turn_rewards.sum(axis=1)
+    return estimators.AdvantageInputs(
+        scores=jnp.where(mask.sum(axis=1) > 0, terminal, 0.0),
+        kl=jnp.where(mask != 0, kl, 0.0), kl_coef=kl_coef, rewards=exp.rewards,
+        response_mask=mask, group_size=group_size, turn_ids=exp.turn_ids)
 
 
 def monte_carlo_returns(static: PPOStatic, models: Models, actor_params, frozen: Frozen,

@@ -1,0 +1,228 @@
+"""The advantage-quality study's page: every estimator's correlation with Monte Carlo ground
+truth at the start, middle and end of training, on two or more seed sets.
+
+    python experiments/credit_report.py runs/credit/seed_0,runs/credit/seed_1 \
+        runs/credit/seed_2,runs/credit/seed_3 --page docs/credit.md [--marker credit-study]
+        [--results docs/credit_results.json] [--plot docs/credit.png]
+
+Each positional argument is one seed set: comma-separated workdirs of runs with the credit
+probe on (`config.credit`, e.g. configs/credit_synthetic.py). Their probes' inputs
+(`<workdir>/credit/step_<n>.npz`) at the same step are pooled (a prompt of each run is its own
+bootstrap unit) and scored by `marl_jax.train.credit.score_probe`. Beside each estimator's
+Pearson correlation with A* is its paired difference from token GAE (the same bootstrap
+resamples of prompts); a difference is stated on the page only where its interval excludes 0
+with the same sign on every seed set, otherwise the two are "not distinguishable".
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from marl_jax.eval import study_stats as st  # noqa: E402
+from marl_jax.train import credit  # noqa: E402
+from readme_results import markers, replace_section  # noqa: E402
+
+PHASES = ("start", "middle", "end")
+BASELINE = "token_gae"
+RESAMPLES = 1000
+
+
+def probe_files(workdir: str) -> list[str]:
+    """The probe inputs of a run, by step."""
+    files = glob.glob(os.path.join(workdir, "credit", "step_*.npz"))
+    if not files:
+        raise SystemExit(f"error: {workdir} has no credit/step_*.npz (run with config.credit.every > 0)")
+    return sorted(files, key=lambda f: int(os.path.basename(f)[5:-4]))
+
+
+def pooled(paths: list[str]) -> tuple[dict, np.ndarray]:
+    """The probes of several runs as one: rows stacked, state rows offset, prompts numbered
+    per run; (inputs, prompt of each response row)."""
+    parts = [dict(np.load(p)) for p in paths]
+    out, prompts, offset, prompt_offset = {}, [], 0, 0
+    widths = {k: max(p[k].shape[1] for p in parts) for k in parts[0]
+              if parts[0][k].ndim == 2 and k != "state_halves"}
+    for p in parts:
+        rows = p["response_ids"].shape[0]
+        k = int(p["group_size"])
+        prompts.append(prompt_offset + np.arange(rows) // k)
+        prompt_offset += rows // k
+        p["state_rows"] = p["state_rows"] + offset
+        offset += rows
+        for key, width in widths.items():
+            pad = width - p[key].shape[1]
+            if pad:
+                p[key] = np.pad(p[key], ((0, 0), (0, pad)) if key != "prompt_ids" and key != "prompt_mask"
+                                else ((0, 0), (pad, 0)))
+    for key in parts[0]:
+        if parts[0][key].ndim == 0:
+            out[key] = parts[0][key]
+        else:
+            out[key] = np.concatenate([p[key] for p in parts])
+    return out, np.concatenate(prompts)
+
+
+def paired_differences(inputs: dict, prompts: np.ndarray, level_rows, truth, names,
+                       resamples: int = RESAMPLES) -> dict:
+    """name -> {"value", "ci"} of Pearson(name, A*) - Pearson(token GAE, A*) on token states,
+    the same prompt resamples for both."""
+    rows, starts = level_rows
+    state_prompts = prompts[rows]
+    unique, index = np.unique(state_prompts, return_inverse=True)
+    draws = st.bootstrap_indices(unique.size, resamples=resamples)
+    base = inputs[f"advantages/{BASELINE}"][rows, starts]
+
+    def pearson(x, y, weights):
+        w = weights / weights.sum()
+        mx, my = (w * x).sum(), (w * y).sum()
+        cov = (w * (x - mx) * (y - my)).sum()
+        with np.errstate(invalid="ignore", divide="ignore"):  # a constant resample: NaN
+            return cov / np.sqrt((w * (x - mx) ** 2).sum() * (w * (y - my) ** 2).sum())
+
+    counts = np.stack([np.bincount(d, minlength=unique.size) for d in draws])[:, index]
+    out = {}
+    for name in names:
+        x = inputs[f"advantages/{name}"][rows, starts]
+        value = pearson(x, truth, np.ones_like(truth)) - pearson(base, truth, np.ones_like(truth))
+        boot = np.array([pearson(x, truth, c) - pearson(base, truth, c) for c in counts
+                         if c.sum() > 0])
+        lo, hi = np.nanquantile(boot, [(1 - st.LEVEL) / 2, (1 + st.LEVEL) / 2])
+        out[name] = {"value": float(value), "ci": [float(lo), float(hi)]}
+    return out
+
+
+def token_truth(inputs: dict):
+    """(rows, starts) of every response token and its A* (the truth `score_probe` uses)."""
+    rows, starts, ends = credit.token_spans(inputs["response_mask"])
+    index = {(int(b), int(t)): i for i, (b, t) in
+             enumerate(zip(inputs["state_rows"], inputs["state_positions"]))}
+    gamma = float(inputs["gamma"])
+    v = inputs["state_mean"]
+    truth = np.array([inputs["rewards"][b, s] + gamma * v[index[(b, s + 1)]] - v[index[(b, s)]]
+                      for b, s in zip(rows, starts)])
+    return (rows, starts), truth
+
+
+def seed_set_result(workdirs: list[str]) -> dict:
+    """{phase: {"step", "token": scores, "ceiling", "macro": ..., "vs_token_gae": ...}}."""
+    runs = [probe_files(w) for w in workdirs]
+    counts = {len(r) for r in runs}
+    if len(counts) != 1 or counts.pop() < 2:
+        raise SystemExit(f"error: the runs of a seed set need the same number (>= 2) of probes: {workdirs}")
+    out = {}
+    n = len(runs[0])
+    for phase, i in zip(PHASES, (0, n // 2, n - 1)):
+        inputs, prompts = pooled([r[i] for r in runs])
+        scores, ceilings = credit.score_probe(inputs, prompts, resamples=RESAMPLES)
+        level_rows, truth = token_truth(inputs)
+        names = [k.split("/", 1)[1] for k in inputs if k.startswith("advantages/")]
+        out[phase] = {"step": int(inputs["step"]), "scores": scores, "ceilings": ceilings,
+                      "vs_token_gae": paired_differences(inputs, prompts, level_rows, truth,
+                                                         [m for m in names if m != BASELINE])}
+    return out
+
+
+def _cell(entry: dict) -> str:
+    lo, hi = entry["ci"]
+    return f"{entry['value']:+.2f} [{lo:+.2f}, {hi:+.2f}]"
+
+
+def stated_differences(results: list[dict]) -> dict:
+    """(phase, name) -> +1 / -1 where the difference from token GAE excludes 0 with the same
+    sign on every seed set; absent otherwise (not distinguishable)."""
+    out = {}
+    for phase in PHASES:
+        for name in results[0][phase]["vs_token_gae"]:
+            signs = {st.direction(r[phase]["vs_token_gae"][name]["ci"]) for r in results}
+            if len(signs) == 1 and 0 not in signs:
+                out[(phase, name)] = signs.pop()
+    return out
+
+
+def section(sets: list[list[str]], results: list[dict], command: str, plot_link: str) -> str:
+    stated = stated_differences(results)
+    names = list(results[0]["start"]["scores"]["token"])
+    lines = [f"Generated by `{command}` from {len(sets)} seed sets "
+             + "; ".join(f"set {i + 1}: " + ", ".join(f"`{w}`" for w in s) for i, s in enumerate(sets))
+             + f". Intervals: {int(st.LEVEL * 100)}% bootstrap over prompts ({RESAMPLES} resamples).", ""]
+    for i, result in enumerate(results):
+        steps = ", ".join(f"{p} = step {result[p]['step']}" for p in PHASES)
+        lines += [f"**Seed set {i + 1}** ({steps}): Pearson correlation of each estimator's "
+                  "per-token advantage with A*_t over every response token.", "",
+                  "| estimator | " + " | ".join(PHASES) + " |",
+                  "|---|" + "---|" * len(PHASES)]
+        lines.append("| noise ceiling (truth) | " + " | ".join(
+            _cell(result[p]["ceilings"]["token"]["ceiling"]) for p in PHASES) + " |")
+        for name in names:
+            lines.append(f"| {name} | " + " | ".join(
+                _cell(result[p]["scores"]["token"][name]["pearson"]) for p in PHASES) + " |")
+        lines.append("")
+    lines += ["Differences from token GAE's correlation that hold on every seed set (paired "
+              "bootstrap; all others are not distinguishable):", ""]
+    held = [f"- {name} at the {phase}: {'higher' if sign > 0 else 'lower'} ("
+            + ", ".join(_cell(r[phase]["vs_token_gae"][name]) for r in results) + ")"
+            for (phase, name), sign in sorted(stated.items())]
+    lines += held or ["- none: every estimator is not distinguishable from token GAE."]
+    lines += ["", f"![correlation with A* by estimator and phase]({plot_link})", ""]
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results[0]["start"]["scores"]["token"])
+    fig, axes = plt.subplots(1, len(results), figsize=(7 * len(results), 0.32 * len(names) + 1.5),
+                             sharey=True, squeeze=False)
+    for ax, result, i in zip(axes[0], results, range(len(results))):
+        for j, phase in enumerate(PHASES):
+            y = np.arange(len(names)) + (j - 1) * 0.25
+            entries = [result[phase]["scores"]["token"][n]["pearson"] for n in names]
+            x = np.array([e["value"] for e in entries])
+            err = np.array([[e["value"] - e["ci"][0], e["ci"][1] - e["value"]] for e in entries]).T
+            ax.errorbar(x, y, xerr=err, fmt="o", ms=3, label=f"{phase} (step {result[phase]['step']})")
+            ceiling = result[phase]["ceilings"]["token"]["ceiling"]["value"]
+            ax.axvline(ceiling, color=f"C{j}", ls=":", lw=1)
+        ax.set_yticks(np.arange(len(names)), names, fontsize=8)
+        ax.axvline(0, color="k", lw=0.5)
+        ax.set_xlabel("Pearson correlation with A* (dotted: noise ceiling)")
+        ax.set_title(f"seed set {i + 1}")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv) -> int:
+    parser = argparse.ArgumentParser(prog="credit_report.py", description=__doc__.splitlines()[0])
+    parser.add_argument("sets", nargs="+", help="seed sets: comma-separated workdirs each")
+    parser.add_argument("--page", default="docs/credit.md")
+    parser.add_argument("--marker", default="credit-study")
+    parser.add_argument("--results", default="docs/credit_results.json")
+    parser.add_argument("--plot", default="docs/credit.png")
+    parser.add_argument("--command", default="python experiments/credit_report.py ...")
+    args = parser.parse_args(argv)
+    sets = [s.split(",") for s in args.sets]
+    results = [seed_set_result(s) for s in sets]
+    with open(args.results, "w") as f:
+        json.dump({"sets": sets, "results": results}, f, indent=1)
+    plot(results, args.plot)
+    page = open(args.page).read()
+    link = os.path.relpath(args.plot, os.path.dirname(args.page) or ".")
+    text = section(sets, results, args.command, link)
+    with open(args.page, "w") as f:
+        f.write(replace_section(page, text, args.page, *markers(args.marker)))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

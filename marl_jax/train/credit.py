@@ -1,0 +1,286 @@
+"""How right is each advantage (`config.credit`): at chosen steps of a PPO run, every estimator's
+advantages on one rollout of fixed held-out prompts, scored against Monte Carlo ground truth.
+
+The probe (`CreditProbe`, called by `ppo.run_ppo` at step 0 and every `credit.every` steps)
+samples `group_size` responses to each of the first `credit.prompts` held-out prompts with the
+current actor and scores them as the run does (`phases.score.score`: logprobs, KL, the critic's
+values, the reward model's score, the per-token rewards r_t). On that batch it computes
+
+- `token_gae`: GAE over tokens with the run's critic and lam;
+- for every rule of `credit.rules` (on-device terminations, `macro.termination.segment`) and
+  value weighting of `credit.weightings`: `macro_gae/<rule>/<weighting>` (the run's critic,
+  reward aggregation and lam), and its matched token control `control/<rule>`: token GAE with
+  lam^(1/L), L the rule's mean macro length on this batch;
+- `macro_mc/fixed`: macro returns from Monte Carlo values at the fixed n-gram starts
+  (`credit.mc_rollouts` continuations of their own, drawn with other keys than the truth's);
+- `grpo` and `rloo` over the groups of `group_size` samples;
+
+and the ground truth (`eval.credit_truth`): from every state (b, t), t in [0, L_b], of every
+response, `credit.continuations` (K) continuations rewarded by the run's own per-token reward
+give V(s_t); a token's A*_t = r_t + V(s_{t+1}) - V(s_t) and a macro's the sum of its rewards
+plus V at its end minus V at its start. Each estimator's per-token advantage is scored against
+A*_t of every response token (the weight token t's log-probability gradient should have),
+and each macro estimator's advantage against its rule's macro A* (`eval.credit_scores`:
+Pearson, Spearman, sign agreement, variance, bootstrap intervals over prompts), beside the
+noise ceiling of the truth (two independent halves of the K).
+
+Each probe writes a `credit` metrics row (`credit/<level>/<estimator>/<score>`) and its inputs
+to `<workdir>/credit/step_<n>.npz` (prompts, responses, per-token rewards and critic values,
+every state's V with its standard error and halves, every estimator's advantages and every
+rule's segment ids), from which `experiments/credit_report.py` pools runs into the study's
+table.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from marl_jax import estimators
+from marl_jax import rollout as rollout_engine
+from marl_jax.eval import credit_scores, credit_truth
+from marl_jax.macro import termination
+from marl_jax.train.phases import advantages as adv_phase
+from marl_jax.train.phases import score
+from marl_jax.train.ppo_types import Experience, Frozen, Models, PPOState, PPOStatic, role_params
+
+# Scores written to the metrics row per estimator and level (their intervals stay in the npz
+# inputs, from which the report recomputes them over pooled runs).
+ROW_SCORES = ("pearson", "spearman", "sign_agreement")
+GROUP_ESTIMATORS = ("grpo", "rloo")
+MC_RULE = "fixed"
+
+
+def probe_steps(every: int, total_steps: int) -> list[int]:
+    """The steps a probe runs at: 0, every `every`, and the last."""
+    if every <= 0:
+        return []
+    return sorted({0, total_steps, *range(0, total_steps + 1, every)})
+
+
+def token_spans(response_mask) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rows, starts, ends) `[S]`: one span [t, t + 1) per valid response token."""
+    lengths = credit_truth.valid_lengths(response_mask)
+    rows = np.repeat(np.arange(lengths.size), lengths)
+    starts = np.concatenate([np.arange(n) for n in lengths]) if lengths.sum() else np.zeros(0, int)
+    return rows, starts, starts + 1
+
+
+def mean_macro_length(segment_ids, response_mask) -> float:
+    """Response tokens per macro over the batch (`segment_ids`, `response_mask` `[B, R]`)."""
+    rows, starts, _ = credit_truth.segment_spans(segment_ids, response_mask)
+    return float(np.asarray(response_mask).sum()) / max(rows.size, 1)
+
+
+def _sampled(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, prompt_ids,
+             prompt_mask, key, group_size: int):
+    """`group_size` responses to each prompt from the current actor, scored as the run scores
+    them: (prompts repeated `[B, P]`, Experience)."""
+    actor = role_params(static, "actor", frozen, state.actor_params)
+    out = rollout_engine.generate(
+        models.policy, actor, prompt_ids, prompt_mask, key=key,
+        max_new_tokens=static.response_length, temperature=static.temperature,
+        top_k=static.top_k, top_p=static.top_p, eos_id=static.eos_id, pad_id=static.pad_id,
+        num_samples=group_size)
+    ids, mask = (jnp.repeat(a, group_size, axis=0) for a in (prompt_ids, prompt_mask))
+    exp, _ = score.score(static, models, state, frozen, ids, mask, out.tokens,
+                         out.mask.astype(jnp.int32), sampled_logprobs=out.logprobs,
+                         sampled_entropy=out.entropy)
+    return exp
+
+
+def _rewards(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, prompt_ids,
+             prompt_mask, response_ids, response_mask):
+    """The run's per-token rewards `[N, R]` of responses (the truth's `reward_fn`)."""
+    exp, _ = score.score(static, models, state, frozen, prompt_ids, prompt_mask, response_ids,
+                         response_mask.astype(jnp.int32))
+    return exp.rewards
+
+
+def _segments(static: PPOStatic, exp: Experience, rules, key, ngram: int) -> dict:
+    """Segment ids `[B, R]` of every rule on the batch."""
+    return {rule: termination.segment(
+        rule, exp.actions, key=key, ref_logprobs=exp.ref_base_logprobs,
+        entropies=exp.entropies, logprobs=exp.old_logprobs, n=ngram,
+        lengths=static.randomized_lengths, repeats=static.randomized_repeats,
+        entropy_quantile=static.entropy_quantile,
+        low_probability_quantile=static.low_probability_quantile,
+        low_probability_threshold=static.low_probability_threshold or None,
+        isolate_last=static.isolate_last) for rule in rules}
+
+
+def _gae(exp: Experience, segment_ids, *, gamma, lam, weighting="equal", aggregation="weighted"):
+    adv, _ = estimators.ESTIMATORS["gae"].advantages(
+        exp.values, exp.rewards, exp.actions, segment_ids, gamma=gamma, lam=lam,
+        value_weighting=weighting, reward_aggregation=aggregation)
+    return adv
+
+
+def estimator_advantages(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen,
+                         exp: Experience, segments: dict, *, gamma: float, lam: float,
+                         weightings, aggregation: str, group_size: int, mc_rollouts: int,
+                         key) -> dict:
+    """name -> advantages `[B, R]` of every estimator the probe scores (see the module)."""
+    mask = exp.actions
+    tokens = termination.fixed_ngram(mask, 1, isolate_last=False)
+    out = {"token_gae": _gae(exp, tokens, gamma=gamma, lam=lam)}
+    for rule, seg in segments.items():
+        for weighting in weightings:
+            out[f"macro_gae/{rule}/{weighting}"] = _gae(exp, seg, gamma=gamma, lam=lam,
+                                                        weighting=weighting,
+                                                        aggregation=aggregation)
+        length = mean_macro_length(seg, mask)
+        out[f"control/{rule}"] = _gae(exp, tokens, gamma=gamma, lam=lam ** (1.0 / length))
+    inputs = adv_phase.advantage_inputs(static, exp, state.kl_coef, group_size)
+    for name in GROUP_ESTIMATORS:
+        out[name] = estimators.ESTIMATORS[name].advantages(inputs)
+    if MC_RULE in segments:
+        seg = segments[MC_RULE]
+        starts = (np.asarray(seg != jnp.pad(seg, ((0, 0), (1, 0)), constant_values=-1)[:, :-1])
+                  & (np.asarray(mask) != 0))
+        # Every macro start of every row is a branch point (as `mc_branch_points=0`).
+        order = np.argsort(~starts, axis=1, kind="stable")
+        count = starts.sum(axis=1)
+        width = int(max(count.max(), 1))
+        points = order[:, :width].astype(np.int32)
+        valid = np.arange(width)[None, :] < count[:, None]
+        points = np.where(valid, points, 0)  # an unused slot continues from the prompt
+        mc_static = dataclasses.replace(static, mc_rollouts=mc_rollouts)
+        actor = role_params(static, "actor", frozen, state.actor_params)
+        returns, _ = adv_phase.monte_carlo_returns(
+            mc_static, models, actor, frozen, exp, jnp.asarray(points), jnp.asarray(valid), key,
+            state.kl_coef)
+        out[f"macro_mc/{MC_RULE}"] = estimators.ESTIMATORS["macro_mc"].advantages(
+            inputs._replace(branches=(jnp.asarray(points), jnp.asarray(valid),
+                                      returns.mean(axis=-1))))
+    return {name: np.asarray(a, np.float64) for name, a in out.items()}
+
+
+def macro_rule(name: str) -> str | None:
+    """The rule whose macros an estimator's advantages are constant over, or None."""
+    parts = name.split("/")
+    return parts[1] if parts[0] in ("macro_gae", "macro_mc") else None
+
+
+def score_probe(inputs: dict, prompts_of_rows, **bootstrap) -> dict:
+    """{level: {estimator: scores}} and {level: noise ceiling} of one probe's (or several pooled
+    probes') inputs (`probe_inputs`' arrays), `prompts_of_rows [B]` each response's prompt id.
+
+    Level "token": every estimator's advantage at every response token against A*_t. Level
+    "macro/<rule>": each of that rule's estimators' advantage at a macro's first token against
+    the macro's A*."""
+    values = credit_truth.StateValues(
+        rows=inputs["state_rows"], positions=inputs["state_positions"],
+        mean=inputs["state_mean"], se=inputs["state_se"], halves=inputs["state_halves"],
+        returns=None)
+    index = {(int(b), int(t)): i for i, (b, t) in enumerate(zip(values.rows, values.positions))}
+    rewards = inputs["rewards"]
+    gamma = float(inputs["gamma"])
+    mask = inputs["response_mask"]
+    levels = {"token": token_spans(mask)}
+    for key in inputs:
+        if key.startswith("segments/"):
+            levels["macro/" + key.split("/", 1)[1]] = credit_truth.segment_spans(inputs[key], mask)
+    scores, ceilings = {}, {}
+    for level, (rows, starts, ends) in levels.items():
+        start_state = np.array([index[(b, s)] for b, s in zip(rows, starts)], dtype=np.int64)
+        end_state = np.array([index[(b, e)] for b, e in zip(rows, ends)], dtype=np.int64)
+        span_rewards = np.array([(rewards[b, s:e] * gamma ** np.arange(e - s)).sum()
+                                 for b, s, e in zip(rows, starts, ends)])
+        truth, _, halves = credit_truth.span_advantages(values, start_state, end_state,
+                                                        span_rewards, ends - starts, gamma)
+        prompts = np.asarray(prompts_of_rows)[rows]
+        ceilings[level] = credit_scores.noise_ceiling(halves, prompts, **bootstrap)
+        rule = None if level == "token" else level.split("/", 1)[1]
+        scores[level] = {}
+        for name in (k.split("/", 1)[1] for k in inputs if k.startswith("advantages/")):
+            if rule is not None and macro_rule(name) != rule:
+                continue
+            estimate = inputs["advantages/" + name][rows, starts]
+            scores[level][name] = credit_scores.score_advantages(estimate, truth, prompts,
+                                                                 **bootstrap)
+    return scores, ceilings
+
+
+class CreditProbe:
+    """The probe of one PPO run (see the module); `probe(state, frozen, hparams, step)` ->
+    a metrics row, its inputs saved under `<workdir>/credit/`."""
+
+    def __init__(self, config, task, static: PPOStatic, models: Models, workdir: str):
+        self.c = config.credit
+        self.static, self.models = static, models
+        self.steps = set(probe_steps(int(self.c.every), int(config.ppo.steps)))
+        n = int(self.c.prompts)
+        if len(task.eval["ids"]) < n:
+            raise ValueError(f"config.credit.prompts={n}: the task has "
+                             f"{len(task.eval['ids'])} held-out prompts")
+        self.prompt_ids = jnp.asarray(np.asarray(task.eval["ids"])[:n])
+        self.prompt_mask = jnp.asarray(np.asarray(task.eval["mask"])[:n])
+        self.ngram = int(config.ppo.ngram)
+        self.aggregation = config.ppo.reward_aggregation
+        self.directory = os.path.join(workdir, "credit")
+        self._sample = jax.jit(functools.partial(_sampled, static, models),
+                               static_argnames="group_size")
+        self._reward = jax.jit(functools.partial(_rewards, static, models))
+
+    def due(self, step: int) -> bool:
+        return step in self.steps
+
+    def probe_inputs(self, state: PPOState, frozen: Frozen, hparams, step: int) -> dict:
+        """The arrays one probe scores (numpy): prompts, responses, rewards, states' values,
+        segments and every estimator's advantages."""
+        c, static = self.c, self.static
+        keys = jax.random.split(jax.random.fold_in(jax.random.key(int(c.seed)), step), 4)
+        exp = self._sample(state, frozen, self.prompt_ids, self.prompt_mask, keys[0],
+                           group_size=int(c.group_size))
+        segments = _segments(static, exp, tuple(c.rules), keys[1], self.ngram)
+        gamma, lam = float(hparams.gamma), float(hparams.lam)
+        advantages = estimator_advantages(
+            static, self.models, state, frozen, exp, segments, gamma=gamma, lam=lam,
+            weightings=tuple(c.weightings), aggregation=self.aggregation,
+            group_size=int(c.group_size), mc_rollouts=int(c.mc_rollouts), key=keys[2])
+        rows, starts, ends = token_spans(exp.actions)
+        actor = role_params(static, "actor", frozen, state.actor_params)
+        truth = credit_truth.advantage_truth(
+            self.models.policy, actor, exp.prompt_ids, exp.prompt_mask, exp.response_ids,
+            exp.actions, rows, starts, ends,
+            reward_fn=functools.partial(self._reward, state, frozen), key=keys[3],
+            num_continuations=int(c.continuations), temperature=static.temperature,
+            top_k=static.top_k, top_p=static.top_p, eos_id=static.eos_id, pad_id=static.pad_id,
+            gamma=gamma, chunk_states=int(c.chunk_states))
+        states = truth.states
+        return {
+            "step": np.int64(step), "group_size": np.int64(c.group_size),
+            "gamma": np.float64(gamma),
+            "prompt_ids": np.asarray(exp.prompt_ids), "prompt_mask": np.asarray(exp.prompt_mask),
+            "response_ids": np.asarray(exp.response_ids),
+            "response_mask": np.asarray(exp.actions),
+            "rewards": np.asarray(exp.rewards, np.float64),
+            "values": np.asarray(exp.values, np.float64), "lam": np.float64(lam),
+            "state_rows": states.rows, "state_positions": states.positions,
+            "state_mean": states.mean, "state_se": states.se, "state_halves": states.halves,
+            **{f"segments/{rule}": np.asarray(seg) for rule, seg in segments.items()},
+            **{f"advantages/{name}": a for name, a in advantages.items()},
+        }
+
+    def __call__(self, state: PPOState, frozen: Frozen, hparams, step: int) -> dict:
+        inputs = self.probe_inputs(state, frozen, hparams, step)
+        if jax.process_index() == 0:
+            os.makedirs(self.directory, exist_ok=True)
+            path = os.path.join(self.directory, f"step_{step}.npz")
+            np.savez(path + ".tmp.npz", **inputs)
+            os.replace(path + ".tmp.npz", path)
+        prompts = np.arange(inputs["response_ids"].shape[0]) // int(self.c.group_size)
+        scores, ceilings = score_probe(inputs, prompts, resamples=200)
+        row = {"stage": "credit", "step": step,
+               "credit/states": int(inputs["state_rows"].size)}
+        for level, by_name in scores.items():
+            row[f"credit/{level}/noise_ceiling"] = ceilings[level]["ceiling"]["value"]
+            for name, result in by_name.items():
+                for s in ROW_SCORES:
+                    row[f"credit/{level}/{name}/{s}"] = result[s]["value"]
+        return row
