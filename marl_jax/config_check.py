@@ -480,6 +480,12 @@ def _check_multi_turn(c, check):
     check(not (ESTIMATORS[p.estimator].needs_critic and p.critic_init == "rm"),
           "ppo.critic_init", f"task {t.name!r} has no reward model to start the critic from: "
           "use sft or random")
+    from marl_jax.envs.tasks import WORD_TOKENIZER, tokenizer_problem
+
+    problem = tokenizer_problem(c)
+    if problem is not None:  # the field may be absent: the word-level tokenizer by default
+        raise ValueError(f"config.task.tokenizer={t.get('tokenizer', WORD_TOKENIZER)!r}: "
+                         f"{problem}")
 
 
 def _check_task_fields(c, config_file):

@@ -9,6 +9,13 @@ the first prompts of fresh problems and play them against the environment
 `TaskData.environment` names, whose task rows are `info["rl_rows"]` / `info["eval_rows"]` in the
 order of the prompt arrays. There is no reward model: the environment's answer check is the
 reward (`TaskData.rm` is None).
+
+`config.task.tokenizer` chooses how text becomes tokens: "word" (the default, also when the
+section has no such field) is the task's own word-level tokenizer, written to
+`<workdir>/tokenizer` for a fresh model of `config.model.config`; "model" is the tokenizer of
+the pretrained `config.model.path` (configs/multiturn_smollm2.py: SmolLM2's BPE and its chat
+template); any other value is the path of a tokenizer (an HF directory or a GGUF file). The
+environment is the same under every tokenizer: its text is the same words and numbers.
 """
 from __future__ import annotations
 
@@ -18,13 +25,58 @@ import os
 from marl_jax.data.task_data import TaskData
 from marl_jax.data.task_registry import register_task
 from marl_jax.envs import calculator
-from marl_jax.envs.chat_turns import end_of_turn_ids, prompt_ids
+from marl_jax.envs.chat_turns import end_of_turn_ids, observation_span, prompt_ids
 from marl_jax.envs.registry import environment
 from marl_jax.envs.transcripts import left_padded, pad_id, transcript_arrays
 from marl_jax.envs.turn_callback import turn_callback
+from marl_jax.models.tokenizer import load_tokenizer
 
 # The problems' sizes a calculator task section sets (`calculator.CalculatorTask`).
 CALCULATOR_SIZES = ("min_a", "max_a", "max_bc", "max_value")
+# `config.task.tokenizer` values besides a path: the task's word-level tokenizer (the default)
+# and the pretrained model's own.
+WORD_TOKENIZER, MODEL_TOKENIZER = "word", "model"
+
+
+def tokenizer_path(config) -> str:
+    """The path of the tokenizer `config.task.tokenizer` names ("" for the task's word-level
+    tokenizer, which is built rather than loaded)."""
+    choice = config.task.get("tokenizer", WORD_TOKENIZER)
+    if choice == WORD_TOKENIZER:
+        return ""
+    return config.model.path if choice == MODEL_TOKENIZER else choice
+
+
+def tokenizer_problem(config) -> str | None:
+    """Why the tokenizer `config.task.tokenizer` names cannot write the calculator's turns, or
+    None: the word-level tokenizer with a pretrained model (whose ids mean other words), "model"
+    without a model path, a tokenizer that does not load, or one without a chat template that
+    writes a tool turn token by token (`chat_turns`). Loads the tokenizer; builds nothing."""
+    choice = config.task.get("tokenizer", WORD_TOKENIZER)
+    if not isinstance(choice, str) or not choice:
+        return (f"must be {WORD_TOKENIZER} (the task's word-level tokenizer), {MODEL_TOKENIZER} "
+                "(config.model.path's) or the path of a tokenizer")
+    if choice == WORD_TOKENIZER:
+        return None if not config.model.path else (
+            f"the task's word-level tokenizer needs a fresh model, not config.model.path="
+            f"{config.model.path!r}: use {MODEL_TOKENIZER} (the model's own tokenizer)")
+    path = tokenizer_path(config)
+    if not path:
+        return f"{MODEL_TOKENIZER} is the tokenizer of config.model.path, which is empty"
+    try:
+        tokenizer = load_tokenizer(path)
+    except Exception as error:  # a missing file or a directory that holds no tokenizer
+        return f"no tokenizer loads from {path}: {str(error).strip().splitlines()[0]}"
+    role = calculator.CalculatorEnvironment.observation_role
+    try:
+        end_of_turn_ids(tokenizer)
+        observation_span(tokenizer, [{"role": "user", "content": "2 + 3 ?"},
+                                     {"role": "assistant", "content": "calc ( 2 + 3 )"}],
+                         "5", role=role)
+    except ValueError as error:
+        return (f"the {config.task.name} environment writes its turns through a chat template: "
+                f"{error}")
+    return None
 
 
 def calculator_task_from_config(t) -> calculator.CalculatorTask:
@@ -51,7 +103,9 @@ def calculator_task_data(config, workdir: str) -> TaskData:
     evaluation's from `data_seed + 2`."""
     t = config.task
     task = calculator_task_from_config(t)
-    tokenizer = calculator.build_tokenizer(task, os.path.join(workdir, "tokenizer"))
+    path = tokenizer_path(config)
+    tokenizer = (load_tokenizer(path) if path else
+                 calculator.build_tokenizer(task, os.path.join(workdir, "tokenizer")))
     p, r = int(t.prompt_length), int(config.ppo.response_length)
     seed = int(t.data_seed)
     demos = calculator.demonstrations(task, seed, int(t.num_sft))
