@@ -163,11 +163,24 @@ def section(sets: list[list[str]], results: list[dict], command: str, plot_link:
             lines.append(f"| {name} | " + " | ".join(
                 _cell(result[p]["scores"]["token"][name]["pearson"]) for p in PHASES) + " |")
         lines.append("")
+        lines += ["Each rule's macro estimators against its macros' A* (advantage at a macro's "
+                  "first token against the sum of its rewards plus V at its end minus V at its "
+                  "start):", "", "| rule | estimator | " + " | ".join(PHASES) + " |",
+                  "|---|---|" + "---|" * len(PHASES)]
+        for level in (k for k in result["start"]["scores"] if k.startswith("macro/")):
+            rule = level.split("/", 1)[1]
+            lines.append(f"| {rule} | noise ceiling | " + " | ".join(
+                _cell(result[p]["ceilings"][level]["ceiling"]) for p in PHASES) + " |")
+            for name in result["start"]["scores"][level]:
+                lines.append(f"| {rule} | {name} | " + " | ".join(
+                    _cell(result[p]["scores"][level][name]["pearson"]) for p in PHASES) + " |")
+        lines.append("")
     lines += ["Differences from token GAE's correlation that hold on every seed set (paired "
               "bootstrap; all others are not distinguishable):", ""]
     held = [f"- {name} at the {phase}: {'higher' if sign > 0 else 'lower'} ("
             + ", ".join(_cell(r[phase]["vs_token_gae"][name]) for r in results) + ")"
-            for (phase, name), sign in sorted(stated.items())]
+            for (phase, name), sign in sorted(stated.items(),
+                                              key=lambda kv: (PHASES.index(kv[0][0]), kv[0][1]))]
     lines += held or ["- none: every estimator is not distinguishable from token GAE."]
     lines += ["", f"![correlation with A* by estimator and phase]({plot_link})", ""]
     return "\n".join(lines)

@@ -426,18 +426,14 @@ def _check_credit(c, check):
     if "credit" not in c or not c.credit.every:
         return
     r, p = c.credit, c.ppo
-    check(isinstance(r.every, int) and r.every >= 0, "credit.every",
-          "must be an integer >= 0 (0: off)")
-    check(isinstance(r.continuations, int) and r.continuations >= 2, "credit.continuations",
-          "must be an integer >= 2: the noise ceiling compares two halves of them")
-    check(isinstance(r.prompts, int) and r.prompts >= 2, "credit.prompts",
-          "must be an integer >= 2 (intervals resample prompts)")
-    check(isinstance(r.group_size, int) and r.group_size >= 2, "credit.group_size",
-          "must be an integer >= 2 (GRPO's and RLOO's groups)")
-    check(isinstance(r.chunk_states, int) and r.chunk_states >= 1, "credit.chunk_states",
-          "must be an integer >= 1")
-    check(isinstance(r.mc_rollouts, int) and r.mc_rollouts >= 1, "credit.mc_rollouts",
-          "must be an integer >= 1")
+    for field, least, why in (("every", 0, " (0: off)"),
+                              ("continuations", 2, ": the noise ceiling compares two halves"),
+                              ("prompts", 2, ": intervals resample prompts"),
+                              ("group_size", 2, ": GRPO's and RLOO's groups"),
+                              ("chunk_states", 1, ""), ("mc_rollouts", 1, "")):
+        value = r[field]
+        check(isinstance(value, int) and value >= least, f"credit.{field}",
+              f"must be an integer >= {least}{why}")
     rules = tuple(r.rules)
     on_device = tuple(t for t in TERMINATIONS if t not in ("parsing", "turn"))
     check(bool(rules) and set(rules) <= set(on_device), "credit.rules",

@@ -121,7 +121,7 @@ def test_report_pools_seed_sets_and_states_differences_that_hold_on_every_set(pr
 
 
 @pytest.mark.parametrize("field, value, words", [
-    ("credit.continuations", 1, "two halves"),
+    ("credit.continuations", 1, "compares two halves"),
     ("credit.rules", ("fixed", "parsing"), "rules cut on the device"),
     ("ppo.estimator", "grpo", "scores the run's critic"),
 ])
