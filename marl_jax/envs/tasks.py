@@ -20,6 +20,7 @@ environment is the same under every tokenizer: its text is the same words and nu
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 from marl_jax.data.task_data import TaskData
@@ -36,6 +37,13 @@ CALCULATOR_SIZES = ("min_a", "max_a", "max_bc", "max_value")
 # `config.task.tokenizer` values besides a path: the task's word-level tokenizer (the default)
 # and the pretrained model's own.
 WORD_TOKENIZER, MODEL_TOKENIZER = "word", "model"
+
+
+@functools.lru_cache(maxsize=4)
+def _pretrained_tokenizer(path: str):
+    """The tokenizer at `path`, read once per process: the config check and the task build
+    both need it (a GGUF file's vocabulary takes seconds to read), and nothing edits it."""
+    return load_tokenizer(path)
 
 
 def tokenizer_path(config) -> str:
@@ -64,7 +72,7 @@ def tokenizer_problem(config) -> str | None:
     if not path:
         return f"{MODEL_TOKENIZER} is the tokenizer of config.model.path, which is empty"
     try:
-        tokenizer = load_tokenizer(path)
+        tokenizer = _pretrained_tokenizer(path)
     except Exception as error:  # a missing file or a directory that holds no tokenizer
         return f"no tokenizer loads from {path}: {str(error).strip().splitlines()[0]}"
     role = calculator.CalculatorEnvironment.observation_role
@@ -104,7 +112,7 @@ def calculator_task_data(config, workdir: str) -> TaskData:
     t = config.task
     task = calculator_task_from_config(t)
     path = tokenizer_path(config)
-    tokenizer = (load_tokenizer(path) if path else
+    tokenizer = (_pretrained_tokenizer(path) if path else
                  calculator.build_tokenizer(task, os.path.join(workdir, "tokenizer")))
     p, r = int(t.prompt_length), int(config.ppo.response_length)
     seed = int(t.data_seed)
