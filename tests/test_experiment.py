@@ -270,26 +270,3 @@ def test_programs_of_one_run_share_the_sft_evaluation_and_write_one_sft_row(tmp_
     assert report["versus_sft"]["ppo"]["n"] == 2 * cfg.task.num_eval_prompts
 
 
-def test_phase_timed_experiment_step_gives_the_fused_steps_metrics(tmp_path):
-    """The vmapped step as its four vmapped phase programs (`ppo.phase_timing`, the default)
-    and as one program: the same training metrics to float32 rounding, for every run."""
-    rows = {}
-    for timed in (True, False):
-        cfg = tiny_config(**{"stage": "experiment", "experiment.arms": ("ppo", "ma_ppo"),
-                             "ppo.steps": 2, "ppo.phase_timing": timed})
-        experiment.run_experiment(cfg, str(tmp_path / str(timed)))
-        rows[timed] = {(r["arm"], r["seed"], r["step"]): r
-                       for r in read_metrics(str(tmp_path / str(timed))) if r["stage"] == "ppo"}
-    assert sorted(rows[True]) == sorted(rows[False]) == [
-        (a, s, t) for a in ("ma_ppo", "ppo") for s in (0, 1) for t in (1, 2)]
-    for key, timed in rows[True].items():
-        fused = rows[False][key]
-        assert not [k for k in fused if k.startswith("timing/") and k != "timing/eval_s"]
-        fields = [k for k in timed if not k.startswith(("perf/", "timing/"))]
-        assert fields == [k for k in fused if not k.startswith(("perf/", "timing/"))]
-        for k in fields:
-            if isinstance(timed[k], (int, float)):
-                np.testing.assert_allclose(timed[k], fused[k], rtol=2e-5, atol=1e-6,
-                                           err_msg=f"{key} {k}")
-            else:
-                assert timed[k] == fused[k], (key, k)
