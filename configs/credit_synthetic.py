@@ -10,7 +10,7 @@ same rollout of 8 held-out prompts x 4 samples, scored against Monte Carlo groun
 
 `--config.seed` picks the run (its own SFT, reward model and PPO); the probe's prompts are the
 task's first held-out prompts, its keys `credit.seed` and the step. Sizes: configs/synthetic.py's,
-with PPO evaluated every 20 steps.
+with PPO evaluated every 20 steps and checkpointed at every probe.
 """
 from configs import synthetic
 
@@ -21,4 +21,8 @@ def get_config():
     c.seeds = (0,)
     c.ppo.eval_every = 20
     c.credit.update(dict(every=c.ppo.steps // 2, prompts=8, group_size=4, continuations=8))
+    # A checkpoint at every probe, all kept: a probe's states can be valued again from the
+    # policy and critic it saw (step 0's are the SFT policy and the initial critic).
+    c.checkpoint_every = c.credit.every
+    c.max_to_keep = 3
     return c
