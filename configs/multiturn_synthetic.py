@@ -58,6 +58,9 @@ def get_config():
         # Half the demonstrations stop after the first tool call and answer its value (wrong):
         # the SFT policy often stops too soon, a decision at the start of a turn for PPO to fix.
         demo_shortcut=0.5,
+        # The task's own word-level tokenizer; "model" (the checkpoint's) or a tokenizer's path
+        # plays the same environment in another chat template (configs/multiturn_smollm2.py).
+        tokenizer="word",
     ))
 
     c.model.config = ml_collections.ConfigDict(dict(
