@@ -43,10 +43,17 @@ def probe_files(workdir: str) -> list[str]:
 
 def pooled(paths: list[str]) -> tuple[dict, np.ndarray]:
     """The probes of several runs as one: rows stacked, state rows offset, prompts numbered
-    per run; (inputs, prompt of each response row)."""
+    per run; (inputs, prompt of each response row). An array some runs lack (a rule probed in
+    some runs only: its segments and estimators) is left out, named on stderr."""
     parts = [dict(np.load(p)) for p in paths]
+    keys = [k for k in parts[0] if all(k in p for p in parts)]
+    left_out = sorted(set().union(*parts) - set(keys))
+    if left_out:
+        print(f"note: {', '.join(left_out)} left out of the pooled probes: not in every one of "
+              f"{', '.join(paths)}", file=sys.stderr)
+    parts = [{k: p[k] for k in keys} for p in parts]
     out, prompts, offset, prompt_offset = {}, [], 0, 0
-    widths = {k: max(p[k].shape[1] for p in parts) for k in parts[0]
+    widths = {k: max(p[k].shape[1] for p in parts) for k in keys
               if parts[0][k].ndim == 2 and k != "state_halves"}
     for p in parts:
         rows = p["response_ids"].shape[0]
@@ -126,6 +133,26 @@ def seed_set_result(workdirs: list[str]) -> dict:
                       "vs_token_gae": paired_differences(inputs, prompts, level_rows, truth,
                                                          [m for m in names if m != BASELINE])}
     return out
+
+
+def common_to_all(results: list[dict]) -> list[dict]:
+    """`results` with only the levels and estimators that every seed set scored at every phase
+    (a rule probed on some sets only is left out of the page, named on stderr)."""
+    entries = [r[phase] for r in results for phase in PHASES]
+    levels = set.intersection(*(set(e["scores"]) for e in entries))
+    names = {level: set.intersection(*(set(e["scores"][level]) for e in entries))
+             for level in levels}
+    left_out = sorted({f"{level}: {name}" for e in entries for level in e["scores"]
+                       for name in e["scores"][level] if name not in names.get(level, ())})
+    if left_out:
+        print(f"note: not scored on every seed set and phase, left out: {'; '.join(left_out)}",
+              file=sys.stderr)
+    for e in entries:
+        e["scores"] = {level: {n: s for n, s in by_name.items() if n in names[level]}
+                       for level, by_name in e["scores"].items() if level in levels}
+        e["ceilings"] = {level: c for level, c in e["ceilings"].items() if level in levels}
+        e["vs_token_gae"] = {n: d for n, d in e["vs_token_gae"].items() if n in names["token"]}
+    return results
 
 
 def _cell(entry: dict) -> str:
@@ -224,7 +251,7 @@ def main(argv) -> int:
     parser.add_argument("--command", default="python experiments/credit_report.py ...")
     args = parser.parse_args(argv)
     sets = [s.split(",") for s in args.sets]
-    results = [seed_set_result(s) for s in sets]
+    results = common_to_all([seed_set_result(s) for s in sets])
     with open(args.results, "w") as f:
         json.dump({"sets": sets, "results": results}, f, indent=1)
     plot(results, args.plot)

@@ -290,6 +290,37 @@ def termination_problem(p, temperature) -> tuple[str, str] | None:
     return None
 
 
+def parsing_problem(c) -> tuple[str, str] | None:
+    """(field, one line) when the parsing termination cannot run for the probe's `credit.rules`
+    (`marl_jax.macro.parsing`, as the PPO step runs it with `config.ppo`'s parsing knobs), else
+    None: spaCy and the pipeline `ppo.parsing_model` installed, a cutoff >= 2. The tokenizer
+    is checked where the parser is built (`parsing.IncrementalDecoder` reads a fast tokenizer's
+    text, which every single-response task's tokenizer is)."""
+    p, keep = c.ppo, "or keep credit.rules to the rules cut on the device"
+    if importlib.util.find_spec("spacy") is None:
+        return "credit.rules", f"parsing parses the responses with spaCy: pip install spacy, {keep}"
+    if not _spacy_pipeline_installed(p.parsing_model):
+        return "ppo.parsing_model", (
+            f"credit.rules has parsing, which parses the responses with this spaCy pipeline; it "
+            f"is not installed: python -m spacy download {p.parsing_model}, {keep}")
+    cutoff = p.parsing_cutoff
+    if not (isinstance(cutoff, int) and not isinstance(cutoff, bool) and cutoff >= 2):
+        return "ppo.parsing_cutoff", "must be an integer >= 2 (a subtree of fewer tokens is a macro)"
+    return None
+
+
+def _spacy_pipeline_installed(model) -> bool:
+    """Whether `spacy.load(model)` finds a pipeline: an installed package or a directory."""
+    if not isinstance(model, str) or not model:
+        return False
+    if os.path.isdir(model):
+        return True
+    try:
+        return importlib.util.find_spec(model) is not None
+    except (ImportError, ValueError):  # a dotted or otherwise unimportable name
+        return False
+
+
 def check_seeds(seeds) -> None:
     """Raises one line unless `seeds` (`config.seeds`: one PPO run per arm and seed) is a
     non-empty sequence of distinct integers: a seed listed twice would run the same runs twice
@@ -436,8 +467,11 @@ def _check_credit(c, check):
               f"must be an integer >= {least}{why}")
     rules = tuple(r.rules)
     on_device = tuple(t for t in TERMINATIONS if t not in ("parsing", "turn"))
-    check(bool(rules) and set(rules) <= set(on_device), "credit.rules",
-          f"must be a non-empty subset of {on_device} (the rules cut on the device)")
+    check(bool(rules) and set(rules) <= {*on_device, "parsing"}, "credit.rules",
+          f"must be a non-empty subset of {on_device} (the rules cut on the device) and "
+          "parsing (parsed on the host)")
+    problem = parsing_problem(c) if "parsing" in rules else None
+    check(problem is None, *(problem or (None, None)))
     check(bool(tuple(r.weightings)) and set(r.weightings) <= set(VALUE_WEIGHTINGS),
           "credit.weightings", f"must be a non-empty subset of {VALUE_WEIGHTINGS}")
     check(p.estimator == "gae", "credit.every",

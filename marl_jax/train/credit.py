@@ -7,7 +7,8 @@ current actor and scores them as the run does (`phases.score.score`: logprobs, K
 values, the reward model's score, the per-token rewards r_t). On that batch it computes
 
 - `token_gae`: GAE over tokens with the run's critic and lam;
-- for every rule of `credit.rules` (on-device terminations, `macro.termination.segment`) and
+- for every rule of `credit.rules` (on-device terminations, `macro.termination.segment`, and
+  `parsing`, parsed on the host as the PPO step parses, `parsing_segments`) and
   value weighting of `credit.weightings`: `macro_gae/<rule>/<weighting>` (the run's critic,
   reward aggregation and lam), and its matched token control `control/<rule>`: token GAE with
   lam^(1/L), L the rule's mean macro length on this batch;
@@ -101,9 +102,25 @@ def _rewards(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen,
     return exp.rewards
 
 
-def _segments(static: PPOStatic, exp: Experience, rules, key, ngram: int) -> dict:
-    """Segment ids `[B, R]` of every rule on the batch."""
-    return {rule: termination.segment(
+def parsing_termination(ppo, tokenizer):
+    """The PPO step's parser (`phased_step.PhasedStep`: `config.ppo`'s parsing knobs, its n-gram
+    fallback and isolate_last) on the task's tokenizer."""
+    from marl_jax.macro.parsing import ParsingTermination
+
+    return ParsingTermination(tokenizer, model=ppo.parsing_model, cutoff=ppo.parsing_cutoff,
+                              fallback_n=ppo.ngram, isolate_last=ppo.isolate_last)
+
+
+def parsing_segments(parser, exp: Experience) -> np.ndarray:
+    """int32 `[B, R]`: the parsing rule's segment ids of the responses, from their tokens on the
+    host, as the PPO step computes them (`parser`: `parsing_termination`)."""
+    segment_ids, _ = parser(np.asarray(exp.response_ids), np.asarray(exp.response_mask, np.int32))
+    return segment_ids
+
+
+def _segments(static: PPOStatic, exp: Experience, rules, key, ngram: int, parser=None) -> dict:
+    """Segment ids `[B, R]` of every rule on the batch; `parsing` by `parser` on the host."""
+    return {rule: parsing_segments(parser, exp) if rule == "parsing" else termination.segment(
         rule, exp.actions, key=key, ref_logprobs=exp.ref_base_logprobs,
         entropies=exp.entropies, logprobs=exp.old_logprobs, n=ngram,
         lengths=static.randomized_lengths, repeats=static.randomized_repeats,
@@ -226,6 +243,8 @@ class CreditProbe:
         self._sample = jax.jit(functools.partial(_sampled, static, models),
                                static_argnames="group_size")
         self._reward = jax.jit(functools.partial(_rewards, static, models))
+        self.parser = (parsing_termination(config.ppo, task.tokenizer)
+                       if "parsing" in tuple(self.c.rules) else None)
 
     def due(self, step: int) -> bool:
         return step in self.steps
@@ -237,7 +256,7 @@ class CreditProbe:
         keys = jax.random.split(jax.random.fold_in(jax.random.key(int(c.seed)), step), 4)
         exp = self._sample(state, frozen, self.prompt_ids, self.prompt_mask, keys[0],
                            group_size=int(c.group_size))
-        segments = _segments(static, exp, tuple(c.rules), keys[1], self.ngram)
+        segments = _segments(static, exp, tuple(c.rules), keys[1], self.ngram, self.parser)
         gamma, lam = float(hparams.gamma), float(hparams.lam)
         advantages = estimator_advantages(
             static, self.models, state, frozen, exp, segments, gamma=gamma, lam=lam,
