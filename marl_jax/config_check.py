@@ -466,7 +466,12 @@ def _check_credit(c, check):
         check(isinstance(value, int) and value >= least, f"credit.{field}",
               f"must be an integer >= {least}{why}")
     rules = tuple(r.rules)
-    on_device = tuple(t for t in TERMINATIONS if t not in ("parsing", "turn"))
+    # On a multi-turn task the rules cut within turns, and `turn` is one more.
+    on_device = tuple(t for t in TERMINATIONS if t not in ("parsing", "turn")) + (
+        ("turn",) if multi_turn_task(c) else ())
+    check(not multi_turn_task(c) or "parsing" not in rules, "credit.rules",
+          "parsing reads single responses; on a multi-turn task the probe takes the rules cut on "
+          "the device (within turns) and turn")
     check(bool(rules) and set(rules) <= {*on_device, "parsing"}, "credit.rules",
           f"must be a non-empty subset of {on_device} (the rules cut on the device) and "
           "parsing (parsed on the host)")
@@ -478,11 +483,9 @@ def _check_credit(c, check):
           f"the probe scores the run's critic: ppo.estimator must be gae, not {p.estimator!r}")
     check(c.stage in ("ppo", "all"), "credit.every",
           f"the probe runs inside a PPO run (stage ppo or all), not stage {c.stage!r}")
-    check(not multi_turn_task(c), "credit.every",
-          "the probe scores single responses; multi-turn tasks are not supported yet")
     check(not ({"low_probability", "entropy"} & set(rules)) or p.temperature > 0, "credit.rules",
           "entropy and low_probability read sampled probabilities: ppo.temperature must be > 0")
-    check(p.reward_source in ("rm", "gold"), "credit.every",
+    check(p.reward_source in ("rm", "gold") or multi_turn_task(c), "credit.every",
           f"the ground truth rescoring needs reward_source rm or gold, not {p.reward_source!r}")
 
 

@@ -18,7 +18,7 @@ from marl_jax import models as models_lib
 from marl_jax import rollout
 from marl_jax.data import batches
 from marl_jax.models import lora
-from marl_jax.train import build, checkpoint, credit, loop, perf, programs, sharding
+from marl_jax.train import build, checkpoint, credit_turns, loop, perf, programs, sharding
 from marl_jax.train import phases
 from marl_jax.train.phased_step import PhasedStep
 from marl_jax.train.turn_step import MultiTurnStep, TrajectoryEvaluation
@@ -398,7 +398,7 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
     evaluates = loop.evaluation_steps(p.eval_every, p.steps)
     probe = None
     if config.get("credit") is not None and config.credit.every:
-        probe = credit.CreditProbe(config, task, static, mods, workdir)
+        probe = credit_turns.probe_class(task)(config, task, static, mods, workdir)
 
     def hooks_due(done):
         return evaluates(done) or (probe is not None and probe.due(done))
