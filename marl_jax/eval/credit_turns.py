@@ -20,7 +20,8 @@ are checked against the trajectory's), then the policy samples the rest of the c
 the turns go on until done, failed, `max_turns` or the budget of T columns. Column u is drawn
 with `fold_in(key, u)`, as `run_turns` draws it, so the trajectory's own row key continues it
 into itself from any state. Each turn is sampled by `engine.continue_responses` after the
-prompt and the whole history (one prefill of every live row per turn).
+prompt and the whole history (one prefill of every live row per turn), so, as for
+`turns.reprefill_turns`, an observation may not end with an end-of-turn id (ValueError).
 
 Values. K continuations per state; each is rewarded by the caller's `reward_fn` (the run's
 per-token rewards of a trajectory: the environment's turn rewards, KL terms) and its return
@@ -155,6 +156,11 @@ def continue_trajectories(model, params, prompt_ids, prompt_mask, trajectory, ro
     prompt_tokens = np.asarray(prompt_mask).sum(axis=1)[sources]
     prefill = 0
     while live.any():
+        previous = out["tokens"][np.arange(n), np.maximum(cursor - 1, 0)]
+        if np.any(live & (cursor > 0) & np.isin(previous, eos)):
+            raise ValueError("an observation ends with an end-of-turn id, after which "
+                             "continue_responses samples nothing: continuations cannot play this "
+                             "environment's chat template")
         sample = engine.continue_responses(
             model, params, ids, mask, jnp.asarray(out["tokens"]), jnp.ones((n, width), jnp.int32),
             jnp.asarray(np.where(live, cursor, width), jnp.int32), row_keys=row_keys, temperature=temperature,
