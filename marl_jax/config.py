@@ -305,6 +305,9 @@ def base_config() -> ml_collections.ConfigDict:
     # samples from every state of every response). 0: off.
     c.credit = ml_collections.ConfigDict(dict(
         every=0,
+        truth="reward",        # what the truth's continuations earn: the run's per-token reward
+                               # (KL terms and score), or "gold": the task's gold on the last
+                               # token, no KL (tasks with a gold: synthetic, reviews)
         prompts=8,
         group_size=4,          # samples per prompt: GRPO's and RLOO's groups
         continuations=8,       # K >= 2 per state (two halves give the noise ceiling)

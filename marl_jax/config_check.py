@@ -450,6 +450,11 @@ def multi_turn_task(c) -> bool:
     return c.task.name in environment_names()
 
 
+# The tasks whose gold the probe can compute: the synthetic task's on device, the review task's
+# on decoded text (`marl_jax.eval.review_gold`).
+TASKS_WITH_GOLD = ("synthetic", "reviews")
+
+
 def _check_credit(c, check):
     """The advantage-quality probe (`config.credit`, off at every = 0): its sizes, rules and
     weightings, a critic to score (token and macro GAE read the run's values), and sampled
@@ -487,6 +492,11 @@ def _check_credit(c, check):
           "entropy and low_probability read sampled probabilities: ppo.temperature must be > 0")
     check(p.reward_source in ("rm", "gold") or multi_turn_task(c), "credit.every",
           f"the ground truth rescoring needs reward_source rm or gold, not {p.reward_source!r}")
+    truth = r.get("truth", "reward")
+    check(truth in ("reward", "gold"), "credit.truth", "must be reward or gold")
+    check(truth != "gold" or c.task.name in TASKS_WITH_GOLD, "credit.truth",
+          f"gold needs a task with a gold ({', '.join(TASKS_WITH_GOLD)}); task "
+          f"{c.task.name!r} has none")
 
 
 def _check_multi_turn(c, check):

@@ -73,7 +73,8 @@ class Pipeline:
         t = self.config.task
         self.gold = ReviewGold(min_words=int(t.gold_min_words), max_words=int(t.gold_max_words))
         records = self.task.info["records"]
-        self.task.eval_gold = lambda texts: self.gold.score(records["eval"], texts)
+        self.task.eval_gold = lambda texts, rows=None: self.gold.score(
+            records["eval"] if rows is None else [records["eval"][i] for i in rows], texts)
 
     def initial_params(self):
         """The policy's starting point (the pretrained model), read once."""

@@ -37,7 +37,8 @@ class TaskData:
     # `marl_jax.data.review_task`); their records are in `info["records"][part]`.
     sampled_prompts: Optional[dict] = None
     # The gold of decoded responses to the held-out prompts, attached by the pipeline for tasks
-    # whose gold runs on the host: eval_gold(texts [E]) -> [E] float, in `eval` order.
+    # whose gold runs on the host: eval_gold(texts [E]) -> [E] float, in `eval` order, or
+    # eval_gold(texts [N], rows=[N]) for responses to the held-out prompts `rows`.
     eval_gold: Optional[Callable] = None
     # A multi-turn task's environment: {"name", "kwargs"}, what
     # `marl_jax.envs.environment(name, **kwargs)` builds; its task rows of the `rl` / `eval`

@@ -24,7 +24,9 @@ reward_fn(prompt_ids [N, P], prompt_mask [N, P], response_ids [N, R], response_m
 ignored), e.g. the KL terms -beta (logp(a_u) - logp_ref(a_u)) on every token and the clipped
 reward-model score (or the gold, where a task has one) on the last one. r_u must depend on the
 prompt and tokens 0..u only (the state's value is an expectation over what follows it). The
-responses must have the run's response budget R: continuations stop after EOS or at R.
+responses must have the run's response budget R: continuations stop after EOS or at R. With
+`reward_rows=True` it is also given `rows=` `[N]` int, the batch row each scored response is
+(or continues), to read that row's own data (e.g. the document a gold scores against).
 
 Keys. `continuation_keys(key, M, K)` = `jax.random.split(key, (M, K))`: continuation j of
 state i (states in the order of `StateValues.rows / positions`) draws its token at response
@@ -40,7 +42,7 @@ Public (arrays `[M]` per state, `[S]` per span):
   -> SampleOutput` `[M * K, R]` (row i * K + j: continuation j of state i)
 - `state_values(model, params, prompt_ids, prompt_mask, response_ids, response_mask, rows,
   positions, *, reward_fn, key, num_continuations, temperature, top_k=0, top_p=1.0, eos_id,
-  pad_id, gamma=1.0, chunk_states=None, decode_slots=None) -> StateValues`
+  pad_id, gamma=1.0, chunk_states=None, decode_slots=None, reward_rows=False) -> StateValues`
 - `span_advantages(states, start_state, end_state, span_rewards, lengths, gamma)
   -> (value, se, halves)` (pure numpy)
 - `advantage_truth(model, params, prompt_ids, prompt_mask, response_ids, response_mask, rows,
@@ -151,8 +153,9 @@ def _discounted_returns(rewards, mask, positions, gamma):
     return jnp.where(live, rewards * gamma ** jnp.maximum(offset, 0).astype(rewards.dtype), 0.0).sum(axis=1)
 
 
-def _rewards(reward_fn: Callable, prompt_ids, prompt_mask, response_ids, response_mask) -> jax.Array:
-    rewards = jnp.asarray(reward_fn(prompt_ids, prompt_mask, response_ids, response_mask), jnp.float32)
+def _rewards(reward_fn: Callable, prompt_ids, prompt_mask, response_ids, response_mask, rows=None) -> jax.Array:
+    extra = {} if rows is None else {"rows": np.asarray(rows, np.int64)}
+    rewards = jnp.asarray(reward_fn(prompt_ids, prompt_mask, response_ids, response_mask, **extra), jnp.float32)
     if rewards.shape != response_ids.shape:
         raise ValueError(f"reward_fn must return one reward per response token, shape {tuple(response_ids.shape)}; "
                          f"got {tuple(rewards.shape)}")
@@ -199,7 +202,7 @@ def _check_rows(rows: np.ndarray, batch: int) -> None:
 def state_values(model, params, prompt_ids, prompt_mask, response_ids, response_mask, rows, positions, *,
                  reward_fn: Callable, key, num_continuations: int, temperature, top_k: int = 0, top_p=1.0,
                  eos_id: int | Sequence[int], pad_id: int, gamma: float = 1.0, chunk_states: int | None = None,
-                 decode_slots: int | None = None) -> StateValues:
+                 decode_slots: int | None = None, reward_rows: bool = False) -> StateValues:
     """Monte Carlo values of the states (rows[i], positions[i]) `[M]`, K = `num_continuations`
     each (a state listed twice is valued twice, with other keys), `chunk_states` states per
     `continue_responses` call (None: all at once; the last chunk is filled with terminal states
@@ -234,7 +237,7 @@ def state_values(model, params, prompt_ids, prompt_mask, response_ids, response_
                               eos_id=eos_id, pad_id=pad_id, decode_slots=decode_slots)
         rep = jnp.asarray(np.repeat(chunk_rows, k), jnp.int32)
         rewards = _rewards(reward_fn, jnp.asarray(prompt_ids)[rep], jnp.asarray(prompt_mask)[rep], out.tokens,
-                           out.mask)
+                           out.mask, rows=np.repeat(chunk_rows, k) if reward_rows else None)
         chunk_returns = _discounted_returns(rewards, out.mask, jnp.asarray(np.repeat(chunk_positions, k)),
                                             jnp.float32(gamma))
         returns.append(np.asarray(chunk_returns, np.float64).reshape(chunk, k)[:size])
@@ -267,7 +270,7 @@ def span_advantages(states: StateValues, start_state, end_state, span_rewards, l
 def advantage_truth(model, params, prompt_ids, prompt_mask, response_ids, response_mask, rows, starts, ends, *,
                     reward_fn: Callable, key, num_continuations: int, temperature, top_k: int = 0, top_p=1.0,
                     eos_id: int | Sequence[int], pad_id: int, gamma: float = 1.0, chunk_states: int | None = None,
-                    decode_slots: int | None = None) -> AdvantageTruth:
+                    decode_slots: int | None = None, reward_rows: bool = False) -> AdvantageTruth:
     """Ground-truth A* of the spans [starts[i], ends[i]) of response rows[i] (`[S]` each; see
     the module docstring): the distinct start and end states valued by `state_values` (one
     `key`), the row's own rewards from `reward_fn` on the sampled responses."""
@@ -290,9 +293,11 @@ def advantage_truth(model, params, prompt_ids, prompt_mask, response_ids, respon
     states = state_values(model, params, prompt_ids, prompt_mask, response_ids, response_mask, codes // width,
                           codes % width, reward_fn=reward_fn, key=key, num_continuations=num_continuations,
                           temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, pad_id=pad_id,
-                          gamma=gamma, chunk_states=chunk_states, decode_slots=decode_slots)
+                          gamma=gamma, chunk_states=chunk_states, decode_slots=decode_slots,
+                          reward_rows=reward_rows)
     own = np.asarray(_rewards(reward_fn, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), response_ids,
-                              response_mask), np.float64)
+                              response_mask, rows=np.arange(lengths.size) if reward_rows else None),
+                     np.float64)
     span_rewards = _span_rewards(own, rows, starts, ends, gamma)
     if not np.all(np.isfinite(span_rewards)):
         raise ValueError("reward_fn gave non-finite rewards to the tokens of spans "

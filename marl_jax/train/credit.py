@@ -18,7 +18,10 @@ values, the reward model's score, the per-token rewards r_t). On that batch it c
 
 and the ground truth (`eval.credit_truth`): from every state (b, t), t in [0, L_b], of every
 response, `credit.continuations` (K) continuations rewarded by the run's own per-token reward
-give V(s_t); a token's A*_t = r_t + V(s_{t+1}) - V(s_t) and a macro's the sum of its rewards
+(`credit.truth="reward"`), or by the task's gold on the last token alone, without KL terms
+(`"gold"`: `gold_reward_fn`, the synthetic task's on device, the review task's on decoded text
+on the host), give V(s_t), and the same reward gives the row's own r_t; a token's
+A*_t = r_t + V(s_{t+1}) - V(s_t) and a macro's the sum of its rewards
 plus V at its end minus V at its start. Each estimator's per-token advantage is scored against
 A*_t of every response token (the weight token t's log-probability gradient should have),
 and each macro estimator's advantage against its rule's macro A* (`eval.credit_scores`:
@@ -26,10 +29,10 @@ Pearson, Spearman, sign agreement, variance, bootstrap intervals over prompts), 
 noise ceiling of the truth (two independent halves of the K).
 
 Each probe writes a `credit` metrics row (`credit/<level>/<estimator>/<score>`) and its inputs
-to `<workdir>/credit/step_<n>.npz` (prompts, responses, per-token rewards and critic values,
-every state's V with its standard error and halves, every estimator's advantages and every
-rule's segment ids), from which `experiments/credit_report.py` pools runs into the study's
-table.
+to `<workdir>/credit/step_<n>.npz` (the truth's name, prompts, responses, the truth's
+per-token rewards (and the run's, `run_rewards`, where they differ) and critic values, every
+state's V with its standard error and halves, every estimator's advantages and every rule's
+segment ids), from which `experiments/credit_report.py` pools runs into the study's table.
 """
 from __future__ import annotations
 
@@ -54,6 +57,7 @@ from marl_jax.train.ppo_types import Experience, Frozen, Models, PPOState, PPOSt
 ROW_SCORES = ("pearson", "spearman", "sign_agreement")
 GROUP_ESTIMATORS = ("grpo", "rloo")
 MC_RULE = "fixed"
+TRUTHS = ("reward", "gold")
 
 
 def probe_steps(every: int, total_steps: int) -> list[int]:
@@ -116,6 +120,46 @@ def parsing_segments(parser, exp: Experience) -> np.ndarray:
     host, as the PPO step computes them (`parser`: `parsing_termination`)."""
     segment_ids, _ = parser(np.asarray(exp.response_ids), np.asarray(exp.response_mask, np.int32))
     return segment_ids
+
+
+def last_token_rewards(scores, response_mask) -> np.ndarray:
+    """float64 `[N, R]`: each response's score (`scores [N]`) on its last valid token, 0 on
+    every other token (and on every token of an empty response)."""
+    mask = np.asarray(response_mask)
+    lengths = credit_truth.valid_lengths(mask)
+    out = np.zeros(mask.shape, np.float64)
+    rows = np.flatnonzero(lengths > 0)
+    out[rows, lengths[rows] - 1] = np.asarray(scores, np.float64)[rows]
+    return out
+
+
+def gold_reward_fn(task, group_size: int):
+    """The truth's reward_fn for `credit.truth="gold"` (called with `rows`, see
+    `eval.credit_truth`): the gold `[N]` of each response to held-out prompt rows // group_size,
+    on its last token (`last_token_rewards`). The synthetic task's `gold_fn` runs on device with
+    the prompt's document; the review task's `eval_gold` on the decoded text, on the host."""
+    if task.gold_fn is not None:
+        documents = np.asarray(task.eval["documents"])
+        gold = jax.jit(task.gold_fn)
+
+        def scores(prompts, response_ids, response_mask):
+            return gold(jnp.asarray(documents[prompts]), jnp.asarray(response_ids),
+                        jnp.asarray(response_mask, jnp.int32))
+    elif task.eval_gold is not None:
+        from marl_jax.data.real_tasks import decode_responses
+
+        def scores(prompts, response_ids, response_mask):
+            texts = decode_responses(task.tokenizer, response_ids,
+                                     credit_truth.valid_lengths(response_mask)[:, None]
+                                     > np.arange(np.shape(response_mask)[1]))
+            return task.eval_gold(texts, rows=prompts)
+    else:
+        raise ValueError("config.credit.truth='gold': the task has no gold")
+
+    def reward_fn(prompt_ids, prompt_mask, response_ids, response_mask, *, rows):
+        return last_token_rewards(np.asarray(scores(np.asarray(rows) // group_size, response_ids,
+                                                    response_mask)), response_mask)
+    return reward_fn
 
 
 def _segments(static: PPOStatic, exp: Experience, rules, key, ngram: int, parser=None) -> dict:
@@ -243,6 +287,11 @@ class CreditProbe:
         self._sample = jax.jit(functools.partial(_sampled, static, models),
                                static_argnames="group_size")
         self._reward = jax.jit(functools.partial(_rewards, static, models))
+        self.truth = self.c.get("truth", "reward")
+        if self.truth not in TRUTHS:
+            raise ValueError(f"config.credit.truth={self.truth!r}: must be one of {TRUTHS}")
+        self._gold = (gold_reward_fn(task, int(self.c.group_size)) if self.truth == "gold"
+                      else None)
         self.parser = (parsing_termination(config.ppo, task.tokenizer)
                        if "parsing" in tuple(self.c.rules) else None)
 
@@ -264,21 +313,30 @@ class CreditProbe:
             group_size=int(c.group_size), mc_rollouts=int(c.mc_rollouts), key=keys[2])
         rows, starts, ends = token_spans(exp.actions)
         actor = role_params(static, "actor", frozen, state.actor_params)
+        reward_fn = (functools.partial(self._reward, state, frozen) if self._gold is None
+                     else self._gold)
         truth = credit_truth.advantage_truth(
             self.models.policy, actor, exp.prompt_ids, exp.prompt_mask, exp.response_ids,
             exp.actions, rows, starts, ends,
-            reward_fn=functools.partial(self._reward, state, frozen), key=keys[3],
+            reward_fn=reward_fn, key=keys[3],
             num_continuations=int(c.continuations), temperature=static.temperature,
             top_k=static.top_k, top_p=static.top_p, eos_id=static.eos_id, pad_id=static.pad_id,
-            gamma=gamma, chunk_states=int(c.chunk_states))
+            gamma=gamma, chunk_states=int(c.chunk_states), reward_rows=self._gold is not None)
         states = truth.states
+        rewards = (exp.rewards if self._gold is None else
+                   reward_fn(exp.prompt_ids, exp.prompt_mask, exp.response_ids, exp.actions,
+                             rows=np.arange(exp.response_ids.shape[0])))
         return {
-            "step": np.int64(step), "group_size": np.int64(c.group_size),
+            "step": np.int64(step), "truth": np.str_(self.truth),
+            "group_size": np.int64(c.group_size),
             "gamma": np.float64(gamma),
             "prompt_ids": np.asarray(exp.prompt_ids), "prompt_mask": np.asarray(exp.prompt_mask),
             "response_ids": np.asarray(exp.response_ids),
             "response_mask": np.asarray(exp.actions),
-            "rewards": np.asarray(exp.rewards, np.float64),
+            "rewards": np.asarray(rewards, np.float64),
+            # The run's own rewards, which the estimators read, where the truth's differ.
+            **({} if self._gold is None else
+               {"run_rewards": np.asarray(exp.rewards, np.float64)}),
             "values": np.asarray(exp.values, np.float64), "lam": np.float64(lam),
             "state_rows": states.rows, "state_positions": states.positions,
             "state_mean": states.mean, "state_se": states.se, "state_halves": states.halves,
