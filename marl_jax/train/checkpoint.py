@@ -47,6 +47,12 @@ def latest_step(directory: str | os.PathLike) -> int | None:
     return max(steps) if steps else None
 
 
+def all_steps(directory: str | os.PathLike) -> list[int]:
+    """The complete checkpoint steps in `directory`, ascending ([]: none, or no directory), read
+    from the directory listing alone, like `latest_step`."""
+    return sorted(ocp.path.step.checkpoint_steps(_absolute(directory)))
+
+
 def commit_id(directory: str | os.PathLike, step: int) -> str:
     """An identity of the checkpoint `step` in `directory`: its commit time in nanoseconds as
     orbax records it (a checkpoint written again, e.g. by a retrained stage, gets a new one);
