@@ -26,7 +26,8 @@ from marl_jax.train.metrics import read_metrics
 from marl_jax.train.turn_step import episode_seeds
 
 GAMMA = 0.9
-MAX_TURNS, TURN_TOKENS, TOTAL = 3, 6, 40
+MAX_TURNS, TURN_TOKENS, TOTAL = 3, 6, 32
+EOT_SCALE = 12.0
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +41,10 @@ def setup(tmp_path_factory):
         "llama", vocab_size=vocab, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
         num_kv_heads=1, head_dim=8, max_position_embeddings=80, initializer_range=0.1))
     params = M.init_params(model, jax.random.key(0))
+    # A large end-of-turn column: the random policy ends its turns after a varying number of
+    # tokens (the sign of one projection of the context) instead of always at the turn budget.
+    end = list(task.end_of_turn)
+    params["lm_head"] = params["lm_head"].at[:, end].multiply(EOT_SCALE)
     rows = task.info["eval_rows"][:3]
     seeds = episode_seeds(0, 0, range(3), held_out=True)
     settings = {"max_turns": MAX_TURNS, "max_turn_tokens": TURN_TOKENS, "end_of_turn": tuple(task.end_of_turn),
@@ -144,6 +149,11 @@ def test_continuations_play_the_environment_on_as_a_reference_does(setup, played
     out = ct.continue_trajectories(model, params, ids, mask, traj, state_rows, positions, keys,
                                    make_step_turns=task.turn_callback, task_rows=rows, seeds=seeds,
                                    **settings)
+    # The continuations cover turns ended by the end-of-turn id and by the turn's budget, and
+    # episodes cut by the trajectory's budget.
+    turn_lengths = [np.sum((out.kinds[n] == turns.ACTION) & (out.turn_ids[n] == t))
+                    for n in range(len(out.kinds)) for t in range(out.num_turns[n])]
+    assert {1, 2, TURN_TOKENS} <= set(turn_lengths) and 0 < out.truncated.sum() < len(out.kinds)
     for i, (b, a) in enumerate(zip(state_rows, positions)):
         for j in range(2):
             want = reference_continuation(setup, ids, mask, traj, b, columns[b, a], keys[i, j])
