@@ -212,7 +212,7 @@ def _run_config():
                                     max_observation_tokens=14)
     config.stage = "all"
     config.sft.steps = 1
-    config.ppo.update({"steps": 1, "eval_every": 1, "batch_size": 8, "num_minibatches": 1,
+    config.ppo.update({"steps": 1, "eval_every": 0, "batch_size": 8, "num_minibatches": 1,
                            "response_length": TOTAL, "gamma": GAMMA, "lam": 0.8})
     config.credit.update({"every": 1, "prompts": 2, "group_size": 2, "continuations": 2, "chunk_states": 2,
                               "rules": ("fixed", "turn"), "weightings": ("equal",)})
