@@ -202,11 +202,13 @@ def _check_rows(rows: np.ndarray, batch: int) -> None:
 def state_values(model, params, prompt_ids, prompt_mask, response_ids, response_mask, rows, positions, *,
                  reward_fn: Callable, key, num_continuations: int, temperature, top_k: int = 0, top_p=1.0,
                  eos_id: int | Sequence[int], pad_id: int, gamma: float = 1.0, chunk_states: int | None = None,
-                 decode_slots: int | None = None, reward_rows: bool = False) -> StateValues:
+                 decode_slots: int | None = None, reward_rows: bool = False,
+                 progress: Callable[[int, int], None] | None = None) -> StateValues:
     """Monte Carlo values of the states (rows[i], positions[i]) `[M]`, K = `num_continuations`
     each (a state listed twice is valued twice, with other keys), `chunk_states` states per
     `continue_responses` call (None: all at once; the last chunk is filled with terminal states
-    so that every chunk runs the same program)."""
+    so that every chunk runs the same program). `progress(states valued, M)` is called after
+    every chunk."""
     k = _check_num_continuations(num_continuations)
     gamma = _check_gamma(gamma)
     rows, positions = _as_index(rows, "rows"), _as_index(positions, "positions")
@@ -241,6 +243,8 @@ def state_values(model, params, prompt_ids, prompt_mask, response_ids, response_
         chunk_returns = _discounted_returns(rewards, out.mask, jnp.asarray(np.repeat(chunk_positions, k)),
                                             jnp.float32(gamma))
         returns.append(np.asarray(chunk_returns, np.float64).reshape(chunk, k)[:size])
+        if progress is not None:
+            progress(lo + size, rows.size)
     returns = np.concatenate(returns)
     if not np.all(np.isfinite(returns)):
         raise ValueError("reward_fn gave non-finite rewards to the continuations of states "
@@ -270,7 +274,8 @@ def span_advantages(states: StateValues, start_state, end_state, span_rewards, l
 def advantage_truth(model, params, prompt_ids, prompt_mask, response_ids, response_mask, rows, starts, ends, *,
                     reward_fn: Callable, key, num_continuations: int, temperature, top_k: int = 0, top_p=1.0,
                     eos_id: int | Sequence[int], pad_id: int, gamma: float = 1.0, chunk_states: int | None = None,
-                    decode_slots: int | None = None, reward_rows: bool = False) -> AdvantageTruth:
+                    decode_slots: int | None = None, reward_rows: bool = False,
+                    progress: Callable[[int, int], None] | None = None) -> AdvantageTruth:
     """Ground-truth A* of the spans [starts[i], ends[i]) of response rows[i] (`[S]` each; see
     the module docstring): the distinct start and end states valued by `state_values` (one
     `key`), the row's own rewards from `reward_fn` on the sampled responses."""
@@ -294,7 +299,7 @@ def advantage_truth(model, params, prompt_ids, prompt_mask, response_ids, respon
                           codes % width, reward_fn=reward_fn, key=key, num_continuations=num_continuations,
                           temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id, pad_id=pad_id,
                           gamma=gamma, chunk_states=chunk_states, decode_slots=decode_slots,
-                          reward_rows=reward_rows)
+                          reward_rows=reward_rows, progress=progress)
     own = np.asarray(_rewards(reward_fn, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask), response_ids,
                               response_mask, rows=np.arange(lengths.size) if reward_rows else None),
                      np.float64)

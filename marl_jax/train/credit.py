@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +49,7 @@ from marl_jax import estimators
 from marl_jax import rollout as rollout_engine
 from marl_jax.eval import credit_scores, credit_truth
 from marl_jax.macro import termination
+from marl_jax.train import metrics
 from marl_jax.train.phases import advantages as adv_phase
 from marl_jax.train.phases import score
 from marl_jax.train.ppo_types import Experience, Frozen, Models, PPOState, PPOStatic, role_params
@@ -106,22 +108,6 @@ def _rewards(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen,
     return exp.rewards
 
 
-def parsing_termination(ppo, tokenizer):
-    """The PPO step's parser (`phased_step.PhasedStep`: `config.ppo`'s parsing knobs, its n-gram
-    fallback and isolate_last) on the task's tokenizer."""
-    from marl_jax.macro.parsing import ParsingTermination
-
-    return ParsingTermination(tokenizer, model=ppo.parsing_model, cutoff=ppo.parsing_cutoff,
-                              fallback_n=ppo.ngram, isolate_last=ppo.isolate_last)
-
-
-def parsing_segments(parser, exp: Experience) -> np.ndarray:
-    """int32 `[B, R]`: the parsing rule's segment ids of the responses, from their tokens on the
-    host, as the PPO step computes them (`parser`: `parsing_termination`)."""
-    segment_ids, _ = parser(np.asarray(exp.response_ids), np.asarray(exp.response_mask, np.int32))
-    return segment_ids
-
-
 def last_token_rewards(scores, response_mask) -> np.ndarray:
     """float64 `[N, R]`: each response's score (`scores [N]`) on its last valid token, 0 on
     every other token (and on every token of an empty response)."""
@@ -162,6 +148,22 @@ def gold_reward_fn(task, group_size: int):
     return reward_fn
 
 
+def parsing_termination(ppo, tokenizer):
+    """The PPO step's parser (`phased_step.PhasedStep`: `config.ppo`'s parsing knobs, its n-gram
+    fallback and isolate_last) on the task's tokenizer."""
+    from marl_jax.macro.parsing import ParsingTermination
+
+    return ParsingTermination(tokenizer, model=ppo.parsing_model, cutoff=ppo.parsing_cutoff,
+                              fallback_n=ppo.ngram, isolate_last=ppo.isolate_last)
+
+
+def parsing_segments(parser, exp: Experience) -> np.ndarray:
+    """int32 `[B, R]`: the parsing rule's segment ids of the responses, from their tokens on the
+    host, as the PPO step computes them (`parser`: `parsing_termination`)."""
+    segment_ids, _ = parser(np.asarray(exp.response_ids), np.asarray(exp.response_mask, np.int32))
+    return segment_ids
+
+
 def _segments(static: PPOStatic, exp: Experience, rules, key, ngram: int, parser=None) -> dict:
     """Segment ids `[B, R]` of every rule on the batch; `parsing` by `parser` on the host."""
     return {rule: parsing_segments(parser, exp) if rule == "parsing" else termination.segment(
@@ -179,6 +181,11 @@ def _gae(exp: Experience, segment_ids, *, gamma, lam, weighting="equal", aggrega
         exp.values, exp.rewards, exp.actions, segment_ids, gamma=gamma, lam=lam,
         value_weighting=weighting, reward_aggregation=aggregation)
     return adv
+
+
+# The Monte Carlo macro values' continuations as one program (eagerly, every op of every
+# layer would be dispatched on its own).
+_monte_carlo_returns = jax.jit(adv_phase.monte_carlo_returns, static_argnums=(0, 1))
 
 
 def estimator_advantages(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen,
@@ -212,7 +219,7 @@ def estimator_advantages(static: PPOStatic, models: Models, state: PPOState, fro
         points = np.where(valid, points, 0)  # an unused slot continues from the prompt
         mc_static = dataclasses.replace(static, mc_rollouts=mc_rollouts)
         actor = role_params(static, "actor", frozen, state.actor_params)
-        returns, _ = adv_phase.monte_carlo_returns(
+        returns, _ = _monte_carlo_returns(
             mc_static, models, actor, frozen, exp, jnp.asarray(points), jnp.asarray(valid), key,
             state.kl_coef)
         out[f"macro_mc/{MC_RULE}"] = estimators.ESTIMATORS["macro_mc"].advantages(
@@ -267,6 +274,18 @@ def score_probe(inputs: dict, prompts_of_rows, **bootstrap) -> dict:
     return scores, ceilings
 
 
+def truth_progress(step: int, continuations: int):
+    """The truth's progress callback: one line per chunk of states valued, with its rate."""
+    start = time.monotonic()
+
+    def progress(done: int, total: int) -> None:
+        elapsed = time.monotonic() - start
+        metrics.status_line(f"[credit step {step}] states {done}/{total} "
+                            f"({done * continuations / max(elapsed, 1e-9):.1f} continuations/s)  "
+                            f"eta {(total - done) * elapsed / max(done, 1):.0f} s")
+    return progress
+
+
 class CreditProbe:
     """The probe of one PPO run (see the module); `probe(state, frozen, hparams, step)` ->
     a metrics row, its inputs saved under `<workdir>/credit/`."""
@@ -287,13 +306,13 @@ class CreditProbe:
         self._sample = jax.jit(functools.partial(_sampled, static, models),
                                static_argnames="group_size")
         self._reward = jax.jit(functools.partial(_rewards, static, models))
+        self.parser = (parsing_termination(config.ppo, task.tokenizer)
+                       if "parsing" in tuple(self.c.rules) else None)
         self.truth = self.c.get("truth", "reward")
         if self.truth not in TRUTHS:
             raise ValueError(f"config.credit.truth={self.truth!r}: must be one of {TRUTHS}")
         self._gold = (gold_reward_fn(task, int(self.c.group_size)) if self.truth == "gold"
                       else None)
-        self.parser = (parsing_termination(config.ppo, task.tokenizer)
-                       if "parsing" in tuple(self.c.rules) else None)
 
     def due(self, step: int) -> bool:
         return step in self.steps
@@ -321,7 +340,8 @@ class CreditProbe:
             reward_fn=reward_fn, key=keys[3],
             num_continuations=int(c.continuations), temperature=static.temperature,
             top_k=static.top_k, top_p=static.top_p, eos_id=static.eos_id, pad_id=static.pad_id,
-            gamma=gamma, chunk_states=int(c.chunk_states), reward_rows=self._gold is not None)
+            gamma=gamma, chunk_states=int(c.chunk_states), reward_rows=self._gold is not None,
+            progress=truth_progress(step, int(c.continuations)))
         states = truth.states
         rewards = (exp.rewards if self._gold is None else
                    reward_fn(exp.prompt_ids, exp.prompt_mask, exp.response_ids, exp.actions,
