@@ -207,7 +207,9 @@ def state_values(model, params, prompt_ids, prompt_mask, response_ids, response_
     """Monte Carlo values of the states (rows[i], positions[i]) `[M]`, K = `num_continuations`
     each (a state listed twice is valued twice, with other keys), `chunk_states` states per
     `continue_responses` call (None: all at once; the last chunk is filled with terminal states
-    so that every chunk runs the same program). `progress(states valued, M)` is called after
+    so that every chunk runs the same program). States are chunked latest position first, so
+    that a chunk's decode loop stops at its longest remaining budget (each state keeps its own
+    keys: the values do not depend on the order). `progress(states valued, M)` is called after
     every chunk."""
     k = _check_num_continuations(num_continuations)
     gamma = _check_gamma(gamma)
@@ -225,13 +227,15 @@ def state_values(model, params, prompt_ids, prompt_mask, response_ids, response_
     keys = continuation_keys(key, rows.size, k)
     chunk = _check_chunk(chunk_states, rows.size)
     filler = int(np.argmax(lengths))
+    order = np.argsort(-positions, kind="stable")
     returns = []
     for lo in range(0, rows.size, chunk):
         size = min(chunk, rows.size - lo)
         fill = chunk - size
-        chunk_rows = np.r_[rows[lo:lo + size], np.full(fill, filler)]
-        chunk_positions = np.r_[positions[lo:lo + size], np.full(fill, lengths[filler])]
-        chunk_keys = keys[lo:lo + size]
+        picked = order[lo:lo + size]
+        chunk_rows = np.r_[rows[picked], np.full(fill, filler)]
+        chunk_positions = np.r_[positions[picked], np.full(fill, lengths[filler])]
+        chunk_keys = keys[picked]
         if fill:
             chunk_keys = jnp.concatenate([chunk_keys, jnp.repeat(keys[:1], fill, axis=0)], axis=0)
         out = continue_states(model, params, prompt_ids, prompt_mask, response_ids, response_mask, chunk_rows,
@@ -245,7 +249,7 @@ def state_values(model, params, prompt_ids, prompt_mask, response_ids, response_
         returns.append(np.asarray(chunk_returns, np.float64).reshape(chunk, k)[:size])
         if progress is not None:
             progress(lo + size, rows.size)
-    returns = np.concatenate(returns)
+    returns = np.concatenate(returns)[np.argsort(order, kind="stable")]
     if not np.all(np.isfinite(returns)):
         raise ValueError("reward_fn gave non-finite rewards to the continuations of states "
                          f"{np.flatnonzero(~np.isfinite(returns).all(axis=1))[:8].tolist()}")
