@@ -112,9 +112,9 @@ def exact_advantage(value, prompt_last, response, start, end) -> float:
 
 @pytest.fixture(scope="module")
 def truth(tabular):
-    """Every token of every response, its 2-token macros and the whole response, K = 64
-CHUNK = 7
-    continuations per state in chunks of 8 states; the exact values and A* beside them."""
+    """Every token of every response, its 2-token macros and the whole response, K = 256
+    continuations per state in chunks of CHUNK = 7 states; the exact values and A* beside them,
+    and the (states valued, total) of every progress call."""
     model, params, prompt_ids, prompt_mask, response_ids, response_mask = tabular
     lengths = ct.valid_lengths(response_mask)
     token_rows = np.repeat(np.arange(6), lengths)
@@ -124,16 +124,18 @@ CHUNK = 7
     rows = np.r_[token_rows, macro_rows, np.arange(6)]
     starts = np.r_[token_starts, macro_starts, np.zeros(6, int)]
     ends = np.r_[token_starts + 1, macro_ends, lengths]
+    calls = []
     got = ct.advantage_truth(model, params, prompt_ids, prompt_mask, response_ids, response_mask, rows, starts,
                              ends, reward_fn=reward_fn, key=jax.random.key(7), num_continuations=K,
-                             temperature=1.0, eos_id=EOS, pad_id=PAD, gamma=GAMMA, chunk_states=CHUNK)
+                             temperature=1.0, eos_id=EOS, pad_id=PAD, gamma=GAMMA, chunk_states=CHUNK,
+                             progress=lambda done, total: calls.append((done, total)))
     values = exact_values(model, params, prompt_ids, prompt_mask)
     responses = [tuple(int(x) for x in r[:n]) for r, n in zip(np.asarray(response_ids), lengths)]
     prompt_last = np.asarray(prompt_ids[:, -1]).tolist()
     exact_v = np.array([values[b](responses[b][:t]) for b, t in zip(got.states.rows, got.states.positions)])
     exact_a = np.array([exact_advantage(values[b], prompt_last[b], responses[b], s, e)
                         for b, s, e in zip(rows, starts, ends)])
-    return got, exact_v, exact_a, values, responses
+    return got, exact_v, exact_a, values, responses, calls
 
 
 def test_segment_spans_of_hand_made_segments():
@@ -151,8 +153,11 @@ def _assert_chi2_mean(squares):
 
 
 def test_monte_carlo_values_and_advantages_agree_with_enumeration(truth, tabular):
-    got, exact_v, exact_a, values, responses = truth
+    got, exact_v, exact_a, values, responses, progress = truth
     states = got.states
+    # One progress call per chunk of CHUNK states, counting up to all of them.
+    m = len(states.rows)
+    assert m > 2 * CHUNK and progress == [(min(lo + CHUNK, m), m) for lo in range(0, m, CHUNK)]
     lengths = ct.valid_lengths(tabular[5])
     assert states.returns.shape == (len(states.rows), K)
     terminal = states.positions == lengths[states.rows]
@@ -263,7 +268,7 @@ def test_scores_equal_numpy_scipy_and_explicit_resampling_with_ties():
 
 
 def test_exact_advantages_score_one(truth):
-    got, _, exact_a, _, _ = truth
+    got, _, exact_a, _, _, _ = truth
     scores = cs.score_advantages(exact_a, exact_a, got.rows // 2, resamples=500)
     for name in ("pearson", "spearman", "sign_agreement"):
         assert scores[name]["value"] == pytest.approx(1.0, abs=1e-12)
