@@ -11,7 +11,9 @@ probe on (`config.credit`, e.g. configs/credit_synthetic.py). Their probes' inpu
 bootstrap unit) and scored by `marl_jax.train.credit.score_probe`. Beside each estimator's
 Pearson correlation with A* is its paired difference from token GAE (the same bootstrap
 resamples of prompts); a difference is stated on the page only where its interval excludes 0
-with the same sign on every seed set, otherwise the two are "not distinguishable".
+with the same sign on every seed set, otherwise the two are "not distinguishable". The runs of
+a page must share one kind of probe: one truth (`credit.truth`; a probe without it was valued by
+the run's reward) and single- or multi-turn responses; a mix is refused in one line naming them.
 """
 from __future__ import annotations
 
@@ -41,10 +43,35 @@ def probe_files(workdir: str) -> list[str]:
     return sorted(files, key=lambda f: int(os.path.basename(f)[5:-4]))
 
 
+def probe_kind(inputs) -> str:
+    """What a probe's A* values and over which responses, from its npz arrays `inputs`:
+    "<truth> truth, single-turn" or "..., multi-turn" (a multi-turn probe saves
+    `action_columns`; a probe without `truth` predates the gold truth: the run's reward)."""
+    truth = str(inputs["truth"]) if "truth" in inputs else "reward"
+    return f"{truth} truth, {'multi-turn' if 'action_columns' in inputs else 'single-turn'}"
+
+
+def check_one_kind(paths: list[str]) -> None:
+    """SystemExit with one line naming the runs of each kind unless the probes `paths` share
+    their truth and single- or multi-turn responses (a pooled score would mix them)."""
+    runs: dict[str, list[str]] = {}
+    for path in paths:
+        with np.load(path) as probe:  # reads the `truth` array only
+            kind = probe_kind(probe)
+        run = os.path.dirname(os.path.dirname(path)) or "."
+        if run not in runs.setdefault(kind, []):
+            runs[kind].append(run)
+    if len(runs) > 1:
+        raise SystemExit("error: probes of different kinds cannot be pooled or compared: " + "; ".join(
+            f"{kind}: {', '.join(names)}" for kind, names in runs.items()))
+
+
 def pooled(paths: list[str]) -> tuple[dict, np.ndarray]:
     """The probes of several runs as one: rows stacked, state rows offset, prompts numbered
-    per run; (inputs, prompt of each response row). An array some runs lack (a rule probed in
-    some runs only: its segments and estimators) is left out, named on stderr."""
+    per run; (inputs, prompt of each response row). Probes of different truths, or single-
+    and multi-turn ones, are refused (SystemExit, one line). An array some runs lack (a rule
+    probed in some runs only: its segments and estimators) is left out, named on stderr."""
+    check_one_kind(paths)
     parts = [dict(np.load(p)) for p in paths]
     keys = [k for k in parts[0] if all(k in p for p in parts)]
     left_out = sorted(set().union(*parts) - set(keys))
@@ -251,6 +278,8 @@ def main(argv) -> int:
     parser.add_argument("--command", default="python experiments/credit_report.py ...")
     args = parser.parse_args(argv)
     sets = [s.split(",") for s in args.sets]
+    # One page compares its seed sets: their runs too must share one kind of probe.
+    check_one_kind([probe_files(w)[0] for s in sets for w in s])
     results = common_to_all([seed_set_result(s) for s in sets])
     with open(args.results, "w") as f:
         json.dump({"sets": sets, "results": results}, f, indent=1)

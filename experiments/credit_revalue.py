@@ -262,6 +262,11 @@ def summary(report: dict) -> str:
                    f"(p < {report['min_p_value']:g})")
 
 
+def exit_status(report: dict) -> int:
+    """The command's exit status for a comparison: 0 when consistent, 1 when not."""
+    return 0 if report["consistent"] else 1
+
+
 def define_flags() -> None:
     """The command's flags beside run.py's (`--config` and its overrides, `--workdir`, which
     may stand for WORKDIR, and `--traceback`), defined when it runs as a script only: a module
@@ -314,7 +319,7 @@ def main(argv):
     if flags.FLAGS.json:
         with open(flags.FLAGS.json, "w") as f:
             json.dump(report, f, indent=1)
-    return 0 if report["consistent"] else 1
+    return exit_status(report)
 
 
 if __name__ == "__main__":

@@ -1,39 +1,62 @@
-"""The advantage-quality probe of a PPO run (`config.credit`, marl_jax/train/credit.py) and the
-study's report (experiments/credit_report.py), on the tests' tiny pipeline: what a probe saves
-is scored as numpy computes it by hand."""
+"""The advantage-quality probe of a PPO run (`config.credit`, marl_jax/train/credit.py), the
+study's report (experiments/credit_report.py) and the probe's states valued again
+(experiments/credit_revalue.py, marl_jax/eval/credit_recheck.py), on one tiny run of the tests'
+pipeline: what a probe saves is scored as numpy computes it by hand, fresh continuations of the
+restored policy agree with what the probe saved, a shifted truth is caught, and the comparison's
+numbers equal hand computations."""
 import json
+import math
+import subprocess
 import sys
 
 import numpy as np
 import pytest
+from train_util import ROOT, tiny_config, tiny_flags
 
 from marl_jax import stages
 from marl_jax.config_check import validate_config
+from marl_jax.eval import credit_recheck
 from marl_jax.train.metrics import read_metrics
 
-from train_util import ROOT, tiny_config
-
 sys.path.insert(0, str(ROOT / "experiments"))
-import credit_report  # noqa: E402
+import credit_report
+import credit_revalue
 
 CREDIT = {"credit.every": 1, "credit.prompts": 3, "credit.group_size": 2,
-          "credit.continuations": 4, "credit.chunk_states": 64,
+          "credit.continuations": 8, "credit.chunk_states": 64,
           "credit.rules": ("fixed", "low_probability"), "credit.weightings": ("equal",),
           "credit.mc_rollouts": 2}
+# Checkpointed at every step: the policy of each probe can be restored.
+RUN = {"ppo.steps": 1, "ppo.eval_every": 0, "checkpoint_every": 1, "max_to_keep": 3, **CREDIT}
+# The states valued again: drawn tokens, fresh continuations per state, their seed.
+SIZES = {"states": 10, "continuations": 32, "seed": 7}
 
 
 @pytest.fixture(scope="module")
 def probed(tmp_path_factory):
-    """A one-step PPO run probed at steps 0 and 1: (workdir, credit rows by step)."""
+    """A one-step PPO run probed and checkpointed at steps 0 and 1: (workdir, credit rows by
+    step)."""
     workdir = tmp_path_factory.mktemp("credit") / "run"
-    cfg = tiny_config(**{"ppo.steps": 1, "ppo.eval_every": 0, **CREDIT})
-    stages.run(cfg, str(workdir))
+    stages.run(tiny_config(**RUN), str(workdir))
     rows = {r["step"]: r for r in read_metrics(str(workdir)) if r["stage"] == "credit"}
     return workdir, rows
 
 
+@pytest.fixture(scope="module")
+def restored(probed):
+    """The policy of the run's probe at step 1, restored, and that probe's saved inputs."""
+    workdir, _ = probed
+    return credit_revalue.restore_policy(tiny_config(**RUN), str(workdir), 1), _load(workdir, 1)
+
+
 def _load(workdir, step):
     return dict(np.load(workdir / "credit" / f"step_{step}.npz"))
+
+
+def _states(inputs):
+    """(row, position) -> index of the probe's saved states."""
+    return {(int(b), int(t)): i for i, (b, t) in enumerate(zip(inputs["state_rows"],
+                                                               inputs["state_positions"]))}
 
 
 def _gae(values, rewards, length, gamma, lam):
@@ -54,8 +77,7 @@ def test_probe_scores_equal_numpy_on_its_saved_inputs(probed):
         mask = x["response_mask"]
         lengths = np.cumprod(mask != 0, axis=1).sum(axis=1)
         # Every state of every response was valued: positions 0..L_b, the terminal one 0.
-        states = {(int(b), int(t)): i for i, (b, t) in enumerate(zip(x["state_rows"],
-                                                                     x["state_positions"]))}
+        states = _states(x)
         assert sorted(states) == sorted((b, t) for b in range(mask.shape[0])
                                         for t in range(lengths[b] + 1) if lengths[b])
         v = x["state_mean"]
@@ -112,12 +134,40 @@ def test_report_pools_seed_sets_and_states_differences_that_hold_on_every_set(pr
     text = page.read_text()
     assert text.startswith("# credit\n") and text.endswith("after\n") and plot.stat().st_size
     for phase in credit_report.PHASES:
-        for name, diff in out[0][phase]["vs_token_gae"].items():
+        for name in out[0][phase]["vs_token_gae"]:
             stated = f"- {name} at the {phase}:" in text
             holds = all(0 not in (credit_report.st.direction(r[phase]["vs_token_gae"][name]["ci"]),)
                         for r in out) and len({credit_report.st.direction(
                             r[phase]["vs_token_gae"][name]["ci"]) for r in out}) == 1
             assert stated == holds, (phase, name)
+
+
+def test_report_refuses_to_pool_probes_of_different_truths_or_turns(probed, tmp_path):
+    workdir, _ = probed
+    x = _load(workdir, 0)
+    assert str(x["truth"]) == "reward"
+    fakes = {"older": {k: v for k, v in x.items() if k != "truth"},  # before credit.truth
+             "gold": dict(x, truth=np.str_("gold")),
+             "turns": dict(x, action_columns=np.zeros_like(x["response_mask"]))}
+    for name, arrays in fakes.items():
+        (tmp_path / name / "credit").mkdir(parents=True)
+        np.savez(tmp_path / name / "credit" / "step_0.npz", **arrays)
+    run = f"{workdir}/credit/step_0.npz"
+    # A probe without `truth` was valued by the run's reward: pooled with today's.
+    inputs, _ = credit_report.pooled([run, f"{tmp_path}/older/credit/step_0.npz"])
+    assert inputs["response_ids"].shape[0] == 2 * x["response_ids"].shape[0]
+    for name, kind in (("gold", "gold truth, single-turn"), ("turns", "reward truth, multi-turn")):
+        line = ("error: probes of different kinds cannot be pooled or compared: reward truth, "
+                f"single-turn: {workdir}, {tmp_path}/older; {kind}: {tmp_path}/{name}")
+        with pytest.raises(SystemExit) as error:
+            credit_report.pooled([run, f"{tmp_path}/older/credit/step_0.npz",
+                                  f"{tmp_path}/{name}/credit/step_0.npz"])
+        assert str(error.value) == line
+        # Seed sets of one page too, refused before any probe is scored.
+        with pytest.raises(SystemExit) as error:
+            credit_report.main([f"{workdir},{tmp_path}/older", f"{tmp_path}/{name}",
+                                "--page", str(tmp_path / "page.md")])
+        assert str(error.value) == line
 
 
 @pytest.mark.parametrize("field, value, words", [
@@ -130,3 +180,90 @@ def test_bad_probe_settings_are_one_line(field, value, words):
     with pytest.raises(ValueError, match=words) as error:
         validate_config(cfg)
     assert "\n" not in str(error.value)
+
+
+def test_fresh_values_agree_with_the_probes_and_give_its_advantages(restored):
+    policy, inputs = restored
+    report = credit_revalue.revalue(policy, inputs, **SIZES)
+    tokens, states = report["tokens"], report["states"]
+    pairs = list(zip(tokens["rows"], tokens["positions"]))
+    assert len(set(pairs)) == SIZES["states"]
+    # Both states of every drawn token, each once, with the probe's saved values beside them.
+    expected = sorted({(b, t) for b, t in pairs} | {(b, t + 1) for b, t in pairs})
+    assert list(zip(states["rows"], states["positions"])) == expected
+    saved = _states(inputs)
+    np.testing.assert_array_equal(states["saved_mean"],
+                                  [inputs["state_mean"][saved[p]] for p in expected])
+    # The restored policy is the probe's: its own rewards and critic values, reproduced.
+    assert report["reproduced"]["ok"] and report["reproduced"]["max_reward_diff"] < 1e-4
+    at = {p: i for i, p in enumerate(expected)}
+    gamma, new_v, saved_v = inputs["gamma"], np.array(states["new_mean"]), inputs["state_mean"]
+    for i, (b, t) in enumerate(pairs):
+        assert tokens["new_reward"][i] == pytest.approx(inputs["rewards"][b, t], abs=1e-4)
+        assert tokens["saved_advantage"][i] == pytest.approx(
+            inputs["rewards"][b, t] + gamma * saved_v[saved[(b, t + 1)]] - saved_v[saved[(b, t)]])
+        assert tokens["new_advantage"][i] == pytest.approx(
+            tokens["new_reward"][i] + gamma * new_v[at[(b, t + 1)]] - new_v[at[(b, t)]])
+    z = np.array([x for x in states["z"] if x is not None])
+    assert report["consistent"] and states["p_value"] > 0.01 and np.all(np.abs(z) < 4)
+    assert np.all(np.abs([x for x in tokens["z"] if x is not None]) < 4)
+    assert credit_revalue.summary(report).endswith(": consistent")
+    assert credit_revalue.exit_status(report) == 0
+
+
+def test_a_shifted_truth_is_inconsistent_and_exits_1(restored):
+    policy, inputs = restored
+    corrupted = dict(inputs)
+    # Every non-terminal state's saved value moved by four of its standard errors.
+    corrupted["state_mean"] = inputs["state_mean"] + 4 * inputs["state_se"]
+    report = credit_revalue.revalue(policy, corrupted, **SIZES)
+    assert not report["consistent"] and report["states"]["p_value"] < 1e-3
+    assert report["reproduced"]["ok"]
+    assert credit_revalue.summary(report).endswith(
+        ": inconsistent: the saved values disagree with fresh ones (p < 0.001)")
+    # The status the command returns for this comparison.
+    assert credit_revalue.exit_status(report) == 1
+
+
+def test_the_command_exits_2_without_the_step(probed):
+    workdir, _ = probed
+    command = [sys.executable, str(ROOT / "experiments" / "credit_revalue.py"), str(workdir),
+               *tiny_flags(**RUN), "--step=5", "--states=10", "--continuations=32"]
+    result = subprocess.run(command, check=False, capture_output=True, text=True)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [
+        (f"error: {workdir}: no probe was saved at step 5 (credit/step_5.npz; probes at [0, 1]); "
+         "steps with a probe and its policy: [0, 1]")]
+
+
+def test_compare_values_on_hand_numbers():
+    out = credit_recheck.compare_values([1.0, 2.0, 0.0], [0.3, 0.4, 0.0],
+                                        [1.4, 1.7, 0.0], [0.4, 0.3, 0.0])
+    # z = 0.4 / 0.5 and -0.3 / 0.5; the terminal pair (both exact) is no test.
+    assert out["z"][:2] == pytest.approx([0.8, -0.6]) and out["z"][2] is None
+    assert out["tested"] == 2 and out["chi2"] == pytest.approx(1.0)
+    # Chi-square with 2 degrees of freedom: P(X >= x) = exp(-x / 2).
+    assert out["p_value"] == pytest.approx(math.exp(-0.5)) and out["consistent"]
+    assert out["mean_z2"] == pytest.approx(0.5) and out["frac_within_2"] == 1.0
+    # One degree of freedom: P(X >= z^2) = erfc(|z| / sqrt 2), 0.0027 at z = 3, 0.00047 at 3.5.
+    for z, consistent in ((3.0, True), (3.5, False)):
+        one = credit_recheck.compare_values([0.0], [0.6], [z], [0.8])  # scale 1
+        assert one["p_value"] == pytest.approx(math.erfc(z / math.sqrt(2)))
+        assert one["consistent"] is consistent and one["frac_within_2"] == 0.0
+    # Exact values that differ contradict each other whatever the rest.
+    out = credit_recheck.compare_values([0.0, 1.0], [0.0, 0.1], [0.5, 1.0], [0.0, 0.1])
+    assert out["z"][0] == math.inf and out["p_value"] == 0.0 and not out["consistent"]
+    # Up to float32 rounding of the rewards, exact values agree.
+    out = credit_recheck.compare_values([1.0, 2.0], [0.0, 0.0], [1.0 + 1e-6, 2.0], [0.0, 1e-7])
+    assert out["z"] == [None, None] and out["tested"] == 0 and out["consistent"]
+
+
+def test_picked_tokens_are_distinct_valid_and_seeded():
+    mask = np.array([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
+    rows, positions = credit_recheck.pick_tokens(mask, 3, seed=7)
+    assert len(set(zip(rows, positions))) == 3
+    assert all(mask[b, t] for b, t in zip(rows, positions))
+    again = credit_recheck.pick_tokens(mask, 3, seed=7)
+    assert rows.tolist() == again[0].tolist() and positions.tolist() == again[1].tolist()
+    rows, positions = credit_recheck.pick_tokens(mask, 10, seed=0)
+    assert list(zip(rows, positions)) == [(0, 0), (0, 1), (0, 2), (1, 0)]
