@@ -249,10 +249,16 @@ def state_values(model, params, prompt_ids, prompt_mask, response_ids, response_
         returns.append(np.asarray(chunk_returns, np.float64).reshape(chunk, k)[:size])
         if progress is not None:
             progress(lo + size, rows.size)
-    returns = np.concatenate(returns)[np.argsort(order, kind="stable")]
+    return values_from_returns(rows, positions, np.concatenate(returns)[np.argsort(order, kind="stable")])
+
+
+def values_from_returns(rows, positions, returns) -> StateValues:
+    """The `StateValues` of states (rows, positions) `[M]` from their continuations' discounted
+    returns `[M, K]` (float64): mean, standard error (ddof 1, / sqrt K) and the halves' means."""
     if not np.all(np.isfinite(returns)):
         raise ValueError("reward_fn gave non-finite rewards to the continuations of states "
                          f"{np.flatnonzero(~np.isfinite(returns).all(axis=1))[:8].tolist()}")
+    k = returns.shape[1]
     half = k // 2
     return StateValues(rows=rows, positions=positions, mean=returns.mean(axis=1),
                        se=returns.std(axis=1, ddof=1) / math.sqrt(k),

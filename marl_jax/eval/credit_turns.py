@@ -49,13 +49,12 @@ Public:
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
 
-from marl_jax.eval.credit_truth import StateValues, continuation_keys
+from marl_jax.eval.credit_truth import StateValues, continuation_keys, values_from_returns
 from marl_jax.rollout import engine
 from marl_jax.rollout.turns import ACTION, OBSERVATION, PAD, Trajectory
 
@@ -252,11 +251,4 @@ def state_values(model, params, prompt_ids, prompt_mask, trajectory, rows, posit
         starts = columns[np.repeat(rows[filled], k), np.repeat(positions[filled], k)]
         got = discounted_returns(rewards, out.kinds, starts, np.repeat(positions[filled], k), gamma)
         returns[part] = got.reshape(chunk, k)[:part.size]
-    if not np.all(np.isfinite(returns)):
-        raise ValueError("reward_fn gave non-finite rewards to the continuations of states "
-                         f"{np.flatnonzero(~np.isfinite(returns).all(axis=1))[:8].tolist()}")
-    half = k // 2
-    return StateValues(rows=rows, positions=positions, mean=returns.mean(axis=1),
-                       se=returns.std(axis=1, ddof=1) / math.sqrt(k),
-                       halves=np.stack([returns[:, :half].mean(axis=1), returns[:, half:].mean(axis=1)], axis=1),
-                       returns=returns)
+    return values_from_returns(rows, positions, returns)

@@ -164,8 +164,11 @@ def parsing_segments(parser, exp: Experience) -> np.ndarray:
     return segment_ids
 
 
-def _segments(static: PPOStatic, exp: Experience, rules, key, ngram: int, parser=None) -> dict:
-    """Segment ids `[B, R]` of every rule on the batch; `parsing` by `parser` on the host."""
+def rule_segments(static: PPOStatic, exp: Experience, rules, key, ngram: int, parser=None,
+              turn_ids=None) -> dict:
+    """Segment ids `[B, R]` of every rule on the batch; `parsing` by `parser` on the host; with
+    `turn_ids` `[B, R]` (a trajectory's turns) every rule cuts within turns and `turn` is one
+    macro per turn, as the run cuts them."""
     return {rule: parsing_segments(parser, exp) if rule == "parsing" else termination.segment(
         rule, exp.actions, key=key, ref_logprobs=exp.ref_base_logprobs,
         entropies=exp.entropies, logprobs=exp.old_logprobs, n=ngram,
@@ -173,7 +176,7 @@ def _segments(static: PPOStatic, exp: Experience, rules, key, ngram: int, parser
         entropy_quantile=static.entropy_quantile,
         low_probability_quantile=static.low_probability_quantile,
         low_probability_threshold=static.low_probability_threshold or None,
-        isolate_last=static.isolate_last) for rule in rules}
+        isolate_last=static.isolate_last, turn_ids=turn_ids) for rule in rules}
 
 
 def _gae(exp: Experience, segment_ids, *, gamma, lam, weighting="equal", aggregation="weighted"):
@@ -324,7 +327,7 @@ class CreditProbe:
         keys = jax.random.split(jax.random.fold_in(jax.random.key(int(c.seed)), step), 4)
         exp = self._sample(state, frozen, self.prompt_ids, self.prompt_mask, keys[0],
                            group_size=int(c.group_size))
-        segments = _segments(static, exp, tuple(c.rules), keys[1], self.ngram, self.parser)
+        segments = rule_segments(static, exp, tuple(c.rules), keys[1], self.ngram, self.parser)
         gamma, lam = float(hparams.gamma), float(hparams.lam)
         advantages = estimator_advantages(
             static, self.models, state, frozen, exp, segments, gamma=gamma, lam=lam,

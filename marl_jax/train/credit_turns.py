@@ -34,7 +34,6 @@ import numpy as np
 
 from marl_jax import estimators
 from marl_jax.eval import credit_turns as truth_turns
-from marl_jax.macro import termination
 from marl_jax.macro.advantage import action_ranks
 from marl_jax.train import credit, ppo_core
 from marl_jax.train.phases import advantages as adv_phase
@@ -42,19 +41,6 @@ from marl_jax.train.ppo_types import Experience, PPOState, PPOStatic, role_param
 from marl_jax.train.turn_step import TrajectoryPlayer, episode_seeds, trajectory_arrays
 
 TURN_ESTIMATORS = ("turn_rloo", "turn_grpo")
-
-
-def turn_segments(static: PPOStatic, exp: Experience, rules, key, ngram: int) -> dict:
-    """Segment ids `[B, T]` of every rule on a batch of trajectories, within turns (`turn`: one
-    macro per turn), as the run cuts them."""
-    return {rule: termination.segment(
-        rule, exp.actions, key=key, ref_logprobs=exp.ref_base_logprobs,
-        entropies=exp.entropies, logprobs=exp.old_logprobs, n=ngram,
-        lengths=static.randomized_lengths, repeats=static.randomized_repeats,
-        entropy_quantile=static.entropy_quantile,
-        low_probability_quantile=static.low_probability_quantile,
-        low_probability_threshold=static.low_probability_threshold or None,
-        isolate_last=static.isolate_last, turn_ids=exp.turn_ids) for rule in rules}
 
 
 def mean_macro_length(segment_ids, action_mask) -> float:
@@ -116,7 +102,8 @@ class TurnCreditProbe(credit.CreditProbe):
         actor = role_params(static, "actor", frozen, state.actor_params)
         played = trajectory_arrays(self.player.play(actor, ids, mask, rows, seeds, keys[0]))
         exp, _ = self._score(state, frozen, ids, mask, played)
-        segments = turn_segments(static, exp, tuple(c.rules), keys[1], self.ngram)
+        segments = credit.rule_segments(static, exp, tuple(c.rules), keys[1], self.ngram,
+                                        turn_ids=exp.turn_ids)
         gamma, lam = float(hparams.gamma), float(hparams.lam)
         advantages = turn_estimator_advantages(
             static, exp, segments, state.kl_coef, gamma=gamma, lam=lam,
