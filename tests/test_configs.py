@@ -260,3 +260,24 @@ def test_a_task_name_without_its_fields_fails_naming_them_and_the_config():
                                          r"\('synthetic', 'tldr', 'hh_rlhf', 'webgpt', 'apps', "
                                          r"'reviews', 'calculator'\)"):
         validate_config(c)
+
+
+def test_the_credit_smollm2_accelerator_size_is_the_window_run_probed():
+    from configs import credit_smollm2, real_text_smollm2
+    from marl_jax.config import resolve_size
+    from marl_jax.train.credit import probe_steps
+
+    probed = credit_smollm2.get_config()
+    probed.size = "accelerator"
+    resolve_size(probed)
+    validate_config(probed)
+    window = real_text_smollm2.get_config()
+    window.size = "window"
+    resolve_size(window)
+    for section in ("model", "mesh", "task", "sft", "rm"):
+        assert probed[section].to_dict() == window[section].to_dict(), section
+    ppo, expected = probed.ppo.to_dict(), window.ppo.to_dict()
+    assert {k for k in ppo if ppo[k] != expected[k]} == {"parsing_model"}
+    assert probed.stage == "all" and probed.model.dtype == "bfloat16"
+    assert probe_steps(probed.credit.every, probed.ppo.steps) == [0, 32, 64]
+    assert probed.credit.prompts * probed.credit.group_size == 64
