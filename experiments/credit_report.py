@@ -183,8 +183,16 @@ def common_to_all(results: list[dict]) -> list[dict]:
 
 
 def _cell(entry: dict) -> str:
+    """"value [lo, hi]"; "undefined" where the estimator is constant over the pooled probes
+    (a correlation without a value or an interval)."""
+    if entry.get("ci") is None or not np.isfinite(entry["value"]):
+        return "undefined"
     lo, hi = entry["ci"]
     return f"{entry['value']:+.2f} [{lo:+.2f}, {hi:+.2f}]"
+
+
+def _interval(entry: dict) -> tuple[float, float]:
+    return tuple(entry["ci"]) if entry.get("ci") is not None else (np.nan, np.nan)
 
 
 def stated_differences(results: list[dict]) -> dict:
@@ -253,7 +261,8 @@ def plot(results: list[dict], path: str) -> None:
             y = np.arange(len(names)) + (j - 1) * 0.25
             entries = [result[phase]["scores"]["token"][n]["pearson"] for n in names]
             x = np.array([e["value"] for e in entries])
-            err = np.array([[e["value"] - e["ci"][0], e["ci"][1] - e["value"]] for e in entries]).T
+            err = np.nan_to_num(np.array([[e["value"] - _interval(e)[0], _interval(e)[1] - e["value"]]
+                                          for e in entries], dtype=float).T)
             ax.errorbar(x, y, xerr=err, fmt="o", ms=3, label=f"{phase} (step {result[phase]['step']})")
             ceiling = result[phase]["ceilings"]["token"]["ceiling"]["value"]
             ax.axvline(ceiling, color=f"C{j}", ls=":", lw=1)

@@ -267,3 +267,9 @@ def test_picked_tokens_are_distinct_valid_and_seeded():
     assert rows.tolist() == again[0].tolist() and positions.tolist() == again[1].tolist()
     rows, positions = credit_recheck.pick_tokens(mask, 10, seed=0)
     assert list(zip(rows, positions)) == [(0, 0), (0, 1), (0, 2), (1, 0)]
+
+
+def test_a_constant_estimator_is_undefined_in_the_table():
+    assert credit_report._cell({"value": 0.123, "ci": [0.01, 0.2]}) == "+0.12 [+0.01, +0.20]"
+    assert credit_report._cell({"value": float("nan"), "ci": None}) == "undefined"
+    assert np.isnan(credit_report._interval({"value": 0.0, "ci": None})).all()
