@@ -221,12 +221,13 @@ def discounted_returns(rewards, kinds, starts, ranks, gamma: float) -> np.ndarra
 
 def state_values(model, params, prompt_ids, prompt_mask, trajectory, rows, positions, *, reward_fn: Callable,
                  key, num_continuations: int, gamma: float = 1.0, chunk_states: int | None = None,
-                 **play) -> StateValues:
+                 progress: Callable[[int, int], None] | None = None, **play) -> StateValues:
     """Monte Carlo values of the states (rows[i], positions[i]) `[M]` (action ranks, terminal
     included) of `trajectory`, K = `num_continuations` each (state i's continuation j drawn with
     `continuation_keys(key, M, K)[i, j]`), `chunk_states` non-terminal states per
     `continue_trajectories` call (the last chunk filled with copies of its first state); `play`:
-    the keywords of `continue_trajectories`."""
+    the keywords of `continue_trajectories`; `progress(non-terminal states valued, their
+    number)` is called after every chunk."""
     k = int(num_continuations)
     if k < 2:
         raise ValueError(f"num_continuations must be an int >= 2, got {num_continuations!r}")
@@ -251,4 +252,6 @@ def state_values(model, params, prompt_ids, prompt_mask, trajectory, rows, posit
         starts = columns[np.repeat(rows[filled], k), np.repeat(positions[filled], k)]
         got = discounted_returns(rewards, out.kinds, starts, np.repeat(positions[filled], k), gamma)
         returns[part] = got.reshape(chunk, k)[:part.size]
+        if progress is not None:
+            progress(lo + part.size, live.size)
     return values_from_returns(rows, positions, returns)

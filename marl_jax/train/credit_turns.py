@@ -116,7 +116,8 @@ class TurnCreditProbe(credit.CreditProbe):
             reward_fn=functools.partial(self._rewards, state, frozen), key=keys[3],
             num_continuations=int(c.continuations), gamma=gamma,
             chunk_states=int(c.chunk_states), make_step_turns=self.turn_callback,
-            task_rows=rows, seeds=seeds, **self.play_settings)
+            task_rows=rows, seeds=seeds, progress=credit.truth_progress(step, int(c.continuations)),
+            **self.play_settings)
         squeeze = functools.partial(truth_turns.compress, columns=columns, lengths=lengths)
         actions = (np.arange(columns.shape[1])[None, :] < lengths[:, None]).astype(np.int32)
         return {
