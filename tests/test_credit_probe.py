@@ -119,10 +119,12 @@ def test_report_pools_seed_sets_and_states_differences_that_hold_on_every_set(pr
     page = tmp_path / "credit.md"
     page.write_text("# credit\n<!-- credit-study:start -->\n<!-- credit-study:end -->\nafter\n")
     results, plot = tmp_path / "results.json", tmp_path / "credit.png"
-    # Steps 0, 1 and 1 as start, middle and end: a run of two probes pooled with itself.
+    # A run of two probes (steps 0 and 1: start and end, no middle) pooled with itself.
     assert credit_report.main([f"{workdir},{workdir}", str(workdir), "--page", str(page),
                                "--results", str(results), "--plot", str(plot)]) == 0
     out = json.loads(results.read_text())["results"]
+    assert [(r["start"]["step"], r["end"]["step"], "middle" in r) for r in out] == [(0, 1, False)] * 2
+    assert "| estimator | start | end |" in page.read_text()
     x = _load(workdir, 1)
     lengths = np.cumprod(x["response_mask"] != 0, axis=1).sum(axis=1)
     # A run pooled with itself: twice the states and prompts, the same point estimates.
@@ -133,7 +135,7 @@ def test_report_pools_seed_sets_and_states_differences_that_hold_on_every_set(pr
         assert pooled[name]["pearson"]["value"] == pytest.approx(entry["pearson"]["value"])
     text = page.read_text()
     assert text.startswith("# credit\n") and text.endswith("after\n") and plot.stat().st_size
-    for phase in credit_report.PHASES:
+    for phase in ("start", "end"):
         for name in out[0][phase]["vs_token_gae"]:
             stated = f"- {name} at the {phase}:" in text
             holds = all(0 not in (credit_report.st.direction(r[phase]["vs_token_gae"][name]["ci"]),)
@@ -273,3 +275,6 @@ def test_a_constant_estimator_is_undefined_in_the_table():
     assert credit_report._cell({"value": 0.123, "ci": [0.01, 0.2]}) == "+0.12 [+0.01, +0.20]"
     assert credit_report._cell({"value": float("nan"), "ci": None}) == "undefined"
     assert np.isnan(credit_report._interval({"value": 0.0, "ci": None})).all()
+    # Three probes or more: the first, middle and last; two: the first and last.
+    assert credit_report.probe_phases(5) == [("start", 0), ("middle", 2), ("end", 4)]
+    assert credit_report.probe_phases(2) == [("start", 0), ("end", 1)]
