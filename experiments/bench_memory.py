@@ -264,9 +264,9 @@ def resolve_model(config, platform: str):
 
     m = config.model
     if m.path and str(m.path).endswith(".gguf"):
-        from marl_jax.models.loading import read_gguf
+        from marl_jax.models.loading import gguf_config
 
-        cfg, source = models.ModelConfig.from_hf(read_gguf(m.path)[0]), str(m.path)
+        cfg, source = models.ModelConfig.from_hf(gguf_config(m.path)), str(m.path)
     elif m.path:
         hf, source = architectures.hf_config(m.path)
         cfg = models.ModelConfig.from_hf(hf)

@@ -154,12 +154,50 @@ def _unpermute_rope_rows(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+def gguf_config(path: str | os.PathLike) -> dict:
+    """The transformers-style config dict of a GGUF file, from its metadata alone (no tensor is
+    read: the tensors are memory-mapped and left untouched)."""
+    import gguf
+
+    return _gguf_config(gguf.GGUFReader(str(path)), path)
+
+
 def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
     """(transformers-style config dict, float32 state dict under HF names) of a GGUF file."""
     import gguf
     from gguf.quants import dequantize
 
     reader = gguf.GGUFReader(str(path))
+    config = _gguf_config(reader, path)
+    architecture = _gguf_value(reader, "general.architecture")
+    heads = config.get("num_attention_heads", config.get("n_head"))
+    kv_heads = config.get("num_key_value_heads", heads)
+    name_map = _gguf_name_map(architecture)
+    state: dict[str, np.ndarray] = {}
+    unknown = []
+    for tensor in reader.tensors:
+        hf_name = next((pattern.sub(target, tensor.name) for pattern, target in name_map
+                        if pattern.match(tensor.name)), None)
+        if hf_name is None:
+            unknown.append(tensor.name)
+            continue
+        weight = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        if architecture == "llama" and ".self_attn.q_proj." in hf_name:
+            weight = _unpermute_rope_rows(weight, heads)
+        elif architecture == "llama" and ".self_attn.k_proj." in hf_name:
+            weight = _unpermute_rope_rows(weight, kv_heads)
+        elif architecture in ("gemma", "gemma2", "gemma3") and hf_name.endswith("norm.weight"):
+            weight = weight - 1.0  # llama.cpp stores Gemma's RMSNorm scale as 1 + w
+        elif architecture == "gpt2" and hf_name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
+            weight = weight.T  # llama.cpp stores GPT-2's Conv1D weights as [out, in]
+        state[hf_name] = weight
+    if unknown:
+        raise ValueError(f"{path}: unexpected GGUF tensors (no mapping): {unknown}")
+    return config, state
+
+
+def _gguf_config(reader, path) -> dict:
+    """The transformers-style config dict of an open `gguf.GGUFReader`'s metadata."""
     architecture = _gguf_value(reader, "general.architecture")
     if architecture not in GGUF_ARCHITECTURES:
         raise ValueError(
@@ -214,29 +252,7 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
             if scaling != "linear":
                 raise ValueError(f"{path}: GGUF rope scaling {scaling!r} is not supported (only 'linear')")
             config["rope_scaling"] = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
-
-    name_map = _gguf_name_map(architecture)
-    state: dict[str, np.ndarray] = {}
-    unknown = []
-    for tensor in reader.tensors:
-        hf_name = next((pattern.sub(target, tensor.name) for pattern, target in name_map
-                        if pattern.match(tensor.name)), None)
-        if hf_name is None:
-            unknown.append(tensor.name)
-            continue
-        weight = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        if architecture == "llama" and ".self_attn.q_proj." in hf_name:
-            weight = _unpermute_rope_rows(weight, heads)
-        elif architecture == "llama" and ".self_attn.k_proj." in hf_name:
-            weight = _unpermute_rope_rows(weight, kv_heads)
-        elif architecture in ("gemma", "gemma2", "gemma3") and hf_name.endswith("norm.weight"):
-            weight = weight - 1.0  # llama.cpp stores Gemma's RMSNorm scale as 1 + w
-        elif architecture == "gpt2" and hf_name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
-            weight = weight.T  # llama.cpp stores GPT-2's Conv1D weights as [out, in]
-        state[hf_name] = weight
-    if unknown:
-        raise ValueError(f"{path}: unexpected GGUF tensors (no mapping): {unknown}")
-    return config, state
+    return config
 
 
 # Param trees --------------------------------------------------------------------------------------
