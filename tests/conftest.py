@@ -8,11 +8,11 @@ import pathlib
 import shutil
 import tempfile
 
-# XLA's CPU backend optimisations off: the tests' programs are small, and compiling them, not
-# running them, is most of the suite's time (numerics are checked against tolerances).
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
-                      "--xla_backend_optimization_level=0 "
-                      "--xla_llvm_disable_expensive_passes=true")
+import process_util  # noqa: E402  (no JAX: only the environment of the processes tests start)
+
+# Eight fake CPU devices, and XLA's CPU backend optimisations off (`process_util.FAST_XLA`).
+os.environ.setdefault("XLA_FLAGS",
+                      f"--xla_force_host_platform_device_count=8 {process_util.FAST_XLA}")
 # Many tests build the same small programs afresh (a new run, a new jitted closure): JAX's
 # persistent cache, in a directory of this session's (inherited by the run.py subprocesses),
 # compiles each distinct program once. Set JAX_COMPILATION_CACHE_DIR to keep one elsewhere.
@@ -37,7 +37,6 @@ import ctypes  # noqa: E402
 import ctypes.util  # noqa: E402
 import gc  # noqa: E402
 
-import process_util  # noqa: E402
 import pytest  # noqa: E402
 
 

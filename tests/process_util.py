@@ -8,6 +8,10 @@ import subprocess
 import time
 
 TPU_ENVIRONMENT = ("TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES", "MEGASCALE_NUM_SLICES")
+# XLA's CPU backend optimisations off, in the suite (conftest) and in every JAX process a test
+# starts: the tests' programs are small, and compiling them, not running them, is most of the
+# suite's time (numerics are checked against tolerances).
+FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
 @contextlib.contextmanager
@@ -29,10 +33,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def cpu_env(devices: int, xla_flags: str = "", **extra) -> dict:
-    """This environment with `devices` fake CPU devices and no TPU host detection."""
+def cpu_env(devices: int, **extra) -> dict:
+    """This environment with `devices` fake CPU devices, XLA's fast CPU flags (`FAST_XLA`) and
+    no TPU host detection."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", **extra,
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {xla_flags}".strip())
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_XLA}")
     for name in TPU_ENVIRONMENT:
         env.pop(name, None)
     return env

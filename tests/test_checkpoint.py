@@ -192,7 +192,7 @@ _KILLED_WRITER = textwrap.dedent("""
 
 def test_sigkill_during_save_leaves_the_previous_checkpoint(tmp_path):
     directory = tmp_path / "ckpt"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    env = process_util.cpu_env(1)
     proc = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, str(directory)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -274,7 +274,7 @@ _TWO_PROCESS_WORKER = textwrap.dedent("""
 def test_two_processes_save_one_checkpoint_and_one_metrics_row(tmp_path):
     directory, workdir = tmp_path / "ckpt", tmp_path / "run"
     port = process_util.free_port()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = process_util.cpu_env(4)
     procs = [subprocess.Popen([sys.executable, "-c", _TWO_PROCESS_WORKER, str(i), str(port),
                                str(directory), str(workdir)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -17,6 +17,7 @@ import safetensors.numpy
 import marl_jax.models as M
 from marl_jax.models.config import CAUSAL_LM_ARCHITECTURES
 import models_util
+import process_util
 from models_util import CASES, VOCAB, hf_logits, padded_batch, random_hf_model, write_checkpoint, write_gguf
 
 LOGICAL_PARAM_NAMES = {"vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm", None}
@@ -326,6 +327,11 @@ def test_tiny_gguf_reads_like_transformers(name, tmp_path):
     ours = np.asarray(M.forward_logits(model, params, jnp.asarray(ids), jnp.asarray(mask)))
     valid = _valid(mask)
     np.testing.assert_allclose(ours[valid], hf_logits(reference, ids, mask)[valid], atol=1e-4, rtol=0)
+    # The metadata alone (what `bench.py memory` sizes a model by) gives the same config.
+    from marl_jax.models.loading import gguf_config, read_gguf
+
+    assert M.ModelConfig.from_hf(gguf_config(tmp_path / "tiny.gguf")) == model.config
+    assert gguf_config(tmp_path / "tiny.gguf") == read_gguf(tmp_path / "tiny.gguf")[0]
 
 
 # What a GGUF cannot say is llama.cpp's fixed choice, which these checkpoints then make too:
@@ -446,7 +452,7 @@ def test_smollm2_gguf_and_its_hf_export_load_with_their_tokenizers_without_torch
     """With torch unimportable: the GGUF file, then the transformers directory exported from it
     (safetensors + tokenizer files), each with its tokenizer, give transformers' token ids and
     logits; the sampler's greedy first token is the top logit."""
-    env = {**os.environ, "XLA_FLAGS": "",
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count=1 {process_util.FAST_XLA}",
            "PYTHONPATH": os.pathsep.join([str(pathlib.Path(__file__).parent), *filter(None, [
                os.environ.get("PYTHONPATH")])])}
     result = subprocess.run([sys.executable, "-c", NO_TORCH_SCRIPT, str(smollm2_gguf), str(tmp_path / "export")],

@@ -32,14 +32,13 @@ import process_util
 from train_util import ROOT, tiny_config, tiny_flags
 
 RUN_PY = str(ROOT / "experiments" / "run.py")
-FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 TWO_PROCESS_TIMEOUT_S = 240
 SINGLE_PROCESS_TIMEOUT_S = 150
 RTOL = 2e-3
 
 
 def _env(devices, **extra):
-    return process_util.cpu_env(devices, FAST_XLA, **extra)
+    return process_util.cpu_env(devices, **extra)
 
 
 def _run_two_processes(workdir, logdir, flags):

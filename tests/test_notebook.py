@@ -10,10 +10,10 @@ from nbclient import NotebookClient
 
 from marl_jax.train.metrics import read_metrics
 
+import process_util
 from train_util import ROOT
 
 NOTEBOOK = ROOT / "experiments" / "colab_tpu_demo.ipynb"
-FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
 def _outputs(cell, kind):
@@ -40,7 +40,7 @@ def executed(tmp_path_factory):
         # The kernel inherits this environment when it starts.
         patch.setenv("MARL_DEMO_TINY", "1")
         patch.setenv("MARL_DEMO_WORKDIR", str(workdir))
-        patch.setenv("XLA_FLAGS", f"--xla_force_host_platform_device_count=2 {FAST_XLA}")
+        patch.setenv("XLA_FLAGS", f"--xla_force_host_platform_device_count=2 {process_util.FAST_XLA}")
         patch.setenv("JAX_PLATFORMS", "cpu")
         notebook = nbformat.read(NOTEBOOK, as_version=4)
         NotebookClient(notebook, timeout=300, kernel_name="python3",

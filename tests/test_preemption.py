@@ -278,9 +278,7 @@ def _exported_workdir(workdir):
 def _start_run_py(workdir, logdir, flags, attempt):
     """Starts `experiments/run.py` as two processes of one CPU device each."""
     port = process_util.free_port()
-    env = process_util.cpu_env(1, "--xla_backend_optimization_level=0 "
-                               "--xla_llvm_disable_expensive_passes=true",
-                               JAX_ENABLE_COMPILATION_CACHE="false")
+    env = process_util.cpu_env(1, JAX_ENABLE_COMPILATION_CACHE="false")
     logs = [logdir / f"{attempt}_worker{i}.log" for i in range(2)]
     procs = [subprocess.Popen(
         _run_py(workdir, flags) + [f"--config.distributed.coordinator=localhost:{port}",
@@ -375,8 +373,7 @@ def _run_py(workdir, flags):
 
 
 def _pipeline_env():
-    return process_util.cpu_env(1, "--xla_backend_optimization_level=0 "
-                                "--xla_llvm_disable_expensive_passes=true")
+    return process_util.cpu_env(1)
 
 
 def _run_to_the_end(command, log):

@@ -1,6 +1,6 @@
 """The review task through the pipeline: a reward model on gold-labelled pairs beats chance on
-held-out prompts, and a tiny slice of each study size of configs/real_text_smollm2.py runs end
-to end with SmolLM2's tokenizer and chat template."""
+held-out prompts, and a tiny slice of the window size of configs/real_text_smollm2.py (bfloat16)
+runs end to end with SmolLM2's tokenizer and chat template."""
 import json
 import pathlib
 import subprocess
@@ -100,13 +100,14 @@ SLICE = {
 }
 
 
-@pytest.mark.parametrize("size, dtype", [("cpu_study", "float32"), ("window", "bfloat16")])
-def test_tiny_slice_of_each_study_size(tmp_path, smollm2_gguf, size, dtype):
-    """One PPO step of every arm of a study size (ppo, ma_ppo and its matched control; the
-    window size in bfloat16 over rematerialised scanned layers) at tiny shapes, through
-    sampling, SFT, the reward model, the evaluations and the report, with the size's runs per
-    program (`bench.py memory` checks the window's program of three vmapped SmolLM2 runs on a
-    v5e-8)."""
+def test_tiny_slice_of_the_window_size(tmp_path, smollm2_gguf):
+    """One PPO step of every arm of the window size (ppo, ma_ppo and its matched control, in
+    bfloat16 over rematerialised scanned layers) at tiny shapes, through sampling, SFT, the
+    reward model, the evaluations and the report, with the size's runs per program (`bench.py
+    memory` checks the window's program of three vmapped SmolLM2 runs on a v5e-8). The
+    cpu_study size is the cpu size's float32 pipeline (test_configs) that test_kill_real_text
+    runs end to end."""
+    size, dtype = "window", "bfloat16"
     from marl_jax import models
     from marl_jax.train.metrics import read_metrics
 
