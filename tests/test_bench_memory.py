@@ -16,6 +16,7 @@ import pytest
 from marl_jax import models
 from marl_jax.models import architectures
 
+import process_util
 from train_util import ROOT  # puts the repository root (and so `configs`) on sys.path
 
 sys.path.insert(0, str(ROOT / "experiments"))
@@ -186,7 +187,11 @@ def test_sft_program_runs_the_sft_step_on_real_arrays():
 
 
 def _run(*args, devices=8):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    # A CPU target compiles with the suite's fast XLA flags (they change no buffer: memory is
+    # assigned before the backend's code generation); a TPU target with the TPU compiler's own.
+    cpu = any(a.startswith("--topology=cpu") for a in args)
+    flags = f"--xla_force_host_platform_device_count={devices}"
+    env = dict(os.environ, XLA_FLAGS=f"{flags} {process_util.FAST_XLA}" if cpu else flags,
                HF_HUB_OFFLINE="1")
     proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench.py"), "memory",
                            *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
