@@ -22,9 +22,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 # No size limit: a limit turns on the cache's eviction, whose every write takes a file lock and
-# reads every entry's access time (0.1-0.2 s a write once the suite holds 2,000-4,000 entries,
-# while the other test process waits on the lock). Without it, an entry read while another
-# process writes it fails to decompress, and JAX warns and compiles the program itself.
+# reads every entry's access time (30 ms a write at 500 entries, 0.1 s at 2,000; the suite
+# writes over 1,000), while the other test process waits on the lock. Without it, an entry
+# read while another process writes it fails to decompress, and JAX warns and compiles the
+# program itself.
 # The lock that tests marked `one_at_a_time` hold, shared by the processes of `pytest -n 2`.
 if "MARL_JAX_TEST_LOCK" not in os.environ:
     _lock_dir = tempfile.mkdtemp(prefix="marl_jax_test_lock_")
