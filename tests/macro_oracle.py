@@ -163,6 +163,18 @@ def macro_gae(values, rewards, response_mask, segment_ids, gamma=1.0, lam=0.95,
     return advantages, returns
 
 
+def gae_row(values, rewards, length, gamma=1.0, lam=0.95):
+    """Token-level GAE of one response's first `length` tokens, the textbook backward loop
+    (V after the last token 0): [length]."""
+    advantages, last = np.zeros(length), 0.0
+    for t in reversed(range(length)):
+        next_value = values[t + 1] if t + 1 < length else 0.0
+        delta = rewards[t] + gamma * next_value - values[t]
+        last = delta + gamma * lam * last
+        advantages[t] = last
+    return advantages
+
+
 def gae(values, rewards, response_mask, gamma=1.0, lam=0.95):
     """Token-level GAE, the textbook backward loop."""
     values = np.asarray(values, np.float64)
@@ -171,11 +183,6 @@ def gae(values, rewards, response_mask, gamma=1.0, lam=0.95):
     advantages = np.zeros(values.shape)
     for b in range(values.shape[0]):
         length = response_length(mask[b])
-        last = 0.0
-        for t in reversed(range(length)):
-            next_value = values[b, t + 1] if t + 1 < length else 0.0
-            delta = rewards[b, t] + gamma * next_value - values[b, t]
-            last = delta + gamma * lam * last
-            advantages[b, t] = last
+        advantages[b, :length] = gae_row(values[b], rewards[b], length, gamma, lam)
     returns = (advantages + values) * (mask != 0)
     return advantages, returns

@@ -11,6 +11,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import macro_oracle
 import numpy as np
 import pytest
 from test_multiturn_task import tiny_calculator_config
@@ -219,16 +220,6 @@ def _run_config():
     return config
 
 
-def textbook_gae(values, rewards, length, gamma, lam):
-    """GAE over the first `length` entries, V = 0 after the last."""
-    adv, running = np.zeros(length), 0.0
-    for a in reversed(range(length)):
-        following = values[a + 1] if a + 1 < length else 0.0
-        running = rewards[a] + gamma * following - values[a] + gamma * lam * running
-        adv[a] = running
-    return adv
-
-
 def test_a_multi_turn_run_probes_its_trajectories(tmp_path):
     config = _run_config()
     validate_config(config)
@@ -247,7 +238,7 @@ def test_a_multi_turn_run_probes_its_trajectories(tmp_path):
         # A turn macro is a turn: its ids change exactly where the turn does.
         seg, turn = d["segments/turn"][b, :n], d["trajectory/turn_ids"][b, cols]
         np.testing.assert_array_equal(np.diff(seg) != 0, np.diff(turn) != 0)
-        want = textbook_gae(d["values"][b], d["rewards"][b], n, GAMMA, 0.8)
+        want = macro_oracle.gae_row(d["values"][b], d["rewards"][b], n, GAMMA, 0.8)
         np.testing.assert_allclose(d["advantages/token_gae"][b, :n], want, rtol=1e-4, atol=1e-5)
     assert (kinds == turns.OBSERVATION).any()
     # Every action state and each row's terminal state, the terminal ones worth 0.

@@ -9,6 +9,7 @@ import math
 import subprocess
 import sys
 
+import macro_oracle
 import numpy as np
 import pytest
 from train_util import ROOT, tiny_config, tiny_flags
@@ -59,16 +60,6 @@ def _states(inputs):
                                                                inputs["state_positions"]))}
 
 
-def _gae(values, rewards, length, gamma, lam):
-    """Token GAE of one response by the textbook backward loop (V after the last token 0)."""
-    adv, running = np.zeros(length), 0.0
-    for t in reversed(range(length)):
-        following = values[t + 1] if t + 1 < length else 0.0
-        running = rewards[t] + gamma * following - values[t] + gamma * lam * running
-        adv[t] = running
-    return adv
-
-
 def test_probe_scores_equal_numpy_on_its_saved_inputs(probed):
     workdir, rows = probed
     assert sorted(rows) == [0, 1]
@@ -92,9 +83,9 @@ def test_probe_scores_equal_numpy_on_its_saved_inputs(probed):
             n = int(lengths[b])
             truth += [x["rewards"][b, t] + gamma * v[states[(b, t + 1)]] - v[states[(b, t)]]
                       for t in range(n)]
-            token_gae.append(_gae(x["values"][b], x["rewards"][b], n, gamma, lam))
-            control.append(_gae(x["values"][b], x["rewards"][b], n, gamma,
-                                lam ** (1 / macro_length)))
+            token_gae.append(macro_oracle.gae_row(x["values"][b], x["rewards"][b], n, gamma, lam))
+            control.append(macro_oracle.gae_row(x["values"][b], x["rewards"][b], n, gamma,
+                                                lam ** (1 / macro_length)))
             # The estimators' advantages as the probe saved them.
             np.testing.assert_allclose(x["advantages/token_gae"][b, :n], token_gae[-1],
                                        rtol=1e-4, atol=1e-5)
