@@ -8,7 +8,7 @@ import pathlib
 import shutil
 import tempfile
 
-import process_util  # noqa: E402  (no JAX: only the environment of the processes tests start)
+import process_util  # no JAX: the environment of the processes that tests start
 
 # Eight fake CPU devices, and XLA's CPU backend optimisations off (`process_util.FAST_XLA`).
 os.environ.setdefault("XLA_FLAGS",
