@@ -308,7 +308,7 @@ def bench_decode_parts(module, params, batch: int, prompt: int, new: int, repeat
         def run(logits):
             def body(i, total):
                 step_key = jax.random.fold_in(jax.random.key(1), i)
-                token, _, _ = engine._choose(logits + i.astype(jnp.float32),
+                token, _, _ = engine.choose_tokens(logits + i.astype(jnp.float32),
                                              lambda c: jax.random.categorical(step_key, c, axis=-1),
                                              jnp.float32(0.8), jnp.float32(1.0), top_k=top_k, greedy=False,
                                              dynamic_temperature=False, use_top_p=False)

@@ -149,13 +149,13 @@ def test_refill_prefills_under_vmap_only_when_some_run_needs_them():
 
         def prefill(unit_ids):
             jax.debug.callback(lambda: calls.append(1))
-            return engine._prefill(model, engine._decoder(model, params), jnp.take(ids, unit_ids, 0),
+            return engine._prefill(model, engine.decode_fn(model, params), jnp.take(ids, unit_ids, 0),
                                      jnp.take(mask, unit_ids, 0), 16)
 
-        choose = functools.partial(engine._choose, temperature=jnp.float32(0.8), top_p=jnp.float32(1.0), top_k=0,
+        choose = functools.partial(engine.choose_tokens, temperature=jnp.float32(0.8), top_p=jnp.float32(1.0), top_k=0,
                                    greedy=False, dynamic_temperature=False, use_top_p=False)
         return slot_engine.sample(
-            prefill, engine._decoder(model, params), choose, engine._slot_draws(key, None), units=4, samples=1,
+            prefill, engine.decode_fn(model, params), choose, engine._slot_draws(key, None), units=4, samples=1,
             slots=2, steps=16, context_width=10, eos_ids=(1,), pad_id=0, unit_order=jnp.arange(4, dtype=jnp.int32),
             live_units=4, offsets=jnp.zeros((4,), jnp.int32), remaining=jnp.full((4,), 16, jnp.int32), batch_axis=0,
             logits_width=VOCAB)

@@ -18,6 +18,11 @@ sample then depends on the batch it is in). With `row_keys` `[B * k]` the token 
 position t of row i is drawn with `fold_in(row_keys[i], t)` alone, so a row's sample depends only
 on its key, its context and t; `continue_responses` relies on this to reproduce a response from
 any prefix of it.
+
+Building blocks the multi-turn engine (`rollout/turns.py`) decodes with, public so that it
+reuses them rather than copies them: `sampling_model`, `decode_fn`, `choose_tokens`, `draw_row`,
+`sampler_flags`, `sampler_scalars`, and the argument checks `check_model`, `check_left_padded`,
+`check_row_keys`, `is_int`, `as_array`.
 """
 from __future__ import annotations
 
@@ -55,7 +60,7 @@ def _is_number(x) -> bool:
     return isinstance(x, numbers.Number) and not isinstance(x, bool)
 
 
-def _is_int(x) -> bool:
+def is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
@@ -103,7 +108,7 @@ def _greedy(logits):
     return token, jnp.take_along_axis(log_probs, token[:, None], axis=-1)[:, 0], _entropy(log_probs)
 
 
-def _choose(logits, draw: Callable, temperature, top_p, *, top_k, greedy, dynamic_temperature, use_top_p):
+def choose_tokens(logits, draw: Callable, temperature, top_p, *, top_k, greedy, dynamic_temperature, use_top_p):
     """Next tokens `[B]`, their logprobs `[B]` and the entropy `[B]` of the distribution they are
     drawn from, given logits `[B, V]` float32; `draw(candidates [B, C]) -> [B]` picks a candidate
     index per row."""
@@ -136,12 +141,12 @@ def _draws(key, row_keys, offsets):
         return batch_draw
 
     def row_draw(step):
-        return lambda candidates: jax.vmap(_draw_row)(row_keys, offsets + step, candidates)
+        return lambda candidates: jax.vmap(draw_row)(row_keys, offsets + step, candidates)
 
     return row_draw
 
 
-def _draw_row(row_key, position, candidates):
+def draw_row(row_key, position, candidates):
     """One row's pick among candidates `[C]` at response position `position`, keyed by its own key."""
     return jax.random.categorical(jax.random.fold_in(row_key, position), candidates)
 
@@ -155,7 +160,7 @@ def _slot_draws(key, row_keys):
             return draws.categorical_rows(step_keys, candidates, rows)
 
         return batch_rows
-    return lambda candidates, rows, positions: jax.vmap(_draw_row)(jnp.take(row_keys, rows), positions, candidates)
+    return lambda candidates, rows, positions: jax.vmap(draw_row)(jnp.take(row_keys, rows), positions, candidates)
 
 
 def _repeat_rows(model: CausalLM, k: int, logits, cache, *rows):
@@ -241,14 +246,14 @@ def _sample_loop(decode, choose, draw_at, logits, cache, kv_mask, lengths, start
     return SampleOutput(tokens, logprobs, mask, entropies)
 
 
-def _sampling_model(model: CausalLM, params) -> tuple[CausalLM, dict]:
+def sampling_model(model: CausalLM, params) -> tuple[CausalLM, dict]:
     """The model and params the sampler decodes with: the weights cast once to the compute dtype
     and laid out as `decode_layout.resolve` says (built once per call)."""
     config, params = decode_layout.for_decoding(model.config, params)
     return (model if config is model.config else CausalLM(config)), params
 
 
-def _decoder(model: CausalLM, params):
+def decode_fn(model: CausalLM, params):
     def decode(tokens, kv_mask, positions, cache, index):
         return model.apply({"params": params}, tokens, kv_mask, positions, cache, index, method=CausalLM.decode)
 
@@ -294,10 +299,10 @@ def _generate(model: CausalLM, params, prompt_ids, prompt_mask, key, row_keys, t
               decode_slots, decode_block):
     batch, prompt_len = prompt_ids.shape
     steps = max_new_tokens
-    choose = functools.partial(_choose, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy,
+    choose = functools.partial(choose_tokens, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy,
                                dynamic_temperature=dynamic_temperature, use_top_p=use_top_p)
-    model, params = _sampling_model(model, params)
-    decode = _decoder(model, params)
+    model, params = sampling_model(model, params)
+    decode = decode_fn(model, params)
     if decode_slots:
         return _over_slots(model, decode, choose, _slot_draws(key, row_keys), prompt_ids, prompt_mask,
                            slots=decode_slots, samples=num_samples, steps=steps, eos_ids=eos_ids, pad_id=pad_id,
@@ -309,16 +314,16 @@ def _generate(model: CausalLM, params, prompt_ids, prompt_mask, key, row_keys, t
                         steps=steps, eos_ids=eos_ids, pad_id=pad_id, remaining=max_lengths, block=decode_block)
 
 
-def _sampler_flags(cfg, temperature, top_k, top_p, eos_id, pad_id) -> dict:
+def sampler_flags(cfg, temperature, top_k, top_p, eos_id, pad_id) -> dict:
     """Validates the sampling settings; returns the static flags of the jitted programs."""
-    if not _is_int(top_k) or not 0 <= top_k <= cfg.vocab_size:
+    if not is_int(top_k) or not 0 <= top_k <= cfg.vocab_size:
         raise ValueError(f"top_k must be an int in [0, vocab_size={cfg.vocab_size}], got {top_k!r}")
     if _is_number(temperature) and temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if _is_number(top_p) and not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     eos_ids = _eos_tuple(eos_id, cfg.vocab_size)
-    if not _is_int(pad_id) or not 0 <= pad_id < cfg.vocab_size:
+    if not is_int(pad_id) or not 0 <= pad_id < cfg.vocab_size:
         raise ValueError(f"pad_id must be an int in [0, {cfg.vocab_size}), got {pad_id!r}")
     return dict(top_k=int(top_k), eos_ids=eos_ids, pad_id=int(pad_id),
                 greedy=_is_number(temperature) and temperature == 0,
@@ -326,16 +331,16 @@ def _sampler_flags(cfg, temperature, top_k, top_p, eos_id, pad_id) -> dict:
                 use_top_p=not (_is_number(top_p) and top_p >= 1.0))
 
 
-def _as_array(x) -> jax.Array:
+def as_array(x) -> jax.Array:
     return x if isinstance(x, jax.Array) else jnp.asarray(x)
 
 
-def _check_model(model, name: str) -> None:
+def check_model(model, name: str) -> None:
     if not isinstance(model, CausalLM):
         raise ValueError(f"{name} needs a CausalLM, got {type(model).__name__}")
 
 
-def _check_left_padded(prompt_mask) -> None:
+def check_left_padded(prompt_mask) -> None:
     if isinstance(prompt_mask, jax.core.Tracer):
         return
     mask = np.asarray(prompt_mask)
@@ -345,12 +350,12 @@ def _check_left_padded(prompt_mask) -> None:
 
 
 def _check_num_samples(num_samples) -> int:
-    if not _is_int(num_samples) or num_samples < 1:
+    if not is_int(num_samples) or num_samples < 1:
         raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
     return int(num_samples)
 
 
-def _check_row_keys(row_keys, rows: int) -> None:
+def check_row_keys(row_keys, rows: int) -> None:
     if not isinstance(row_keys, jax.Array) or not jnp.issubdtype(row_keys.dtype, jax.dtypes.prng_key):
         raise ValueError("row_keys must be a typed key array (e.g. jax.random.split(jax.random.key(0), n)), "
                          f"got {type(row_keys).__name__} of dtype {getattr(row_keys, 'dtype', None)}")
@@ -370,9 +375,9 @@ def _data_shards() -> int:
 
 def _check_decode_slots(decode_slots, rows: int, key, candidates: int) -> int:
     """The number of decode slots to use (0: the static batch) after validating `decode_slots`."""
-    if decode_slots is None or (_is_int(decode_slots) and decode_slots == 0):
+    if decode_slots is None or (is_int(decode_slots) and decode_slots == 0):
         return 0
-    if not _is_int(decode_slots) or decode_slots < 0:
+    if not is_int(decode_slots) or decode_slots < 0:
         raise ValueError(f"decode_slots must be None or a non-negative int, got {decode_slots!r}")
     if decode_slots >= rows:
         warnings.warn(f"decode_slots={decode_slots} is not below the {rows} rows to sample: they are sampled as one "
@@ -388,7 +393,7 @@ def _check_decode_slots(decode_slots, rows: int, key, candidates: int) -> int:
 
 
 def _check_max_lengths(max_lengths, rows: int, budget: int):
-    max_lengths = _as_array(max_lengths)
+    max_lengths = as_array(max_lengths)
     if tuple(max_lengths.shape) != (rows,) or not jnp.issubdtype(max_lengths.dtype, jnp.integer):
         raise ValueError(f"max_lengths must be an int array of shape ({rows},) = [batch * num_samples], got "
                          f"shape {tuple(max_lengths.shape)} and dtype {max_lengths.dtype}")
@@ -400,7 +405,7 @@ def _check_max_lengths(max_lengths, rows: int, budget: int):
     return max_lengths.astype(jnp.int32)
 
 
-def _sampler_scalars(flags: dict, temperature, top_p):
+def sampler_scalars(flags: dict, temperature, top_p):
     return jnp.asarray(1.0 if flags["greedy"] else temperature, jnp.float32), jnp.asarray(top_p, jnp.float32)
 
 
@@ -444,32 +449,32 @@ def generate(model: CausalLM, params, prompt_ids, prompt_mask, *, key=None, row_
     step runs the layout `model.config.sampler_layout` names (`models.decode_layout`: on a GPU by
     default unrolled layers with fused q / k / v and gate / up projections), built once per call.
     """
-    _check_model(model, "generate")
+    check_model(model, "generate")
     cfg = model.config
-    prompt_ids, prompt_mask = _as_array(prompt_ids), _as_array(prompt_mask)
+    prompt_ids, prompt_mask = as_array(prompt_ids), as_array(prompt_mask)
     check_tokens(cfg, prompt_ids, prompt_mask, "prompt_ids")
-    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     prompt_len = prompt_ids.shape[1]
     if prompt_len + max_new_tokens > cfg.max_position_embeddings:
         raise ValueError(f"prompt length {prompt_len} + max_new_tokens {max_new_tokens} exceeds the model's "
                          f"max_position_embeddings {cfg.max_position_embeddings}")
-    flags = _sampler_flags(cfg, temperature, top_k, top_p, eos_id, pad_id)
-    _check_left_padded(prompt_mask)
+    flags = sampler_flags(cfg, temperature, top_k, top_p, eos_id, pad_id)
+    check_left_padded(prompt_mask)
     num_samples = _check_num_samples(num_samples)
     if (key is None) == (row_keys is None):
         raise ValueError("generate needs exactly one of key (batch-level draws) and row_keys (per-row draws), got "
                          + ("both" if key is not None else "neither"))
     rows = prompt_ids.shape[0] * num_samples
     if row_keys is not None:
-        _check_row_keys(row_keys, rows)
+        check_row_keys(row_keys, rows)
     decode_slots = _check_decode_slots(decode_slots, rows, key, flags["top_k"] or cfg.vocab_size)
     if max_lengths is not None:
         max_lengths = _check_max_lengths(max_lengths, rows, int(max_new_tokens))
-    if not _is_int(decode_block) or decode_block < 1:
+    if not is_int(decode_block) or decode_block < 1:
         raise ValueError(f"decode_block must be a positive int, got {decode_block!r}")
     return _generate(model, params, prompt_ids, prompt_mask, key, row_keys,
-                     *_sampler_scalars(flags, temperature, top_p), max_lengths, max_new_tokens=int(max_new_tokens),
+                     *sampler_scalars(flags, temperature, top_p), max_lengths, max_new_tokens=int(max_new_tokens),
                      num_samples=num_samples, decode_slots=decode_slots, decode_block=int(decode_block), **flags)
 
 
@@ -514,10 +519,10 @@ def _continue(model: CausalLM, params, prompt_ids, prompt_mask, response_ids, pr
               decode_slots, decode_block=DECODE_BLOCK):
     response_len = response_ids.shape[1]
     width = prompt_ids.shape[1] + response_len
-    choose = functools.partial(_choose, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy,
+    choose = functools.partial(choose_tokens, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy,
                                dynamic_temperature=dynamic_temperature, use_top_p=use_top_p)
-    model, params = _sampling_model(model, params)
-    decode = _decoder(model, params)
+    model, params = sampling_model(model, params)
+    decode = decode_fn(model, params)
     prefix_lengths = prefix_lengths.astype(jnp.int32)
     ids, mask = _context(prompt_ids, prompt_mask, response_ids, prefix_lengths)
     last = jnp.take_along_axis(response_ids, jnp.maximum(prefix_lengths - 1, 0)[:, None], axis=1)[:, 0]
@@ -579,11 +584,11 @@ def continue_responses(model: CausalLM, params, prompt_ids, prompt_mask, respons
     response, samples nothing. `decode_slots`: as in `generate` (rows that sample nothing take no
     slot). max_new_tokens, num_samples, top_k, eos_id, pad_id and decode_slots are static.
     """
-    _check_model(model, "continue_responses")
+    check_model(model, "continue_responses")
     cfg = model.config
-    prompt_ids, prompt_mask = _as_array(prompt_ids), _as_array(prompt_mask)
-    response_ids, response_mask = _as_array(response_ids), _as_array(response_mask)
-    prefix_lengths = _as_array(prefix_lengths)
+    prompt_ids, prompt_mask = as_array(prompt_ids), as_array(prompt_mask)
+    response_ids, response_mask = as_array(response_ids), as_array(response_mask)
+    prefix_lengths = as_array(prefix_lengths)
     check_tokens(cfg, prompt_ids, prompt_mask, "prompt_ids")
     check_tokens(cfg, response_ids, response_mask, "response_ids")
     batch, response_len = response_ids.shape
@@ -596,14 +601,14 @@ def continue_responses(model: CausalLM, params, prompt_ids, prompt_mask, respons
                          f"model's max_position_embeddings {cfg.max_position_embeddings}")
     if max_new_tokens is None:
         max_new_tokens = response_len
-    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int or None, got {max_new_tokens!r}")
-    flags = _sampler_flags(cfg, temperature, top_k, top_p, eos_id, pad_id)
-    _check_left_padded(prompt_mask)
+    flags = sampler_flags(cfg, temperature, top_k, top_p, eos_id, pad_id)
+    check_left_padded(prompt_mask)
     num_samples = _check_num_samples(num_samples)
     _check_prefix_lengths(prefix_lengths, response_mask, batch)
-    _check_row_keys(row_keys, batch * num_samples)
+    check_row_keys(row_keys, batch * num_samples)
     decode_slots = _check_decode_slots(decode_slots, batch * num_samples, None, 0)
     return _continue(model, params, prompt_ids, prompt_mask, response_ids, prefix_lengths, row_keys,
-                     *_sampler_scalars(flags, temperature, top_p), steps=min(int(max_new_tokens), response_len),
+                     *sampler_scalars(flags, temperature, top_p), steps=min(int(max_new_tokens), response_len),
                      num_samples=num_samples, decode_slots=decode_slots, **flags)

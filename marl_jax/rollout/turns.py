@@ -109,7 +109,7 @@ def _seat_prompts(model: CausalLM, params, cache, logits, kv_mask, prompt_length
     batch = prompt_ids.shape[0]
     mask = prompt_mask.astype(jnp.int32)
     new_kv_mask = jnp.concatenate([mask, jnp.ones((batch, total), jnp.int32)], axis=1)
-    new_logits, new_cache = engine._decoder(model, params)(
+    new_logits, new_cache = engine.decode_fn(model, params)(
         prompt_ids, new_kv_mask, positions_from_mask(mask), init_cache(model.config, batch, _cache_width(cache, model)),
         0)
     batch_axis = 1 if model.config.scan_layers else 0  # scanned caches are [L, S, K, W, H]
@@ -135,9 +135,9 @@ def _decode_turn(model: CausalLM, params, cache, logits, kv_mask, prompt_lengths
     reached column `total`. Returns (tokens, logprobs, entropy `[B, turn_tokens]`, actions taken
     `[B]`, cache, pending logits `[B, V]`)."""
     batch = logits.shape[0]
-    choose = functools.partial(engine._choose, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy,
+    choose = functools.partial(engine.choose_tokens, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy,
                                dynamic_temperature=dynamic_temperature, use_top_p=use_top_p)
-    decode = engine._decoder(model, params)
+    decode = engine.decode_fn(model, params)
     eos = jnp.asarray(eos_ids, jnp.int32)
     budget = jnp.minimum(turn_tokens, total - cursor)
     scratch = prompt_width + total
@@ -145,7 +145,7 @@ def _decode_turn(model: CausalLM, params, cache, logits, kv_mask, prompt_lengths
     def body(state):
         step, cache, logits, live, taken, tokens, logprobs, entropies = state
         column = cursor + step
-        token, logprob, entropy = choose(logits, lambda c: jax.vmap(engine._draw_row)(row_keys, column, c))
+        token, logprob, entropy = choose(logits, lambda c: jax.vmap(engine.draw_row)(row_keys, column, c))
         token = jnp.where(live, token.astype(jnp.int32), pad_id)
         at = (0, step)
         tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], at)
@@ -204,11 +204,11 @@ class _CacheDriver:
 
     def __init__(self, model, params, prompt_ids, prompt_mask, row_keys, temperature, top_p, flags, *, total,
                  turn_tokens, chunk, slots):
-        self.model, self.params = engine._sampling_model(model, params)
+        self.model, self.params = engine.sampling_model(model, params)
         self.prompt_ids, self.prompt_mask, self.row_keys = prompt_ids, prompt_mask, row_keys
         self.total, self.turn_tokens, self.chunk = total, turn_tokens, chunk
         self.flags = flags
-        self.scalars = engine._sampler_scalars(flags, temperature, top_p)
+        self.scalars = engine.sampler_scalars(flags, temperature, top_p)
         self.prompt_width = prompt_ids.shape[1]
         # Cache: prompt, T columns, and a scratch tail as wide as one observation chunk.
         width = self.prompt_width + total + chunk
@@ -417,25 +417,25 @@ def _play(driver, step_turns: StepTurns, *, batch: int, total: int, max_turns: i
 def _settings(model, prompt_ids, prompt_mask, row_keys, *, step_turns, max_turns, max_total_tokens, max_turn_tokens,
               end_of_turn, temperature, top_k, top_p, pad_id, name: str):
     """Validated (prompt_ids, prompt_mask, flags) of a multi-turn call."""
-    engine._check_model(model, name)
+    engine.check_model(model, name)
     cfg = model.config
-    prompt_ids, prompt_mask = engine._as_array(prompt_ids), engine._as_array(prompt_mask)
+    prompt_ids, prompt_mask = engine.as_array(prompt_ids), engine.as_array(prompt_mask)
     check_tokens(cfg, prompt_ids, prompt_mask, "prompt_ids")
-    engine._check_left_padded(prompt_mask)
+    engine.check_left_padded(prompt_mask)
     if not callable(step_turns):
         raise ValueError(f"step_turns must be callable, got {type(step_turns).__name__}")
-    if not engine._is_int(max_turns) or max_turns < 1:
+    if not engine.is_int(max_turns) or max_turns < 1:
         raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
-    if not engine._is_int(max_turn_tokens) or max_turn_tokens < 1:
+    if not engine.is_int(max_turn_tokens) or max_turn_tokens < 1:
         raise ValueError(f"max_turn_tokens must be an int >= 1, got {max_turn_tokens!r}")
-    if not engine._is_int(max_total_tokens) or max_total_tokens < max_turn_tokens:
+    if not engine.is_int(max_total_tokens) or max_total_tokens < max_turn_tokens:
         raise ValueError(f"max_total_tokens (the trajectory budget) must be an int >= max_turn_tokens="
                          f"{max_turn_tokens} (one whole turn), got {max_total_tokens!r}")
     if prompt_ids.shape[1] + max_total_tokens > cfg.max_position_embeddings:
         raise ValueError(f"prompt length {prompt_ids.shape[1]} + max_total_tokens {max_total_tokens} exceeds the "
                          f"model's max_position_embeddings {cfg.max_position_embeddings}")
-    engine._check_row_keys(row_keys, prompt_ids.shape[0])
-    flags = engine._sampler_flags(cfg, temperature, top_k, top_p, end_of_turn, pad_id)
+    engine.check_row_keys(row_keys, prompt_ids.shape[0])
+    flags = engine.sampler_flags(cfg, temperature, top_k, top_p, end_of_turn, pad_id)
     return prompt_ids, prompt_mask, flags
 
 
@@ -465,10 +465,10 @@ def run_turns(model: CausalLM, params, prompt_ids, prompt_mask, *, step_turns: S
         model, prompt_ids, prompt_mask, row_keys, step_turns=step_turns, max_turns=max_turns,
         max_total_tokens=max_total_tokens, max_turn_tokens=max_turn_tokens, end_of_turn=end_of_turn,
         temperature=temperature, top_k=top_k, top_p=top_p, pad_id=pad_id, name="run_turns")
-    if not engine._is_int(chunk) or chunk < 1:
+    if not engine.is_int(chunk) or chunk < 1:
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
     batch = prompt_ids.shape[0]
-    if decode_slots is not None and (not engine._is_int(decode_slots) or decode_slots < 0):
+    if decode_slots is not None and (not engine.is_int(decode_slots) or decode_slots < 0):
         raise ValueError(f"decode_slots must be None or a non-negative int, got {decode_slots!r}")
     slots = min(int(decode_slots), batch) if decode_slots else batch
     driver = _CacheDriver(model, params, prompt_ids, prompt_mask, row_keys, temperature, top_p, flags,
