@@ -154,18 +154,22 @@ def _prefix_lengths(out: SampleOutput, seed: int) -> np.ndarray:
     return t.astype(np.int32)
 
 
-@pytest.mark.parametrize("settings", [SETTINGS[0], SETTINGS[1], SETTINGS[3]])
-def test_continuation_reproduces_the_response_from_any_prefix(tiny, settings):
+@pytest.mark.parametrize("settings, draws", [(SETTINGS[0], "row_keys"), (SETTINGS[1], "row_keys"),
+                                             (SETTINGS[3], "row_keys"), (SETTINGS[1], "key")])
+def test_continuation_reproduces_the_response_from_any_prefix(tiny, settings, draws):
+    """With the per-row keys a response was drawn with, or with the batch key (each row then
+    draws its row of the batch draw at its own position), from prefixes of different lengths."""
     model, params, ids, mask = tiny
     length = 10
-    row_keys = jax.random.split(jax.random.key(21), 4)
-    full = _sample(model, params, ids, mask, row_keys=row_keys, max_new_tokens=length, **settings)
+    keys = {"row_keys": jax.random.split(jax.random.key(21), 4)} if draws == "row_keys" else {
+        "key": jax.random.key(22)}
+    full = _sample(model, params, ids, mask, max_new_tokens=length, **keys, **settings)
     lengths = np.asarray(full.mask).sum(1)
     if settings["temperature"]:
         assert lengths.min() < length, "some row should end with EOS"
     for seed in range(3):
         t = _prefix_lengths(full, seed)
-        got = continue_responses(model, params, ids, mask, full.tokens, full.mask, jnp.asarray(t), row_keys=row_keys,
+        got = continue_responses(model, params, ids, mask, full.tokens, full.mask, jnp.asarray(t), **keys,
                                  eos_id=EOS, pad_id=0, **settings)
         assert got.tokens.shape == (4, length)
         np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(full.tokens))

@@ -131,14 +131,19 @@ def choose_tokens(logits, draw: Callable, temperature, top_p, *, top_k, greedy, 
 
 def _draws(key, row_keys, offsets):
     """`draw_at(step)`: the candidate picker of decode step `step`. With `key`, one categorical over
-    the batch keyed `fold_in(key, step)`; with `row_keys` `[B]`, row i's categorical keyed
-    `fold_in(row_keys[i], offsets[i] + step)` (offsets `[B]`: response position of step 0)."""
-    if row_keys is None:
+    the batch keyed `fold_in(key, step)`, or with `offsets` `[B]` (response position of step 0,
+    per row) row i of the one keyed `fold_in(key, offsets[i] + step)`; with `row_keys` `[B]`, row
+    i's categorical keyed `fold_in(row_keys[i], offsets[i] + step)`."""
+    if row_keys is None and offsets is None:
         def batch_draw(step):
             step_key = jax.random.fold_in(key, step)
             return lambda candidates: jax.random.categorical(step_key, candidates, axis=-1)
 
         return batch_draw
+    if row_keys is None:
+        rows = jnp.arange(offsets.shape[0], dtype=jnp.int32)
+        at_positions = _slot_draws(key, None)
+        return lambda step: lambda candidates: at_positions(candidates, rows, offsets + step)
 
     def row_draw(step):
         return lambda candidates: jax.vmap(draw_row)(row_keys, offsets + step, candidates)
@@ -514,8 +519,8 @@ def _after_prefix(response_ids, prefix_lengths, new: SampleOutput, pad_id: int) 
 
 
 @functools.partial(attention.jit_per_platform, static_argnames=("steps", *_STATIC))
-def _continue(model: CausalLM, params, prompt_ids, prompt_mask, response_ids, prefix_lengths, row_keys, temperature,
-              top_p, *, steps, num_samples, top_k, eos_ids, pad_id, greedy, dynamic_temperature, use_top_p,
+def _continue(model: CausalLM, params, prompt_ids, prompt_mask, response_ids, prefix_lengths, key, row_keys,
+              temperature, top_p, *, steps, num_samples, top_k, eos_ids, pad_id, greedy, dynamic_temperature, use_top_p,
               decode_slots, decode_block=DECODE_BLOCK):
     response_len = response_ids.shape[1]
     width = prompt_ids.shape[1] + response_len
@@ -531,7 +536,7 @@ def _continue(model: CausalLM, params, prompt_ids, prompt_mask, response_ids, pr
     remaining = jnp.minimum(response_len - prefix_lengths, steps)
     if decode_slots:
         rows = functools.partial(jnp.repeat, repeats=num_samples, axis=0)
-        new = _over_slots(model, decode, choose, _slot_draws(None, row_keys), ids, mask, slots=decode_slots,
+        new = _over_slots(model, decode, choose, _slot_draws(key, row_keys), ids, mask, slots=decode_slots,
                           samples=num_samples, steps=steps, eos_ids=eos_ids, pad_id=pad_id,
                           unit_order=jnp.argsort(done, stable=True).astype(jnp.int32), live_units=(~done).sum(),
                           offsets=rows(prefix_lengths), remaining=rows(remaining))
@@ -539,7 +544,7 @@ def _continue(model: CausalLM, params, prompt_ids, prompt_mask, response_ids, pr
     logits, cache, kv_mask, lengths = _prefill(model, decode, ids, mask, steps)
     logits, cache, kv_mask, lengths, done, remaining, prefix_lengths, response_ids = _repeat_rows(
         model, num_samples, logits, cache, kv_mask, lengths, done, remaining, prefix_lengths, response_ids)
-    new = _sample_loop(decode, choose, _draws(None, row_keys, prefix_lengths), logits, cache, kv_mask, lengths, width,
+    new = _sample_loop(decode, choose, _draws(key, row_keys, prefix_lengths), logits, cache, kv_mask, lengths, width,
                        steps=steps, eos_ids=eos_ids, pad_id=pad_id, done=done, remaining=remaining,
                        block=decode_block)
     return _after_prefix(response_ids, prefix_lengths, new, pad_id)
@@ -564,8 +569,8 @@ def _check_prefix_lengths(prefix_lengths, response_mask, batch: int) -> None:
 
 
 def continue_responses(model: CausalLM, params, prompt_ids, prompt_mask, response_ids, response_mask, prefix_lengths,
-                       *, row_keys, num_samples: int = 1, temperature, top_k: int = 0, top_p=1.0,
-                       eos_id: int | Sequence[int], pad_id: int, max_new_tokens: int | None = None,
+                       *, row_keys=None, key=None, num_samples: int = 1, temperature, top_k: int = 0,
+                       top_p=1.0, eos_id: int | Sequence[int], pad_id: int, max_new_tokens: int | None = None,
                        decode_slots: int | None = None) -> SampleOutput:
     """Resamples responses after their first `prefix_lengths` tokens, `num_samples` (k) per row.
 
@@ -575,7 +580,11 @@ def continue_responses(model: CausalLM, params, prompt_ids, prompt_mask, respons
     by its k continuations (row `b * k + j` is continuation j of row b), sampled with the settings
     of `generate` and `row_keys` `[B * k]`: the token at response position t of row i is drawn
     with `fold_in(row_keys[i], t)`, so with the keys a response was generated with
-    (`generate(..., row_keys=...)`) a continuation reproduces it from any prefix.
+    (`generate(..., row_keys=...)`) a continuation reproduces it from any prefix. Or, with `key`
+    instead (exactly one of the two), that token is row i of `generate`'s batch draw at position
+    t, `categorical(fold_in(key, t), [B * k, C])` (`draws.categorical_rows`), whatever the other
+    rows' positions: a continuation of `generate(..., key=key)`'s responses reproduces them from
+    any prefixes, and rows continue from different positions in one call.
 
     Returns full responses `[B * k, R]`: positions `[0, t_b)` hold the prefix with mask 1 and
     logprobs / entropy 0 (they were not sampled here; the sampled part is
@@ -607,8 +616,14 @@ def continue_responses(model: CausalLM, params, prompt_ids, prompt_mask, respons
     check_left_padded(prompt_mask)
     num_samples = _check_num_samples(num_samples)
     _check_prefix_lengths(prefix_lengths, response_mask, batch)
-    check_row_keys(row_keys, batch * num_samples)
+    if (key is None) == (row_keys is None):
+        raise ValueError("continue_responses needs exactly one of row_keys (per-row draws) and key (the rows of a "
+                         "batch draw), got " + ("both" if key is not None else "neither"))
+    if row_keys is not None:
+        check_row_keys(row_keys, batch * num_samples)
+    else:
+        draws.check_supported(key, batch * num_samples, flags["top_k"] or cfg.vocab_size)
     decode_slots = _check_decode_slots(decode_slots, batch * num_samples, None, 0)
-    return _continue(model, params, prompt_ids, prompt_mask, response_ids, prefix_lengths, row_keys,
+    return _continue(model, params, prompt_ids, prompt_mask, response_ids, prefix_lengths, key, row_keys,
                      *sampler_scalars(flags, temperature, top_p), steps=min(int(max_new_tokens), response_len),
                      num_samples=num_samples, decode_slots=decode_slots, **flags)
