@@ -267,6 +267,22 @@ def base_config() -> ml_collections.ConfigDict:
     # per-prompt difference by about sqrt(m); KL and RM score are those of its first sample.
     p.eval_samples_per_prompt = 1
 
+    # Asynchronous PPO (marl_jax/train/async_schedule.py, docs/async.md). max_staleness k: the
+    # sampler runs up to k policy versions ahead of the trainer (0: the synchronous step); each
+    # response is decoded in chunks of `chunk_tokens` tokens (0: ceil(response_length / k)), one
+    # version per chunk, the weights swapped between chunks; a response unfinished after its k
+    # chunks continues in a later batch. A token sampled more than `max_token_staleness` versions
+    # before the update that trains it gets no loss weight (unset: no limit; at least k). The
+    # sampler and the trainer on disjoint devices (indices into jax.devices()): () and () share
+    # every device, the loop interleaving them; trainer_devices () = every device not sampling.
+    c.rollout = ml_collections.ConfigDict(dict(
+        max_staleness=0,
+        max_token_staleness=ml_collections.config_dict.placeholder(int),
+        chunk_tokens=0,
+        sampler_devices=(),
+        trainer_devices=(),
+    ))
+
     # Where the metrics rows go besides <workdir>/metrics.jsonl and TensorBoard: Weights & Biases
     # (the run's config once, then every row), from process 0.
     c.logging = ml_collections.ConfigDict(dict(

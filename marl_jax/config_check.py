@@ -179,6 +179,7 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
     check(not ESTIMATORS[p.estimator].branches or p.reward_source in ("rm", "gold"),
           "ppo.reward_source", f"{p.estimator} scores its branches on device: use rm or gold")
     _check_objective(p, check)
+    _check_async(c, check)
     _warn_once(rollout_correction_warning(p))
     check(c.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
     if "seeds" in c:
@@ -243,6 +244,71 @@ def _check_objective(p, check):
           f"ppo.response_length={p.response_length}")
     check(o.overlong_penalty >= 0, "ppo.overlong_penalty",
           "must be >= 0 (it is subtracted from the score)")
+
+
+def _check_async(c, check):
+    """Asynchronous PPO (`config.rollout`, `marl_jax.train.async_schedule`): the staleness
+    bounds, the decode chunk, a device split of disjoint index sets, and the settings the
+    asynchronous loop cannot serve, each named. Whether the devices exist is checked where the
+    meshes are built (`async_schedule.device_split`), before anything compiles."""
+    if "rollout" not in c:
+        return
+    r, p = c.rollout, c.ppo
+
+    def is_int(value):
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    k = r.max_staleness
+    check(is_int(k) and k >= 0, "rollout.max_staleness",
+          "must be an integer >= 0 (0: the synchronous step; k: the sampler runs up to k "
+          "policy versions ahead of the trainer)")
+    limit = r.get("max_token_staleness")
+    check(limit is None or (is_int(limit) and limit >= k), "rollout.max_token_staleness",
+          f"must be an integer >= rollout.max_staleness={k} (a batch's own tokens are up to k "
+          "versions old), or unset (no limit)")
+    check(is_int(r.chunk_tokens) and 0 <= r.chunk_tokens <= p.response_length,
+          "rollout.chunk_tokens", f"must be an integer in [0, ppo.response_length="
+          f"{p.response_length}] (0: the response budget split evenly over the k chunks)")
+    for field in ("sampler_devices", "trainer_devices"):
+        indices = r[field]
+        check(isinstance(indices, (tuple, list)) and all(is_int(i) and i >= 0 for i in indices)
+              and len(set(indices)) == len(indices), f"rollout.{field}",
+              "must be a tuple of distinct device indices >= 0 (into jax.devices())")
+    both = sorted(set(r.sampler_devices) & set(r.trainer_devices))
+    check(not both, "rollout.sampler_devices",
+          f"devices {both} are also in rollout.trainer_devices={tuple(r.trainer_devices)}: the "
+          "sampler and the trainer take disjoint sets")
+    check(not r.trainer_devices or r.sampler_devices, "rollout.trainer_devices",
+          "set rollout.sampler_devices too (both empty: one set of devices, interleaved)")
+    if not k:
+        check(not r.sampler_devices, "rollout.sampler_devices",
+              "the synchronous step (rollout.max_staleness=0) samples and trains on the same "
+              "devices: set rollout.max_staleness >= 1 to split them")
+        return
+    unserved = (
+        (c.stage in ("ppo", "all"), "stage", f"the asynchronous loop runs stage ppo or all; "
+         f"stage {c.stage!r} vmaps synchronous steps: use rollout.max_staleness=0"),
+        (not multi_turn_task(c), "task.name", "the asynchronous loop samples single responses "
+         "in decode chunks; a multi-turn task plays its turns from the host: use "
+         "rollout.max_staleness=0"),
+        (p.termination != "parsing", "ppo.termination", "parsing runs on the host between the "
+         "phases, which the asynchronous loop does not stop for: use an on-device termination "
+         "or rollout.max_staleness=0"),
+        (p.reward_source != "host", "ppo.reward_source", "host rewards are computed between "
+         "the phases, which the asynchronous loop does not stop for: use rm or gold, or "
+         "rollout.max_staleness=0"),
+        (p.get("rollout_chunks", 1) == 1, "ppo.rollout_chunks", "the asynchronous loop decodes "
+         "a batch's chunks at once: use 1"),
+        (objective(p).dynamic_sampling_oversample == 1, "ppo.dynamic_sampling_oversample",
+         f"dynamic sampling (m={objective(p).dynamic_sampling_oversample} under ppo.estimator="
+         f"{p.estimator!r}) selects among a step's own samples; the asynchronous loop samples "
+         "each batch ahead, prompt by prompt: set 1 (or rollout.max_staleness=0)"),
+        (p.old_logprobs != "sampler", "ppo.old_logprobs", "the asynchronous loop clips against "
+         "the proximal policy, the trainer's own logprobs (the sampler's are older versions'): "
+         "use trainer or auto"),
+    )
+    for ok, field, why in unserved:
+        check(ok, field, f"rollout.max_staleness={k}: {why}")
 
 
 def dynamic_sampling_problem(estimator: str, oversample):

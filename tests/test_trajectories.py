@@ -147,6 +147,10 @@ def test_observation_spans_take_no_target_kl_reward_or_step(tiny_pipe, fields):
     for name in ("old_logprobs", "ref_logprobs", "ref_base_logprobs", "values", "rewards",
                  "entropies"):
         assert np.all(np.asarray(getattr(exp, name))[obs] == 0), name
+    # The actor at this step sampled every action token; observations and padding carry no
+    # version.
+    np.testing.assert_array_equal(np.asarray(exp.versions),
+                                  np.where(np.asarray(actions) != 0, int(state.step), -1))
     # The forward passes read the observations: the action tokens' logprobs are those of the
     # whole trajectory scored as one response.
     whole, _ = _score(static, mods, state, frozen, sampled, response_ids=ids,

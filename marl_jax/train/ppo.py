@@ -63,7 +63,17 @@ def static_from_config(config, tokenizer, variants=None) -> PPOStatic:
         lora=bool(config.model.get("lora", {}).get("rank", 0)),
         reference_adapters=bool(config.model.get("lora", {}).get("rank", 0))
         and not config.model.lora.get("merge_sft", True),
-        rollout_chunks=int(p.get("rollout_chunks", 1)))
+        rollout_chunks=int(p.get("rollout_chunks", 1)), **staleness_fields(config))
+
+
+def staleness_fields(config) -> dict:
+    """The `PPOStatic` fields of asynchronous PPO (`config.rollout`)."""
+    r = config.get("rollout")
+    if r is None:
+        return {}
+    limit = r.get("max_token_staleness")
+    return dict(max_staleness=int(r.max_staleness),
+                max_token_staleness=-1 if limit is None else int(limit))
 
 
 def objective_fields(p) -> dict:

@@ -112,6 +112,11 @@ class PPOStatic:
     # Prompts are sampled and scored in this many sequential chunks (`in_row_chunks`): the KV
     # cache and the scoring pass's activations hold one chunk's rows.
     rollout_chunks: int = 1
+    # Asynchronous PPO (`train/async_schedule.py`): the sampler runs up to `max_staleness`
+    # versions ahead (0: synchronous); tokens more than `max_token_staleness` versions old at
+    # their update leave the loss (-1: no limit).
+    max_staleness: int = 0
+    max_token_staleness: int = -1
 
     @property
     def uses_critic(self) -> bool:
@@ -126,7 +131,10 @@ class PPOStatic:
     def reuses_sampler_logprobs(self) -> bool:
         """PPO's old logprobs are the sampler's (no scoring pass of the actor). "auto" reuses them
         where they are the trainer's numbers (`sampler_logprobs_are_exact`) and no correction
-        needs the trainer's."""
+        needs the trainer's; never when asynchronous, where the old logprobs are the proximal
+        policy's (the actor being trained) and the sampler's are older versions'."""
+        if self.max_staleness:
+            return False  # the sampler's logprobs are older versions'
         if self.old_logprobs == "auto":
             return sampler_logprobs_are_exact(self) and self.rollout_correction == "none"
         return self.old_logprobs == "sampler"
@@ -218,6 +226,9 @@ class Experience:
     # too); what a trajectory earned besides its sequence score, which the estimators that
     # read one score per response add to it.
     turn_rewards: Any = None
+    # [B, R] int32 the policy version that sampled each action token (`async_schedule`: the
+    # actor after that many updates), -1 where no policy sampled (observations, padding).
+    versions: Any = None
 
     @property
     def actions(self):

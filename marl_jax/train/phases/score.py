@@ -13,6 +13,7 @@ from marl_jax import estimators, losses
 from marl_jax.models import last_token_score
 from marl_jax.models.heads import (backbone_hidden, continuation_scores, scalar_outputs,
                                    trunk_states)
+from marl_jax.train import async_schedule
 from marl_jax.train.ppo_types import (Experience, Frozen, Models, PPOState, PPOStatic,
                                       in_row_chunks, role_model, role_params,
                                       sampler_logprobs_are_exact)
@@ -138,7 +139,7 @@ def length_penalties(static: PPOStatic, lengths):
 def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, prompt_ids,
           prompt_mask, response_ids, response_mask, documents=None, host_scores=None,
           sampled_logprobs=None, sampled_entropy=None, first_step=None, action_mask=None,
-          turn_ids=None, turn_rewards=None):
+          turn_ids=None, turn_rewards=None, versions=None):
     """One scoring pass over sampled responses: (Experience, metrics).
 
     Old and reference logprobs, critic values, the sequence score (the reward model's, the gold
@@ -157,6 +158,9 @@ def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, pr
     `turn_rewards [B, R]` (the environment's reward of each turn on its last action token,
     added to the per-token rewards). Logprobs, entropies, values, KL and rewards are then 0 on
     the observation tokens, and the score lands on the trajectory's last action token.
+
+    `versions [B, R]` (int32): the policy version that sampled each token (an asynchronous
+    rollout's, `async_schedule`); None: the actor's, `state.step`, on every action token.
     """
     args = (prompt_ids, prompt_mask, response_ids, response_mask)
     actions = response_mask if action_mask is None else action_mask
@@ -212,7 +216,10 @@ def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, pr
                      None if trunk is None else trunk[0],
                      sampler if static.rollout_correction != "none" else None,
                      action_mask=action_mask, turn_ids=turn_ids,
-                     turn_rewards=None if turn_rewards is None else turn_rewards * actions)
+                     turn_rewards=None if turn_rewards is None else turn_rewards * actions,
+                     versions=async_schedule.stamp_versions(actions, state.step)
+                     if versions is None else jnp.where(actions != 0, versions,
+                                                        async_schedule.NO_VERSION))
     seq_kl = (losses.kl_per_token(old_logprobs, ref.logprobs, "k1") * actions).sum(axis=1)
     metrics = {
         "objective/kl": seq_kl.mean(),

@@ -1,0 +1,129 @@
+"""Asynchronous PPO: the schedule (which version samples which decode chunk of which batch)
+worked out by hand, the config's one-line refusals, and the device split."""
+import importlib
+
+import pytest
+
+from marl_jax.config_check import validate_config
+from marl_jax.train import async_schedule
+
+
+def _config(**overrides):
+    """configs/synthetic.py as a stage=ppo run, with `{"section.field": value}` overrides."""
+    c = importlib.import_module("configs.synthetic").get_config()
+    c.stage = "ppo"
+    for dotted, value in overrides.items():
+        section, _, name = dotted.rpartition(".")
+        (c[section] if section else c)[name] = value
+    return c
+
+
+def _schedule(k, chunk, length=8, limit=None):
+    return async_schedule.Schedule.from_config(_config(**{
+        "rollout.max_staleness": k, "rollout.chunk_tokens": chunk,
+        "rollout.max_token_staleness": limit, "ppo.response_length": length}))
+
+
+def test_the_schedule_by_hand():
+    # k = 2, responses of 8 tokens in chunks of 3: chunk 0 is positions [0, 3), chunk 1 [3, 6),
+    # and a response longer than 6 tokens carries over.
+    s = _schedule(2, 3)
+    assert (s.chunks, s.chunk_span(0), s.chunk_span(1), s.carries_over) == (2, (0, 3), (3, 6),
+                                                                            True)
+    # Batch 5 is sampled by versions 3 and 4 and trained by update 5.
+    assert [s.version(5, i) for i in range(2)] == [3, 4]
+    # Iteration 4 (version 4): the last chunk of batch 5, the first of batch 6.
+    assert s.decoded_at(4) == [(5, 1), (6, 0)]
+    # The warm-up: iterations -2 and -1 start batches 0 and 1 with version 0.
+    assert list(s.warm_up()) == [-2, -1]
+    assert s.decoded_at(-2) == [(0, 0)] and s.decoded_at(-1) == [(0, 1), (1, 0)]
+    assert [s.version(0, 0), s.version(0, 1), s.version(1, 0), s.version(1, 1)] == [0, 0, 0, 0]
+    # Between update 2 and iteration 3: batch 3 waits whole, batch 4 has its first chunk.
+    assert list(s.in_flight_after(3)) == [3, 4]
+    # The default chunk splits the budget over the k chunks: nothing carries over.
+    even = _schedule(3, 0, length=8)
+    assert (even.chunk_tokens, even.chunk_span(2), even.carries_over) == (3, (6, 8), False)
+    # Synchronous: one chunk, the whole budget, the step's own version, nothing in flight.
+    sync = _schedule(0, 0)
+    assert (sync.asynchronous, sync.chunks, sync.chunk_span(0), sync.version(7, 0),
+            sync.decoded_at(7), list(sync.in_flight_after(7))) == (False, 1, (0, 8), 7,
+                                                                    [(7, 0)], [])
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_every_chunk_is_decoded_once_at_its_version_and_at_most_k_versions_before_its_update(k):
+    s = _schedule(k, 2, length=2 * k)
+    seen = {}
+    for iteration in range(-k, 12):
+        for batch, chunk in s.decoded_at(iteration):
+            assert (batch, chunk) not in seen
+            seen[batch, chunk] = iteration
+            assert s.version(batch, chunk) == max(0, iteration)
+            assert 1 <= batch - iteration <= k  # sampled ahead of the update that trains it
+    for batch in range(12 - k + 1):
+        assert [seen[batch, chunk] for chunk in range(k)] == [batch - k + c for c in range(k)]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"rollout.max_staleness": -1},
+     "config.rollout.max_staleness=-1: must be an integer >= 0"),
+    ({"rollout.max_staleness": 2, "rollout.max_token_staleness": 1},
+     "config.rollout.max_token_staleness=1: must be an integer >= rollout.max_staleness=2"),
+    ({"rollout.max_staleness": 1, "rollout.chunk_tokens": 100},
+     "config.rollout.chunk_tokens=100: must be an integer in [0, ppo.response_length=72]"),
+    ({"rollout.max_staleness": 1, "rollout.sampler_devices": (0, 1),
+      "rollout.trainer_devices": (1, 2)},
+     "config.rollout.sampler_devices=(0, 1): devices [1] are also in "
+     "rollout.trainer_devices=(1, 2): the sampler and the trainer take disjoint sets"),
+    ({"rollout.max_staleness": 1, "rollout.trainer_devices": (0,)},
+     "config.rollout.trainer_devices=(0,): set rollout.sampler_devices too"),
+    ({"rollout.sampler_devices": (1,)},
+     "config.rollout.sampler_devices=(1,): the synchronous step (rollout.max_staleness=0) "
+     "samples and trains on the same devices"),
+    ({"rollout.max_staleness": 1, "stage": "experiment"},
+     "config.stage='experiment': rollout.max_staleness=1: the asynchronous loop runs stage ppo "
+     "or all"),
+    ({"rollout.max_staleness": 2, "ppo.estimator": "dapo", "ppo.group_size": 2},
+     "config.ppo.dynamic_sampling_oversample=None: rollout.max_staleness=2: dynamic sampling "
+     "(m=3 under ppo.estimator='dapo') selects among a step's own samples"),
+    ({"rollout.max_staleness": 1, "ppo.rollout_chunks": 2},
+     "config.ppo.rollout_chunks=2: rollout.max_staleness=1: the asynchronous loop decodes"),
+    ({"rollout.max_staleness": 1, "ppo.old_logprobs": "sampler"},
+     "config.ppo.old_logprobs='sampler': rollout.max_staleness=1: the asynchronous loop clips "
+     "against the proximal policy"),
+    ({"rollout.max_staleness": 1, "ppo.reward_source": "host"},
+     "config.ppo.reward_source='host': rollout.max_staleness=1: host rewards"),
+])
+def test_bad_async_settings_are_one_line_at_config_time(overrides, message):
+    with pytest.raises(ValueError) as error:
+        validate_config(_config(**overrides))
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_a_calculator_task_is_refused_while_asynchronous():
+    c = importlib.import_module("configs.multiturn_synthetic").get_config()
+    c.stage, c.rollout.max_staleness = "ppo", 1
+    with pytest.raises(ValueError, match=r"^config.task.name='calculator': rollout.max_staleness"
+                                         r"=1: the asynchronous loop samples single responses"):
+        validate_config(c)
+
+
+def test_good_async_settings_pass():
+    validate_config(_config(**{"rollout.max_staleness": 2, "rollout.max_token_staleness": 3,
+                               "rollout.chunk_tokens": 8, "rollout.sampler_devices": (1,)}))
+
+
+def test_the_device_split():
+    devices = ["d0", "d1", "d2", "d3"]
+    split = async_schedule.device_split
+    assert split(devices, (), ()) == (devices, devices)
+    assert split(devices, (3,), ()) == (["d3"], ["d0", "d1", "d2"])
+    assert split(devices, (0, 1), (3,)) == (["d0", "d1"], ["d3"])
+    for sampler, trainer, message in [
+            ((4,), (), r"config.rollout.sampler_devices=\(4,\): devices \[4\] do not exist "
+                       r"\(this run has 4: 0..3\)"),
+            ((0,), (0, 1), r"config.rollout.sampler_devices=\(0,\): devices \[0\] also train"),
+            ((0, 1, 2, 3), (), "takes all 4 devices, none is left to train"),
+            ((), (1,), r"config.rollout.trainer_devices=\(1,\): set rollout.sampler_devices")]:
+        with pytest.raises(ValueError, match=message):
+            split(devices, sampler, trainer)
