@@ -18,7 +18,9 @@ from marl_jax import models as models_lib
 from marl_jax import rollout
 from marl_jax.data import batches
 from marl_jax.models import lora
-from marl_jax.train import build, checkpoint, credit_turns, loop, perf, programs, sharding
+from marl_jax.train import (async_schedule, build, checkpoint, credit_turns, loop, perf, programs,
+                             sharding)
+from marl_jax.train.async_step import AsyncStep
 from marl_jax.train import phases
 from marl_jax.train.phased_step import PhasedStep
 from marl_jax.train.turn_step import MultiTurnStep, TrajectoryEvaluation
@@ -367,12 +369,17 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
                            state_sh, may_alias=False)
     # Host work between the phases (parsing, host rewards) runs the phases as programs of their
     # own; so does phase timing. Otherwise the step is one program.
-    phased = None
+    phased = asynchronous = None
     timed = p.get("phase_timing", True)
+    schedule = async_schedule.Schedule.from_config(config)
     if task.turn_callback is not None:
         # Multi-turn: the rollout plays the environment from the host, phase by phase.
         phased = MultiTurnStep(config, task, static, mods, state_sh, frozen_sh, mesh,
                                timed=timed)
+    elif schedule.asynchronous:
+        # The sampler runs ahead of the trainer: the loop's state holds its batches.
+        asynchronous = AsyncStep(config, task, static, mods, state_sh, frozen_sh, mesh,
+                                 schedule, timed=timed)
     elif timed or p.termination == "parsing" or p.reward_source == "host":
         phased = PhasedStep(config, task, static, mods, state_sh, frozen_sh, mesh, timed=timed)
     step_fn = programs.ppo_step_program(static, mods, state_sh, frozen_sh, mesh).fn
@@ -397,6 +404,8 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
             {k: v for k, v in result.items() if k in EVAL_ROW_KEYS}))
 
     def run_step(state, step):
+        if asynchronous is not None:
+            return asynchronous(state, frozen, hparams, step)
         rows = batches.process_rows(batches.batch_indices(
             num_prompts, static.prompts_per_step, config.seed + 2, step), batch_sh)
         prompts = sharding.shard_batch({k: v[rows] for k, v in task.rl.items()}, mesh)
@@ -416,7 +425,8 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
     def eval_hook(state, done):
         rows = [dict(stage="eval", **run_eval(state))] if evaluates(done) else []
         if probe is not None and probe.due(done):
-            rows.append(probe(state, frozen, hparams, done))
+            rows.append(probe(state if asynchronous is None else state.ppo, frozen, hparams,
+                              done))
         return rows
 
     stage = loop.Stage("ppo", workdir, max_to_keep=config.max_to_keep)
@@ -428,11 +438,16 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
         if not stage.latest_step() and probe is not None:
             writer.truncate_after("credit", -1)
             writer.write(probe(state, frozen, hparams, 0))
+        progress = ("objective/scores", "objective/kl")
+        if asynchronous is not None:
+            state = asynchronous.initial_state(state, frozen)
+            progress += ("async/staleness_avg", "timing/overlap")
         state, _ = loop.run(stage, state=state, total_steps=p.steps, step_fn=run_step,
                             writer=writer, metadata=metadata,
                             checkpoint_every=config.checkpoint_every, log_every=config.log_every,
-                            shardings=state_sh, truncate_stages=("ppo", "eval", "credit"),
-                            progress_keys=("objective/scores", "objective/kl"),
+                            # The asynchronous loop's state is restored as it is placed.
+                            shardings=state_sh if asynchronous is None else None,
+                            truncate_stages=("ppo", "eval", "credit"), progress_keys=progress,
                             hooks=eval_hook, hooks_due=hooks_due, cost=step_cost(static, mods, task.prompt_length),
                             peak_flops=perf.devices_peak_flops(policy.config.dtype,
                                                             policy.config.precision))

@@ -19,9 +19,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from marl_jax.rollout import turns
+from marl_jax.train import async_schedule
 from marl_jax.train.phases import advantages, rollout as rollout_phases, score, update
-from marl_jax.train.ppo_types import (Experience, Frozen, Models, PPOState, PPOStatic,
-                                      RunHparams, step_keys)
+from marl_jax.train.ppo_types import (Experience, Frozen, Models, PartialBatch, PPOState,
+                                      PPOStatic, RunHparams, step_keys)
 
 
 def score_phase(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, prompt_ids,
@@ -72,6 +73,41 @@ def score_trajectory_phase(static: PPOStatic, models: Models, state: PPOState, f
         "multiturn/truncated_frac": trajectory["truncated"].astype(jnp.float32).mean(),
         "multiturn/failed_frac": trajectory["failed"].astype(jnp.float32).mean()})
     return exp, metrics
+
+
+def score_async_phase(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen,
+                      batch: PartialBatch):
+    """The score phase of asynchronous PPO on a batch whose chunks are all decoded
+    (`train/async_step.py`): the actor's logprobs are the proximal policy's (version
+    `state.step`), the sampler's stay as the behaviour policy's, each token keeps its version;
+    the groups still unfinished leave the loss (`loss_rows`: they carry over). (Experience,
+    metrics with the batch's accounting: `async/batch_tokens_trained` and
+    `async/batch_tokens_masked` (the tokens of the rows trained more than `max_token_staleness`
+    versions old), the token-weighted
+    staleness of each trained response from its oldest token, `async/staleness_avg`, and the
+    widest version span within one, `async/version_span_max`.)"""
+    exp, metrics = score.score(static, models, state, frozen, batch.prompt_ids,
+                               batch.prompt_mask, batch.tokens, batch.mask, batch.documents,
+                               sampled_logprobs=batch.logprobs, sampled_entropy=batch.entropy,
+                               versions=batch.versions)
+    budget = rollout_phases.rollout_budget(static, batch.prompt_mask, batch.mask)
+    exp, group_metrics = rollout_phases.keep_informative_groups(static, exp)
+    trained = ~rollout_phases.unfinished_groups(static, batch)
+    tokens = (batch.mask != 0) & trained[:, None]
+    fresh = async_schedule.fresh_tokens(batch.versions, state.step, static.max_token_staleness)
+    oldest = jnp.where(tokens, batch.versions, jnp.iinfo(jnp.int32).max).min(axis=1)
+    newest = jnp.where(tokens, batch.versions, -1).max(axis=1)
+    lengths = tokens.sum(axis=1)
+    staleness = jnp.where(lengths > 0, state.step - oldest, 0)
+    accounting = {
+        "async/batch_tokens_trained": (tokens & fresh).sum().astype(jnp.int32),
+        "async/batch_tokens_masked": (tokens & ~fresh).sum().astype(jnp.int32),
+        "async/staleness_avg": ((lengths * staleness).sum()
+                                / jnp.maximum(lengths.sum(), 1)).astype(jnp.float32),
+        "async/version_span_max": jnp.where(lengths > 0, newest - oldest, 0).max().astype(
+            jnp.int32),
+        "async/carried_frac": 1.0 - trained.astype(jnp.float32).mean()}
+    return exp.replace(loss_rows=trained), {**metrics, **budget, **group_metrics, **accounting}
 
 
 def rollout(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, prompt_ids,

@@ -5,6 +5,7 @@
     PPOState     what a step updates: actor and critic params and optimizer states, key, counts
     Frozen       what a step reads and never updates: reference, reward model, score statistics
     Experience   the scored rollout between the phases (`train/phases/`)
+    PartialBatch a batch the asynchronous sampler is decoding (`train/async_step.py`)
     Models       the modules and optimizers (static)
 
 `role_params` / `role_model` say which params and module each of the four roles (actor,
@@ -235,6 +236,23 @@ class Experience:
         """`[B, R]` the policy's tokens: what the KL, the rewards, the advantages and the losses
         see (`response_mask` for one response)."""
         return self.response_mask if self.action_mask is None else self.action_mask
+
+
+@flax.struct.dataclass
+class PartialBatch:
+    """A batch in the asynchronous sampler (`train/async_step.py`): one row per response (the
+    samples of a prompt adjacent, prompts repeated), responses decoded so far, each token with
+    the version that sampled it. A row holds a prompt of the batch's step, or one carried over
+    from an earlier batch (partial rollouts)."""
+
+    prompt_ids: jax.Array  # [B, P] left-padded
+    prompt_mask: jax.Array  # [B, P]
+    tokens: jax.Array  # [B, R] int32, pad after the response
+    mask: jax.Array  # [B, R] int32, 1 on the tokens sampled so far (up to and including EOS)
+    logprobs: jax.Array  # [B, R] the sampler's (its version's), 0 elsewhere
+    entropy: jax.Array  # [B, R]
+    versions: jax.Array  # [B, R] int32, -1 where nothing is sampled yet
+    documents: Any = None  # [B, D] the synthetic task's documents (gold scores)
 
 
 @dataclasses.dataclass(frozen=True)

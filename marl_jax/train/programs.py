@@ -151,6 +151,47 @@ def phase_programs(static: PPOStatic, mods: Models, state_sh: PPOState, frozen_s
     }
 
 
+def async_programs(static: PPOStatic, mods: Models, state_sh: PPOState, frozen_sh: Frozen,
+                   mesh, chunk_tokens: int, sampler_mesh=None,
+                   sampler_params_sh=None) -> dict[str, Program]:
+    """The programs of asynchronous PPO (`train/async_step.py`) besides the advantages and
+    update of `phase_programs`:
+
+        fresh    (prompt ids, prompt mask, documents) -> a `PartialBatch` with nothing sampled
+        carry    (finished batch, fresh batch, target step) -> (batch, tokens cleared, groups
+                 carried)                                  (`phases.rollout.carry_over`)
+        decode   (sampling params, batch, key, version) -> (batch, tokens sampled, tokens
+                 prefilled), `chunk_tokens` tokens a response (`phases.rollout.decode_chunk`),
+                 the batch donated
+        score    (state, frozen, batch) -> (experience, rollout metrics)
+                                                           (`ppo_core.score_async_phase`)
+
+    The sampler's programs (fresh, carry, decode) run on `sampler_mesh` with the sampling params
+    split as `sampler_params_sh` (default: the trainer's mesh and the actor's shardings); the
+    batches are split over the batch axes like the prompts."""
+    from marl_jax.train.phases import rollout as rollout_phases
+
+    sampler_mesh = mesh if sampler_mesh is None else sampler_mesh
+    params_sh = state_sh.actor_params if sampler_params_sh is None else sampler_params_sh
+    rep, batch_sh = sharding.replicated(mesh), sharding.batch_sharding(mesh)
+    s_rep, s_batch = sharding.replicated(sampler_mesh), sharding.batch_sharding(sampler_mesh)
+
+    def decode(params, batch, key, version):
+        return rollout_phases.decode_chunk(static, mods, params, batch, key, version,
+                                           chunk_tokens)
+
+    return {
+        "fresh": jit_program(functools.partial(rollout_phases.empty_batch, static),
+                             (s_batch, s_batch, s_batch), s_batch),
+        "carry": jit_program(functools.partial(rollout_phases.carry_over, static),
+                             (s_batch, s_batch, s_rep), (s_batch, s_rep, s_rep)),
+        "decode": jit_program(decode, (params_sh, s_batch, s_rep, s_rep),
+                              (s_batch, s_rep, s_rep), donate_argnums=(1,)),
+        "score": jit_program(functools.partial(core.score_async_phase, static, mods),
+                             (state_sh, frozen_sh, batch_sh), (batch_sh, rep)),
+    }
+
+
 def with_run_axis(named_sharding: NamedSharding) -> NamedSharding:
     """The sharding of a run-stacked `[runs, ...]` leaf: runs replicated, the rest as before."""
     return NamedSharding(named_sharding.mesh, PartitionSpec(None, *named_sharding.spec))

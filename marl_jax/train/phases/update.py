@@ -11,6 +11,7 @@ import optax
 
 from marl_jax import losses
 from marl_jax.models import compute_weights
+from marl_jax.train import async_schedule
 from marl_jax.train.optim import accumulate_gradients, applied_updates, apply_if_finite
 from marl_jax.train.phases.advantages import Advantages
 from marl_jax.train.phases import score
@@ -23,9 +24,13 @@ def update_batch(static: PPOStatic, models: Models, state: PPOState, exp: Experi
     layer count or None). The frozen trunk's output is computed once for every epoch and
     minibatch of actor and critic (the score phase's, when the experience carries it)."""
     # The forward passes read `response_mask` (a trajectory's observations too); the losses
-    # `loss_mask`: the policy's tokens, without the rows that leave the loss (`adv.loss_rows`).
+    # `loss_mask`: the policy's tokens, without the rows that leave the loss (`adv.loss_rows`)
+    # and, asynchronously, the tokens more than `max_token_staleness` versions old.
     loss_mask = exp.actions if adv.loss_rows is None else (
         exp.actions * adv.loss_rows[:, None].astype(exp.actions.dtype))
+    if static.max_token_staleness >= 0 and exp.versions is not None:
+        loss_mask = loss_mask * async_schedule.fresh_tokens(
+            exp.versions, state.step, static.max_token_staleness).astype(loss_mask.dtype)
     data = dict(prompt_ids=exp.prompt_ids, prompt_mask=exp.prompt_mask,
                 response_ids=exp.response_ids, response_mask=exp.response_mask,
                 loss_mask=loss_mask, old_logprobs=exp.old_logprobs, old_values=exp.values,
