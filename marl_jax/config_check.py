@@ -100,6 +100,9 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
     check(p.old_logprobs in OLD_LOGPROBS, "ppo.old_logprobs", f"must be one of {OLD_LOGPROBS}")
     check(p.rollout_correction in ROLLOUT_CORRECTIONS, "ppo.rollout_correction",
           f"must be one of {ROLLOUT_CORRECTIONS}")
+    check(p.rollout_correction != "turn" or multi_turn_task(c), "ppo.rollout_correction",
+          f"turn weighs each turn of a multi-turn trajectory; task {c.task.name!r} trains single "
+          "responses (use sequence)")
     check(isinstance(p.rollout_is_cap, (int, float)) and p.rollout_is_cap >= 1,
           "ppo.rollout_is_cap", "must be a number >= 1 (the largest importance weight)")
     check(p.rollout_correction == "none" or p.old_logprobs != "sampler", "ppo.old_logprobs",

@@ -19,7 +19,7 @@ from marl_jax.macro.checks import (
 
 POLICY_AGGREGATIONS = ("token_mean", "sequence_mean", "token_sum")
 KL_ESTIMATORS = ("k1", "k3")
-ROLLOUT_CORRECTIONS = ("none", "token", "sequence", "macro")
+ROLLOUT_CORRECTIONS = ("none", "token", "sequence", "macro", "turn")
 RATIO_LEVELS = ("token", "macro", "sequence")
 RATIO_FORMS = ("product", "geometric")
 # |s_u| bound on a unit's log-ratio before exp (verl clamps at the same +-20): exp(20) = 4.9e8
@@ -436,15 +436,22 @@ def rollout_correction_weights(trainer_logprobs, sampler_logprobs, response_mask
     - "token":    w_t = min(exp(t_t - s_t), cap);
     - "sequence": min(exp(sum over the row's valid tokens of (t - s)), cap) on every valid token;
     - "macro":    min(exp(sum over the macro's tokens of (t - s)), cap) on every token of the
-      macro (`segment_ids` as `marl_jax.macro.termination` makes them).
+      macro (`segment_ids` as `marl_jax.macro.termination` makes them);
+    - "turn":     the same over each turn's tokens (`segment_ids`: a trajectory's turn ids).
+
+    Asynchronously (`train/async_step.py`) the sampler's logprobs are the behaviour policy's,
+    each token's from the version that sampled it, and the trainer's the proximal policy's (the
+    actor before the update): one weight corrects both the staleness and the precision mismatch
+    (decoupled PPO), over units whose tokens may come from several versions.
 
     Args:
       trainer_logprobs, sampler_logprobs: float `[B, R]` logprobs of the sampled tokens under the
         trainer's scoring pass and under the sampler.
       response_mask: `[B, R]` 0/1 mask of the response tokens.
-      level: "token", "sequence" or "macro".
+      level: "token", "sequence", "macro" or "turn".
       cap: the truncation, >= 1.
-      segment_ids: int `[B, R]` macro index of each token (required for "macro").
+      segment_ids: int `[B, R]` macro (or turn) index of each token (required for "macro" and
+        "turn").
 
     Returns:
       float32 `[B, R]` weights, 0 on padding; constants (no gradient flows through them).
@@ -462,9 +469,9 @@ def rollout_correction_weights(trainer_logprobs, sampler_logprobs, response_mask
     log_ratio = jax.lax.stop_gradient(log_ratio)
     if level == "sequence":
         log_ratio = jnp.broadcast_to(log_ratio.sum(axis=1, keepdims=True), log_ratio.shape)
-    elif level == "macro":
+    elif level in ("macro", "turn"):
         if segment_ids is None:
-            raise ValueError("segment_ids is required for level='macro'")
+            raise ValueError(f"segment_ids is required for level={level!r}")
         check_same_shape(trainer_logprobs, "trainer_logprobs", segment_ids=segment_ids)
         ids = jnp.clip(jnp.asarray(segment_ids, jnp.int32), 0, log_ratio.shape[1] - 1)
         log_ratio = jnp.take_along_axis(unit_sums(log_ratio, ids, valid), ids, axis=1)

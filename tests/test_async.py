@@ -93,6 +93,9 @@ def test_every_chunk_is_decoded_once_at_its_version_and_at_most_k_versions_befor
      "against the proximal policy"),
     ({"rollout.max_staleness": 1, "ppo.reward_source": "host"},
      "config.ppo.reward_source='host': rollout.max_staleness=1: host rewards"),
+    ({"ppo.rollout_correction": "turn"},
+     "config.ppo.rollout_correction='turn': turn weighs each turn of a multi-turn trajectory; "
+     "task 'synthetic' trains single responses (use sequence)"),
 ])
 def test_bad_async_settings_are_one_line_at_config_time(overrides, message):
     with pytest.raises(ValueError) as error:

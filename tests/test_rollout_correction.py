@@ -184,3 +184,190 @@ def test_products_of_truncated_weights_warn_once_at_config_time(capsys):
     assert warnings(rollout_correction="macro", ngram=5, top_k=50) == []
     assert warnings(rollout_correction="token", top_k=50) == []
     assert warnings(rollout_correction="sequence", top_k=0, top_p=1.0) == []
+
+
+# Decoupled PPO: behaviour (the versions that sampled), proximal (the actor before the update),
+# current -------------------------------------------------------------------------------------
+
+def test_turn_weights_use_each_turns_product_over_its_action_tokens():
+    # One trajectory: turn 0 = actions 0, 1 (then an observation at 2), turn 1 = actions 3, 4.
+    trainer = np.array([[-1.0, -2.0, 5.0, -0.5, -3.0]], np.float32)
+    sampler = np.array([[-1.1, -1.8, -9.0, -0.9, -2.0]], np.float32)
+    actions = np.array([[1, 1, 0, 1, 1]], np.int32)
+    turns = np.array([[0, 0, 0, 1, 1]], np.int32)
+    got = losses.rollout_correction_weights(trainer, sampler, actions, level="turn", cap=2.0,
+                                            segment_ids=turns)
+    # turn 0: e^(0.1 - 0.2); turn 1: e^(0.4 - 1.0); the observation weighs nothing.
+    np.testing.assert_allclose(got, [[np.exp(-0.1), np.exp(-0.1), 0, np.exp(-0.6),
+                                      np.exp(-0.6)]], rtol=1e-5)
+
+
+def _decoupled_reference(current, proximal, behaviour, advantages, units, mask, cap, clip):
+    """The decoupled objective by a loop over units: ratio r_u = exp(sum (current - proximal)),
+    weight w_u = min(exp(sum (proximal - behaviour)), cap), both over the unit's valid tokens,
+    loss -mean_u w_u min(r_u A_u, clip(r_u) A_u) with A_u the unit's mean advantage."""
+    terms = []
+    for b in range(current.shape[0]):
+        for u in np.unique(units[b][mask[b] != 0]):
+            tokens = (units[b] == u) & (mask[b] != 0)
+            r = np.exp((current[b] - proximal[b])[tokens].sum())
+            w = min(np.exp((proximal[b] - behaviour[b])[tokens].sum()), cap)
+            a = advantages[b][tokens].mean()
+            terms.append(-w * min(r * a, np.clip(r, 1 - clip, 1 + clip) * a))
+    return np.mean(terms)
+
+
+@pytest.mark.parametrize("level", ["token", "macro", "turn", "sequence"])
+def test_the_decoupled_loss_against_a_loop_over_units(level):
+    """Responses whose tokens three versions sampled (their behaviour logprobs differ by
+    version), the proximal policy's and the current policy's logprobs: the clip is taken
+    against the proximal policy, the behaviour -> proximal weight per unit of the level (a
+    macro and a turn spanning versions), as a plain loop over units computes them."""
+    rng = np.random.default_rng(3)
+    mask = np.array([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]], np.int32)
+    versions = np.array([[3, 3, 4, 4, 5, 5], [4, 4, 5, 5, -1, -1]])
+    # Each version's policy: the proximal logprobs plus a drift that grows with the staleness.
+    proximal = rng.normal(-1.5, 0.5, mask.shape).astype(np.float32)
+    behaviour = (proximal + 0.15 * (6 - versions) * rng.normal(size=mask.shape)).astype(
+        np.float32)
+    current = (proximal + 0.3 * rng.normal(size=mask.shape)).astype(np.float32)
+    advantages = rng.normal(size=mask.shape).astype(np.float32)
+    units = {"token": np.tile(np.arange(6), (2, 1)),
+             "macro": np.array([[0, 0, 0, 1, 1, 2], [0, 1, 1, 1, 0, 0]]),  # macros span versions
+             "turn": np.array([[0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 1, 1]]),
+             "sequence": np.zeros((2, 6), int)}[level]
+    cap = 1.3
+    weights = losses.rollout_correction_weights(
+        proximal, behaviour, mask, level=level, cap=cap,
+        segment_ids=units if level in ("macro", "turn") else None)
+    ratio_level = {"token": "token", "sequence": "sequence"}.get(level, "macro")
+    loss, _ = losses.ppo_policy_loss(current, proximal, advantages, mask, cliprange=0.2,
+                                     is_weights=weights, ratio_level=ratio_level,
+                                     segment_ids=units if ratio_level == "macro" else None)
+    want = _decoupled_reference(current, proximal, behaviour, advantages, units, mask, cap, 0.2)
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+    assert float(jnp.max(weights)) == pytest.approx(cap)  # the truncation bites
+
+
+# Unbiasedness by enumeration: a tabular policy over two actions of 3 tokens each. The first
+# action was sampled by an older version (behaviour), the second by the current one (a response
+# that spans two versions); the proximal policy is the current one (the update's first step).
+V = 3
+
+
+def _policy(theta):
+    """(log pi(a1) `[V]`, log pi(a2 | a1) `[V, V]`) of the tabular policy."""
+    return jax.nn.log_softmax(theta["first"]), jax.nn.log_softmax(theta["second"], axis=-1)
+
+
+def _enumerated(theta, theta_old, reward, layout):
+    """Every (a1, a2): its token logprobs under the current policy `[N, T]`, the behaviour's
+    (a1 from the old version, a2 from the current), its probability under the behaviour `[N]`,
+    the action mask `[N, T]` and the turn ids: "response" is [a1, a2]; "trajectory" is
+    [a1, observation, a2], the observation echoing a1 and the second turn starting after it."""
+    first, second = _policy(theta)
+    old_first, _ = _policy(theta_old)
+    a1, a2 = np.divmod(np.arange(V * V), V)
+    current = jnp.stack([first[a1], second[a1, a2]], axis=1)
+    behaviour = jnp.stack([old_first[a1], second[a1, a2]], axis=1)
+    mu = jnp.exp(behaviour.sum(axis=1))
+    if layout == "response":
+        return current, behaviour, mu, np.ones((V * V, 2), np.int32), np.zeros((V * V, 2), int)
+    gap = jnp.zeros((V * V, 1))
+    return (jnp.concatenate([current[:, :1], gap, current[:, 1:]], axis=1),
+            jnp.concatenate([behaviour[:, :1], gap, behaviour[:, 1:]], axis=1), mu,
+            np.tile([1, 0, 1], (V * V, 1)).astype(np.int32), np.tile([0, 0, 1], (V * V, 1)))
+
+
+def _expected_gradient(theta, theta_old, reward, level, cap, layout):
+    """The gradient of E_behaviour[corrected loss of one response] at the proximal policy,
+    times minus the number of action tokens (the loss is a token mean): the policy-gradient
+    estimate the corrected objective makes. level None: no correction."""
+    def expected_loss(params):
+        current, behaviour, mu, mask, turns = _enumerated(params, theta_old, reward, layout)
+        proximal = jax.lax.stop_gradient(current)
+        total = 0.0
+        for y in range(V * V):
+            row = lambda x: x[y:y + 1]  # noqa: E731
+            weights = None if level is None else losses.rollout_correction_weights(
+                row(proximal), row(jax.lax.stop_gradient(behaviour)), row(mask), level=level,
+                cap=cap, segment_ids=row(turns) if level in ("turn", "macro") else None)
+            advantage = jnp.full(mask[y:y + 1].shape, reward[y], jnp.float32)
+            loss, _ = losses.ppo_policy_loss(row(current), row(proximal), advantage, row(mask),
+                                             is_weights=weights)
+            total = total + jax.lax.stop_gradient(mu[y]) * loss
+        return total
+
+    return jax.tree.map(lambda g: -2.0 * g, jax.grad(expected_loss)(theta))
+
+
+def _flat(tree):
+    return np.concatenate([np.asarray(tree[k]).ravel() for k in ("first", "second")])
+
+
+@pytest.fixture(scope="module")
+def tabular():
+    rng = np.random.default_rng(7)
+    theta = {"first": jnp.asarray(rng.normal(size=V), jnp.float32),
+             "second": jnp.asarray(rng.normal(size=(V, V)), jnp.float32)}
+    theta_old = {"first": theta["first"] + jnp.asarray(rng.normal(size=V), jnp.float32),
+                 "second": theta["second"]}
+    reward = rng.normal(size=V * V).astype(np.float32)
+    # The on-policy gradient of the current policy, from the exact objective sum_y pi(y) R(y).
+    on_policy = jax.grad(lambda t: jnp.sum(jnp.exp(
+        _enumerated(t, t, reward, "response")[0].sum(axis=1)) * reward))(theta)
+    return theta, theta_old, reward, _flat(on_policy)
+
+
+@pytest.mark.parametrize("level, layout", [("sequence", "response"), ("macro", "response"),
+                                           ("sequence", "trajectory")])
+def test_the_corrected_gradient_is_the_on_policy_gradient_the_uncorrected_is_not(
+        tabular, level, layout):
+    """With the whole response as the unit (its sequence, or one macro spanning both
+    versions; a trajectory's whole episode) and no truncation, the expected corrected gradient
+    under the behaviour policy is the current policy's on-policy gradient; without the
+    correction it is not."""
+    theta, theta_old, reward, on_policy = tabular
+    corrected = _flat(_expected_gradient(theta, theta_old, reward, level, 1e6, layout))
+    np.testing.assert_allclose(corrected, on_policy, rtol=1e-4, atol=1e-5)
+    uncorrected = _flat(_expected_gradient(theta, theta_old, reward, None, 1e6, layout))
+    assert np.abs(uncorrected - on_policy).max() > 0.05 * np.abs(on_policy).max()
+
+
+def _score_function(theta, a1, a2):
+    """d log pi(a1) and d log pi(a2 | a1) with respect to the tabular params, flattened."""
+    p1 = np.asarray(jax.nn.softmax(theta["first"]))
+    p2 = np.asarray(jax.nn.softmax(theta["second"], axis=-1))
+    g1 = np.zeros(V + V * V)
+    g1[:V] = np.eye(V)[a1] - p1
+    g2 = np.zeros(V + V * V)
+    g2[V + a1 * V: V + (a1 + 1) * V] = np.eye(V)[a2] - p2[a1]
+    return g1, g2
+
+
+@pytest.mark.parametrize("level, layout", [("sequence", "response"), ("token", "response"),
+                                           ("turn", "trajectory")])
+def test_truncated_and_per_unit_corrections_have_their_closed_forms(tabular, level, layout):
+    """Under truncation at c, or with one weight per token or per turn (each unit's ratio
+    alone, without the ratios of the units before it), the expected gradient is the closed form
+    sum_y mu(y) sum_u min(rho_u(y), c) R(y) d log pi(y_u), computed here from the softmax's
+    score function: it differs from the on-policy gradient, by the truncation or by the
+    earlier units' missing ratios."""
+    theta, theta_old, reward, on_policy = tabular
+    cap = 1.3 if level == "sequence" else 1e6
+    got = _flat(_expected_gradient(theta, theta_old, reward, level, cap, layout))
+    p1 = np.asarray(jax.nn.softmax(theta["first"]), np.float64)
+    q1 = np.asarray(jax.nn.softmax(theta_old["first"]), np.float64)
+    p2 = np.asarray(jax.nn.softmax(theta["second"], axis=-1), np.float64)
+    want = np.zeros(V + V * V)
+    for y in range(V * V):
+        a1, a2 = divmod(y, V)
+        mu = q1[a1] * p2[a1, a2]
+        g1, g2 = _score_function(theta, a1, a2)
+        rho1 = p1[a1] / q1[a1]  # the second action's ratio is 1: the current version sampled it
+        if level == "sequence":
+            want += mu * min(rho1, cap) * reward[y] * (g1 + g2)
+        else:
+            want += mu * reward[y] * (min(rho1, cap) * g1 + g2)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert np.abs(want - on_policy).max() > 0.01 * np.abs(on_policy).max()

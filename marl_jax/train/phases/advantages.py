@@ -233,11 +233,16 @@ def segment_stats(segments, variant, static, mask):
 
 def correction_weights(static: PPOStatic, exp: Experience, segments: dict, variant):
     """(`[B, R]` rollout-correction weights or None, metrics): `static.rollout_correction` at
-    the level of tokens, responses or the run variant's macros, capped at `rollout_is_cap`."""
+    the level of tokens, responses, the run variant's macros or a trajectory's turns, capped at
+    `rollout_is_cap`."""
     if static.rollout_correction == "none":
         return None, {}
     level = static.rollout_correction
-    seg = variant_segments(static, segments, variant) if level == "macro" else None
+    seg = None
+    if level == "macro":
+        seg = variant_segments(static, segments, variant)
+    elif level == "turn":
+        seg = exp.turn_ids
     args = (exp.old_logprobs, exp.sampler_logprobs, exp.actions)
     weights = losses.rollout_correction_weights(*args, level=level, cap=static.rollout_is_cap,
                                                 segment_ids=seg)
