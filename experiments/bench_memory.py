@@ -263,6 +263,7 @@ def resolve_model(config, platform: str):
     from marl_jax.train import build
 
     m = config.model
+    tokenizer = None
     if m.path and str(m.path).endswith(".gguf"):
         from marl_jax.models.loading import gguf_config
 
@@ -285,7 +286,19 @@ def resolve_model(config, platform: str):
     eos = cfg.eos_token_id[0]
     token_ids = types.SimpleNamespace(
         eos_token_id=eos, pad_token_id=eos if cfg.pad_token_id is None else cfg.pad_token_id)
+    if _cuts_at_steps(config):  # the step termination's tables read the vocabulary's texts
+        token_ids.backend_tokenizer = (tokenizer or models.load_tokenizer(m.path)).backend_tokenizer
     return cfg, source, token_ids
+
+
+def _cuts_at_steps(config) -> bool:
+    """Whether the run or an arm of the experiment cuts macros at reasoning steps."""
+    from marl_jax import experiment
+
+    if config.stage != "experiment":
+        return config.ppo.termination == "step"
+    return any(experiment.resolve_arm(arm, config.ppo)["termination"] == "step"
+               for arm in experiment.experiment_arms(config))
 
 
 def _pathless_tokenizer(config):

@@ -186,6 +186,9 @@ def base_config() -> ml_collections.ConfigDict:
     # is below that threshold ends one (0: the quantile decides).
     p.low_probability_quantile = 0.2
     p.low_probability_threshold = 0.0
+    # step termination: a macro ends at the token holding a delimiter's first character in the
+    # decoded response (reasoning steps: a newline or a sentence end; ASCII strings).
+    p.step_delimiters = ("\n", ". ", "? ", "! ")
     p.parsing_cutoff = 5
     p.parsing_model = "en_core_web_sm"
     p.isolate_last = True

@@ -31,12 +31,13 @@ from marl_jax.estimators import ESTIMATORS, objective
 from marl_jax.losses import (KL_ESTIMATORS, POLICY_AGGREGATIONS, RATIO_FORMS, RATIO_LEVELS,
                              ROLLOUT_CORRECTIONS)
 from marl_jax.macro.advantage import REWARD_AGGREGATIONS, VALUE_WEIGHTINGS
+from marl_jax.macro.steps import delimiters_problem
 from marl_jax.models import lora
 from marl_jax.xla_flags import MODES as XLA_GPU_FLAG_MODES
 
 STAGES = ("sft", "rm", "ppo", "all", "experiment", "eval")
-TERMINATIONS = ("fixed", "randomized", "perplexity", "entropy", "low_probability", "parsing",
-                "turn")
+TERMINATIONS = ("fixed", "randomized", "perplexity", "entropy", "low_probability", "step",
+                "parsing", "turn")
 SCHEDULES = ("constant", "linear", "cosine")
 CRITIC_INITS = ("rm", "sft", "random")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -349,6 +350,8 @@ def termination_problem(p, temperature) -> tuple[str, str] | None:
         ("low_probability_quantile", share("low_probability_quantile"), "must be in (0, 1]"),
         ("low_probability_threshold", share("low_probability_threshold", low_open=False),
          "must be in [0, 1] (0: ppo.low_probability_quantile decides)"),
+        ("step_delimiters", delimiters_problem(p["step_delimiters"]) is None,
+         delimiters_problem(p["step_delimiters"])),
         ("termination", not (p["termination"] == "low_probability" and temperature == 0),
          "low_probability cuts after the tokens the policy sampled with low probability, but "
          "ppo.temperature=0 decodes greedily (no sampled probabilities): use a temperature > 0"),

@@ -60,6 +60,10 @@ ARMS = {
     # The semi-MDP choices: the value of the state where a macro starts, summed rewards.
     "ma_ppo_smdp": lambda p: dict(ngram=p.ngram, termination="fixed", value_weighting="first",
                                   reward_aggregation="sum"),
+    # MA-PPO as released with macros that end at reasoning steps (a newline or a sentence end,
+    # `ppo.step_delimiters`) instead of n-grams.
+    "ma_ppo_step": lambda p: dict(termination="step", value_weighting="equal",
+                                  reward_aggregation="weighted"),
     # Multi-turn: one macro per assistant turn (AReaL's turn-level GAE: the value where the turn
     # starts, its rewards summed).
     "ma_ppo_turn": lambda p: dict(ngram=1, termination="turn", value_weighting="first",
@@ -94,7 +98,7 @@ STATIC_FIELDS = ("estimator", "group_size", "batch_size", "mc_rollouts", "mc_bra
                  "loss_aggregation", "ratio_level", "ratio_form", "cliprange_low",
                  "cliprange_high", "dual_clip", "dynamic_sampling_oversample", "overlong_buffer",
                  "overlong_penalty", "mask_truncated", "entropy_quantile",
-                 "low_probability_quantile", "low_probability_threshold")
+                 "low_probability_quantile", "low_probability_threshold", "step_delimiters")
 # Critic-free estimators (configs/synthetic_estimators.py), one arm each by the estimator's
 # name (`estimators.ESTIMATORS`); sizes are set by the config.
 ARMS.update({name: (lambda p, name=name: dict(TOKEN_PPO, estimator=name))

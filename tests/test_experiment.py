@@ -26,6 +26,7 @@ def test_unknown_arm_is_named():
     ("fixed", 10, "sum", 10.0),
     ("randomized", 5, "weighted", None),
     ("perplexity", 5, "sum", None),
+    ("step", 5, "weighted", None),
 ])
 def test_matched_control_derivation(termination, ngram, aggregation, length):
     cfg = tiny_config(**{"ppo.termination": termination, "ppo.ngram": ngram,

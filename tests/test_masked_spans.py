@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from marl_jax import estimators
-from marl_jax.macro import advantage, termination
+from marl_jax.macro import advantage, steps, termination
 
 
 def _batch(seed, rows=4, width=13):
@@ -190,10 +190,19 @@ def _trajectory(seed, rows=3, turns=3, width=30):
             rng.random((rows, width)).astype(np.float32))
 
 
+# The step rule's vocabulary: token texts with and without delimiters, and ids drawn from it.
+STEP_TABLE = steps.table_of_texts(["", "a", ".", " b", "\n", ". c", "d!"], ("\n", ". "))
+
+
+def _step_tokens(mask):
+    return np.random.default_rng(7).integers(0, 7, np.shape(mask))
+
+
 def _within(strategy, mask, turn_ids, logp, entropy, **kw):
     return np.asarray(termination.segment(
         strategy, mask, turn_ids=turn_ids, key=jax.random.key(0), ref_logprobs=logp,
-        entropies=entropy, logprobs=logp, n=kw.pop("n", 3), **kw))
+        entropies=entropy, logprobs=logp, n=kw.pop("n", 3), token_ids=_step_tokens(mask),
+        step_table=STEP_TABLE, **kw))
 
 
 @pytest.mark.parametrize("strategy", termination.STRATEGIES)
@@ -219,7 +228,8 @@ def test_one_turn_without_holes_is_the_single_response_strategy(strategy):
     entropy = np.random.default_rng(6).random(mask.shape).astype(np.float32)
     plain = np.asarray(termination.segment(strategy, mask, key=jax.random.key(0),
                                            ref_logprobs=logp, entropies=entropy, logprobs=logp,
-                                           n=3))
+                                           n=3, token_ids=_step_tokens(mask),
+                                           step_table=STEP_TABLE))
     np.testing.assert_array_equal(
         _within(strategy, mask, np.zeros_like(mask), logp, entropy), plain)
 

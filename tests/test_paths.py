@@ -45,6 +45,8 @@ CASES = {
     "dapo": dict(estimator="dapo", group_size=2),
     "turn_rloo": dict(estimator="turn_rloo", group_size=2),
     "turn_grpo": dict(estimator="turn_grpo", group_size=2),
+    # Macros at reasoning steps: here the synthetic summaries' items, which ";" ends.
+    "ma_ppo_step": dict(termination="step", step_delimiters=(";",)),
 }
 # The matrix's shared settings: two minibatches, so every schedule is more than one update;
 # 16 rows, so a group record's prompts (8) split over the 8 test devices.
@@ -179,6 +181,8 @@ def _assert_the_case_ran(case, rows):
     assert ("loss/value_avg" in last) == (fields.get("estimator", "gae") == "gae"), case
     assert ("loss/kl_avg" in last) == (fields.get("estimator") in ("grpo", "dr_grpo")), case
     assert ("policy/ratio_units_avg" in last) == (fields.get("ratio_level") == "macro"), case
+    assert (np.min(last["macro/len_avg"]) > 1) == (
+        fields["termination"] != "fixed" or fields["ngram"] > 1), case
     if fields.get("estimator") == "dapo":
         # Dynamic sampling: three times the trained groups sampled, all counted in the budget.
         assert "dynamic/groups_trained" in last and "overlong/penalty_mean" in last

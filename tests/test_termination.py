@@ -229,7 +229,7 @@ def test_segment_dispatches_to_each_strategy():
     np.testing.assert_array_equal(segment("perplexity", mask, ref_logprobs=ref_logprobs),
                                   perplexity(ref_logprobs, mask))
     assert termination.STRATEGIES == ("fixed", "randomized", "perplexity", "entropy",
-                                      "low_probability")
+                                      "low_probability", "step")
 
 
 # ---------------------------------------------------------------- bad input

@@ -25,7 +25,7 @@ from marl_jax.macro.checks import (
     is_concrete,
 )
 
-STRATEGIES = ("fixed", "randomized", "perplexity", "entropy", "low_probability")
+STRATEGIES = ("fixed", "randomized", "perplexity", "entropy", "low_probability", "step")
 # One macro per assistant turn of a multi-turn trajectory (`turns`).
 TURN = "turn"
 
@@ -196,10 +196,66 @@ def low_probability(logprobs, response_mask, *, quantile=None, threshold=None, i
                             isolate_last=isolate_last)
 
 
+def reasoning_steps(token_ids, response_mask, table, *, isolate_last=True):
+    """Reasoning-step macros (SPO's and process-reward work's steps of a chain of thought): a
+    macro ends at the token that holds the first character of a delimiter (`table.delimiters`,
+    e.g. a newline or ". ") in the decoded response, wherever the tokens split or merge it.
+
+    `table` (`macro.steps.step_table`, built once from the tokenizer) gives each vocabulary
+    entry's transitions of an automaton that reads the text backwards; here one associative scan
+    composes them along each row (see `marl_jax.macro.steps`). An id outside the table (a
+    model's padded embedding rows) adds no text.
+
+    Args:
+      token_ids: int `[B, T]` the response tokens.
+      response_mask: `[B, T]` left-aligned response mask.
+      table: a `macro.steps.StepTable` (or anything with its `transitions [V, S]` and
+        `hits [V, S]`).
+      isolate_last: make the last valid token its own macro.
+
+    Returns:
+      int32 `[B, T]` segment ids.
+    """
+    check_rank(token_ids, 2, "token_ids")
+    _check_response_mask(response_mask)
+    check_same_shape(response_mask, "response_mask", token_ids=token_ids)
+    return _reasoning_steps(token_ids, response_mask, table.transitions, table.hits,
+                            isolate_last=isolate_last)
+
+
+@functools.partial(jax.jit, static_argnames="isolate_last")
+def _reasoning_steps(token_ids, response_mask, transitions, hits, *, isolate_last):
+    valid = response_mask != 0
+    ends = _step_ends(token_ids, valid, jnp.zeros_like(valid), transitions, hits)
+    starts = jnp.concatenate([jnp.ones_like(ends[:, :1]), ends[:, :-1]], axis=1)
+    return _finish(starts, valid, isolate_last)
+
+
+def _step_ends(token_ids, valid, restarts, transitions, hits):
+    """bool `[B, T]`: the valid tokens that hold a delimiter's first character, the text read
+    backwards from each row's end; the automaton restarts at the `restarts` tokens (a turn's
+    last action token: no delimiter spans two turns) and passes over the invalid ones."""
+    token_ids = jnp.asarray(token_ids)
+    transitions, hits = jnp.asarray(transitions, jnp.int32), jnp.asarray(hits)
+    vocab, width = transitions.shape
+    known = valid & (token_ids >= 0) & (token_ids < vocab)
+    safe = jnp.where(known, token_ids, 0)
+    functions = jnp.where(known[..., None], transitions[safe], jnp.arange(width, dtype=jnp.int32))
+    found = hits[safe] & known[..., None]
+    functions = jnp.where(restarts[..., None], functions[..., :1], functions)
+    found = jnp.where(restarts[..., None], found[..., :1], found)
+    # composed[t][s]: the state after reading tokens T-1, ..., t (backwards) from state s.
+    composed = jax.lax.associative_scan(
+        lambda later, earlier: jnp.take_along_axis(earlier, later, axis=-1), functions,
+        reverse=True, axis=1)
+    entering = jnp.concatenate([composed[:, 1:, 0], jnp.zeros_like(composed[:, :1, 0])], axis=1)
+    return jnp.take_along_axis(found, entering[..., None], axis=-1)[..., 0]
+
+
 def segment(strategy, response_mask, *, key=None, ref_logprobs=None, entropies=None,
             logprobs=None, n=5, lengths=(2, 3, 5, 10), repeats=3, entropy_quantile=0.2,
             low_probability_quantile=0.2, low_probability_threshold=None, isolate_last=True,
-            turn_ids=None):
+            turn_ids=None, token_ids=None, step_table=None):
     """Segment ids `[B, T]` for one of `STRATEGIES` ("parsing" runs host-side, in parsing.py),
     or `TURN` (one macro per turn: `turns`, which needs `turn_ids`).
 
@@ -207,16 +263,21 @@ def segment(strategy, response_mask, *, key=None, ref_logprobs=None, entropies=N
     "entropy", `logprobs` (the sampling policy's) by "low_probability"; `n` is used by "fixed",
     `lengths` and `repeats` by "randomized", `entropy_quantile` by "entropy", and by
     "low_probability" `low_probability_threshold` when it is not None, else
-    `low_probability_quantile`.
+    `low_probability_quantile`; "step" reads `token_ids` (the response's, or the trajectory's
+    tokens) and `step_table` (`macro.steps.step_table`).
 
     With `turn_ids` (int `[B, T]`, a multi-turn trajectory's turn of each token) the strategy
     runs within turns: `response_mask` is the action mask (observation spans are holes), a turn
     boundary always ends a macro, fixed n-grams restart at every turn, and with `isolate_last`
     each turn's last action token (where a per-turn reward lands) is a macro of its own. The
     other strategies read the row's action tokens as one response (a quantile is a share of the
-    whole trajectory's action tokens) and the turn boundaries are added to their cuts.
+    whole trajectory's action tokens) and the turn boundaries are added to their cuts; "step"
+    reads each turn's text on its own.
     """
     check_choice(strategy, STRATEGIES + (TURN,), "strategy")
+    if strategy == "step" and (token_ids is None or step_table is None):
+        raise ValueError("the step strategy needs token_ids and a step_table "
+                         "(macro.steps.step_table of the tokenizer)")
     if strategy == TURN:
         if turn_ids is None:
             raise ValueError("the turn strategy needs turn_ids (a multi-turn trajectory)")
@@ -228,7 +289,10 @@ def segment(strategy, response_mask, *, key=None, ref_logprobs=None, entropies=N
                              entropy_quantile=entropy_quantile,
                              low_probability_quantile=low_probability_quantile,
                              low_probability_threshold=low_probability_threshold,
-                             isolate_last=isolate_last)
+                             isolate_last=isolate_last, token_ids=token_ids,
+                             step_table=step_table)
+    if strategy == "step":
+        return reasoning_steps(token_ids, response_mask, step_table, isolate_last=isolate_last)
     if strategy == "fixed":
         return fixed_ngram(response_mask, n, isolate_last=isolate_last)
     if strategy == "randomized":
@@ -254,7 +318,7 @@ def segment(strategy, response_mask, *, key=None, ref_logprobs=None, entropies=N
 
 
 def _within_turns(strategy, action_mask, turn_ids, *, isolate_last, n, ref_logprobs,
-                  entropies, logprobs, **settings):
+                  entropies, logprobs, token_ids, step_table, **settings):
     check_rank(turn_ids, 2, "turn_ids")
     check_mask(action_mask, "action_mask", left_aligned=False)
     check_same_shape(action_mask, "action_mask", turn_ids=turn_ids)
@@ -264,6 +328,10 @@ def _within_turns(strategy, action_mask, turn_ids, *, isolate_last, n, ref_logpr
         _check_positive_int(n, "n")
         ranks = _rank_in_turn(valid, turn_ids)
         starts = ranks % jnp.maximum(jnp.asarray(n, jnp.int32), 1) == 0
+    elif strategy == "step":
+        check_same_shape(action_mask, "action_mask", token_ids=token_ids)
+        starts = _step_starts_within_turns(token_ids, valid, turn_ids, step_table.transitions,
+                                           step_table.hits)
     else:
         order, inverse = _actions_first(valid)
         compact = lambda x: None if x is None else jnp.take_along_axis(  # noqa: E731
@@ -291,6 +359,18 @@ def _starts(valid, ids):
     previous = jnp.concatenate([jnp.full_like(seen[:, :1], jnp.iinfo(jnp.int32).min),
                                 seen[:, :-1]], axis=1)
     return valid & (ids != previous)
+
+
+@jax.jit
+def _step_starts_within_turns(token_ids, valid, turn_ids, transitions, hits):
+    """bool `[B, T]`: the action tokens that follow one holding a delimiter's first character,
+    each turn's text read on its own."""
+    ends = _step_ends(token_ids, valid, _after_last_of_turn(valid, turn_ids), transitions, hits)
+    positions = jnp.where(valid, jnp.arange(valid.shape[1]), -1)
+    seen = jax.lax.cummax(positions, axis=1)
+    previous = jnp.concatenate([jnp.full_like(seen[:, :1], -1), seen[:, :-1]], axis=1)
+    ended = jnp.take_along_axis(ends, jnp.maximum(previous, 0), axis=1)
+    return valid & (previous >= 0) & ended
 
 
 def _rank_in_turn(valid, turn_ids):

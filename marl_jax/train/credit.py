@@ -176,7 +176,8 @@ def rule_segments(static: PPOStatic, exp: Experience, rules, key, ngram: int, pa
         entropy_quantile=static.entropy_quantile,
         low_probability_quantile=static.low_probability_quantile,
         low_probability_threshold=static.low_probability_threshold or None,
-        isolate_last=static.isolate_last, turn_ids=turn_ids) for rule in rules}
+        isolate_last=static.isolate_last, turn_ids=turn_ids, token_ids=exp.response_ids,
+        step_table=static.step_table) for rule in rules}
 
 
 def _gae(exp: Experience, segment_ids, *, gamma, lam, weighting="equal", aggregation="weighted"):

@@ -17,6 +17,7 @@ from marl_jax import distributed, estimators
 from marl_jax import models as models_lib
 from marl_jax import rollout
 from marl_jax.data import batches
+from marl_jax.macro import steps
 from marl_jax.models import lora
 from marl_jax.train import (async_schedule, build, checkpoint, credit_turns, loop, perf, programs,
                              sharding)
@@ -60,6 +61,7 @@ def static_from_config(config, tokenizer, variants=None) -> PPOStatic:
         entropy_quantile=float(p.get("entropy_quantile", 0.2)),
         low_probability_quantile=float(p.get("low_probability_quantile", 0.2)),
         low_probability_threshold=float(p.get("low_probability_threshold", 0.0)),
+        step_table=step_table(config, tokenizer, variants),
         num_layers_unfrozen=int(p.get("num_layers_unfrozen", -1)),
         decode_slots=int(p.get("decode_slots", 0)),
         lora=bool(config.model.get("lora", {}).get("rank", 0)),
@@ -76,6 +78,17 @@ def staleness_fields(config) -> dict:
     limit = r.get("max_token_staleness")
     return dict(max_staleness=int(r.max_staleness),
                 max_token_staleness=-1 if limit is None else int(limit))
+
+
+def step_table(config, tokenizer, variants):
+    """The step termination's tables (`macro.steps.step_table` of `ppo.step_delimiters` over
+    the tokenizer) when a variant or the credit probe's rules cut at reasoning steps, else
+    None."""
+    credit = config.get("credit")
+    rules = tuple(credit.rules) if credit is not None and credit.every else ()
+    if "step" not in {v[0] for v in variants} | set(rules):
+        return None
+    return steps.step_table(tokenizer, tuple(config.ppo.step_delimiters))
 
 
 def objective_fields(p) -> dict:

@@ -97,6 +97,9 @@ class PPOStatic:
     # (threshold > 0) the tokens of probability below the threshold do.
     low_probability_quantile: float = 0.2
     low_probability_threshold: float = 0.0
+    # step termination: the delimiters' tables over the tokenizer's vocabulary
+    # (`macro.steps.StepTable`, hashed by content); None when nothing cuts at reasoning steps.
+    step_table: Any = None
     num_layers_unfrozen: int = -1  # actor and critic train their top n layers only (-1: all)
     # > 0: the actor, reference, critic and reward model have the same embeddings and first k
     # layers (all frozen), which the scoring pass and the update run once for all of them.

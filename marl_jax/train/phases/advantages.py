@@ -91,7 +91,8 @@ def segment_ids_for(static: PPOStatic, hparams: RunHparams, exp: Experience, key
         by_name[name] = termination.segment(
             name, exp.actions, key=key, ref_logprobs=exp.ref_base_logprobs,
             n=hparams.ngram, lengths=static.randomized_lengths, repeats=static.randomized_repeats,
-            isolate_last=static.isolate_last, turn_ids=exp.turn_ids, **extra)
+            isolate_last=static.isolate_last, turn_ids=exp.turn_ids,
+            token_ids=exp.response_ids, step_table=static.step_table, **extra)
     return by_name
 
 
