@@ -4,13 +4,20 @@ from each row's history (a row first sampled in batch s0 has its token at positi
 version max(0, s0 - k + p // D)), groups carried over whole with their tokens, finished rows of a
 carried group sampled again once all their tokens expire, the token accounting of every
 iteration against a count of the batches, and a second run with the same seed giving the same
-metrics and batches bit for bit."""
+metrics and batches bit for bit. Then `stage=ppo` with that schedule, stopped by a preemption
+notice (SIGTERM, in this process) or by a crash in a step, and run again: the rows of the run
+that was not stopped."""
+import os
+import shutil
+import signal
+
 import jax
 import numpy as np
 import pytest
 
+from marl_jax import stages
 from marl_jax.config_check import validate_config
-from marl_jax.train import async_schedule, programs, sharding
+from marl_jax.train import async_schedule, metrics as metrics_lib, preemption, programs, sharding
 from marl_jax.train import build, ppo as ppo_lib
 from marl_jax.train.async_step import AsyncStep
 
@@ -158,3 +165,74 @@ def test_two_runs_with_the_same_seed_give_the_same_metrics_and_batches(trace, ti
         for a, b in zip(jax.tree.leaves((batch, in_flight, metrics)),
                         jax.tree.leaves((batch2, in_flight2, metrics2))):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# stage=ppo: 5 steps, checkpoints every 2, evaluations every 2.
+STAGE = {"stage": "ppo", "ppo.steps": 5, "ppo.eval_every": 2, "checkpoint_every": 2,
+         "ppo.group_size": GROUP, "ppo.batch_size": 16, "ppo.response_length": RESPONSE,
+         **ROLLOUT}
+TIMING = ("timing/", "perf/")
+
+
+def _stage_ppo(tiny_pipe, workdir):
+    """`stage=ppo` in `workdir`, a copy of the tiny pipeline's workdir (SFT and RM done) unless
+    it exists; returns its rows without the fields that measure time."""
+    if not workdir.exists():
+        shutil.copytree(tiny_pipe[0].workdir, workdir)
+    stages.run(tiny_config(**STAGE), str(workdir))
+    return _rows(workdir)
+
+
+def _rows(workdir):
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)}
+            for r in metrics_lib.read_metrics(str(workdir))]
+
+
+@pytest.fixture(scope="module")
+def whole(tiny_pipe, tmp_path_factory):
+    return _stage_ppo(tiny_pipe, tmp_path_factory.mktemp("whole") / "run")
+
+
+def _stopping_at(step, stop):
+    """`AsyncStep.__call__` that calls `stop()` inside iteration `step` (after its work)."""
+    call = AsyncStep.__call__
+
+    def stopping(self, state, frozen, hparams, at):
+        out = call(self, state, frozen, hparams, at)
+        if at == step:
+            stop()
+        return out
+
+    return stopping
+
+
+def test_a_preempted_run_resumes_with_the_uninterrupted_runs_rows(tiny_pipe, whole, tmp_path,
+                                                                   monkeypatch):
+    """SIGTERM in step 3 (0-based 2): the step is finished and checkpointed with the batches in
+    flight, the run stops (exit status 75 from run.py); the same command resumes there."""
+    workdir = tmp_path / "run"
+    monkeypatch.setattr(AsyncStep, "__call__", _stopping_at(
+        2, lambda: os.kill(os.getpid(), signal.SIGTERM)))
+    with pytest.raises(preemption.Preempted) as stopped:
+        _stage_ppo(tiny_pipe, workdir)
+    assert (stopped.value.stage, stopped.value.step) == ("ppo", 3)
+    monkeypatch.undo()
+    assert _stage_ppo(tiny_pipe, workdir) == whole
+    assert [r["step"] for r in whole if r.get("stage") == "ppo"] == [1, 2, 3, 4, 5]
+
+
+def test_a_run_killed_in_a_step_resumes_with_the_uninterrupted_runs_rows(tiny_pipe, whole,
+                                                                        tmp_path, monkeypatch):
+    """A crash in step 4 (0-based 3): rows up to step 3 are written, the last checkpoint is
+    step 2's; the same command drops the rows after it and goes on from its batches."""
+    workdir = tmp_path / "run"
+
+    def crash():
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(AsyncStep, "__call__", _stopping_at(3, crash))
+    with pytest.raises(RuntimeError, match="killed"):
+        _stage_ppo(tiny_pipe, workdir)
+    assert [r["step"] for r in _rows(workdir) if r.get("stage") == "ppo"] == [1, 2, 3]
+    monkeypatch.undo()
+    assert _stage_ppo(tiny_pipe, workdir) == whole
