@@ -205,6 +205,29 @@ def test_adapters_that_miss_their_projections_raise_and_adapters_off_is_explicit
         np.asarray(M.CausalLM(cfg.replace(lora_rank=0)).apply({"params": base}, ids, mask)))
 
 
+def test_the_roles_of_a_task_without_a_reward_model():
+    """An environment's task (multi-turn) has no reward model: its LoRA PPO run holds none, the
+    actor and the critic their adapters (and the critic its head) on the SFT model's base."""
+    from marl_jax.train import ppo
+
+    cfg = _config(lora_rank=2)
+    policy, critic = build.policy_module(cfg), build.critic_module(cfg)
+    sft = M.init_params(policy, jax.random.key(0))
+    critic_params = M.init_params(critic, jax.random.key(1))
+    base, reference, actor, rm_params, critic_trained = ppo.lora_roles(
+        policy, critic, sft, None, critic_params, jax.random.key(2))
+    assert rm_params is None
+    assert _leaves_equal(base, lora.frozen_base(sft)) and _leaves_equal(reference,
+                                                                        lora.adapters(sft))
+    assert _leaves_equal(actor, lora.trainable(sft))
+    assert _leaves_equal(critic_trained, lora.trainable(critic_params))
+
+
+def _leaves_equal(a, b):
+    return jax.tree.structure(a) == jax.tree.structure(b) and all(
+        np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
 def test_only_adapters_and_the_head_train():
     cfg = _config(lora_rank=2)
     reward_model = build.reward_module(cfg)

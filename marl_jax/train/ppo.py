@@ -131,7 +131,9 @@ def lora_roles(policy, critic, sft_params, rm_params, critic_params, key):
     actor = lora.trainable(lora.with_adapters(policy, sft_params, jax.random.fold_in(key, 2)))
     critic_params = lora.trainable(lora.with_adapters(
         critic, critic_params, jax.random.fold_in(key, 3))) if critic_params else {}
-    return base, reference, actor, lora.trainable(rm_params), critic_params
+    # An environment's task has no reward model.
+    rm_params = None if rm_params is None else lora.trainable(rm_params)
+    return base, reference, actor, rm_params, critic_params
 
 
 def with_shared_trunk(static: PPOStatic, num_layers: int, actor_params, rm_params,
