@@ -592,6 +592,9 @@ def _check_multi_turn(c, check):
     check(c.stage != "eval", "stage",
           f"task {t.name!r} is evaluated by its ppo stage (the held-out return in every eval "
           "row); the eval stage samples single responses")
+    check(p.termination != "parsing", "ppo.termination",
+          "parsing reads single responses; on a multi-turn task use a rule cut on the device "
+          f"(within turns: {', '.join(n for n in TERMINATIONS if n != 'parsing')})")
     check(not (ESTIMATORS[p.estimator].needs_critic and p.critic_init == "rm"),
           "ppo.critic_init", f"task {t.name!r} has no reward model to start the critic from: "
           "use sft or random")

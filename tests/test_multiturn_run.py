@@ -182,6 +182,8 @@ def test_sigkill_during_multi_turn_ppo_then_rerun_gives_the_same_run(tmp_path):
     ({"ppo.critic_init": "rm"}, "config.ppo.critic_init='rm': task 'calculator' has no reward "
                                 "model"),
     ({"stage": "eval"}, "config.stage='eval': task 'calculator' is evaluated by its ppo stage"),
+    ({"ppo.termination": "parsing"}, "config.ppo.termination='parsing': parsing reads single "
+                                     "responses"),
 ])
 def test_bad_multi_turn_settings_are_one_line(overrides, message):
     config = tiny_calculator_config()
