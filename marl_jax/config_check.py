@@ -595,6 +595,9 @@ def _check_multi_turn(c, check):
     check(p.termination != "parsing", "ppo.termination",
           "parsing reads single responses; on a multi-turn task use a rule cut on the device "
           f"(within turns: {', '.join(n for n in TERMINATIONS if n != 'parsing')})")
+    check(p.eval_samples_per_prompt == 1, "ppo.eval_samples_per_prompt",
+          f"task {t.name!r} is evaluated by one episode per held-out prompt (its return is the "
+          "gold): use 1")
     check(not (ESTIMATORS[p.estimator].needs_critic and p.critic_init == "rm"),
           "ppo.critic_init", f"task {t.name!r} has no reward model to start the critic from: "
           "use sft or random")

@@ -184,6 +184,9 @@ def test_sigkill_during_multi_turn_ppo_then_rerun_gives_the_same_run(tmp_path):
     ({"stage": "eval"}, "config.stage='eval': task 'calculator' is evaluated by its ppo stage"),
     ({"ppo.termination": "parsing"}, "config.ppo.termination='parsing': parsing reads single "
                                      "responses"),
+    ({"ppo.eval_samples_per_prompt": 4}, "config.ppo.eval_samples_per_prompt=4: task "
+                                         "'calculator' is evaluated by one episode per "
+                                         "held-out prompt"),
 ])
 def test_bad_multi_turn_settings_are_one_line(overrides, message):
     config = tiny_calculator_config()
