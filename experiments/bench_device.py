@@ -59,7 +59,13 @@ random weights (nothing to download), each number beside its bound, the last lin
                                      models (`bench_ppo`, `bench.py ppo --shape=w1|w2`): seconds,
                                      phase split, tokens/s, model TFLOP/s, MFU, MA-PPO / PPO, the
                                      phase-timing overhead, beside verl's anchor (6 timed
-                                     iterations of each kind for W1, 1 for W2).
+                                     iterations of each kind for W1, 1 for W2);
+  ppo_async_w1                       the W1 iteration synchronous beside asynchronous PPO at
+                                     k = 1, 2 (`bench_async`, `bench.py ppo --async`): the
+                                     sampler on half the devices and the trainer on the other
+                                     half (one device: they take turns), iteration, rollout and
+                                     update seconds and their overlap (6 timed iterations;
+                                     `--small`: k = 1 alone, 3 iterations).
 `--small` runs every row with the smoke-test model on small shapes (a CPU, under a minute).
 `--unrolled` runs the layers unrolled instead of in one scan (compiles take longer).
 Peaks and bandwidths come from `bench_hardware` (timed for CPUs).
@@ -93,7 +99,8 @@ SUITE_ROWS = ("train_smollm2_8x1024_full", "train_smollm2_8x1024_none", "train_s
               "train_smollm2_8x1024_percast", "train_smollm2_8x1024_xla",
               "train_smollm2_max_full", "train_smollm2_max_none", "train_gemma2b_4x2048", "decode_b32",
               "decode_b32_unrolled", "decode_b32_scan", "decode_b256", "decode_b256_scan", "decode_parts_b256",
-              "sampler_compile", "slots_chat_b32_s8", "slots_chat_b256_s64", "mismatch_f32", "ppo_w1", "ppo_w2")
+              "sampler_compile", "slots_chat_b32_s8", "slots_chat_b256_s64", "mismatch_f32", "ppo_w1", "ppo_w2",
+              "ppo_async_w1")
 
 
 def table_peak(device_kind: str, dtype: str = "bfloat16", precision: str | None = None):
@@ -551,6 +558,14 @@ class Suite:
 
     def ppo_w2(self):
         return self._ppo("w2", 1)
+
+    def ppo_async_w1(self):
+        import bench_async
+        import bench_ppo
+
+        # --small (a smoke test of the row) times k = 1 alone.
+        return bench_async.measure(bench_ppo.setup_of("w1", self.small, self.dtype),
+                                   3 if self.small else 6, (1,) if self.small else (1, 2))
 
     def mismatch_f32(self):
         from marl_jax import rollout

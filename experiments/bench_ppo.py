@@ -441,9 +441,16 @@ def main(argv):
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))
     parser.add_argument("--capacity-gib", type=float,
                         help="memory per device to fit (default: the device's)")
+    parser.add_argument("--async", dest="asynchronous", action="store_true",
+                        help="the synchronous loop beside asynchronous PPO at k = 1, 2 "
+                        "(experiments/bench_async.py)")
     args = parser.parse_args(argv)
     repeats = args.repeats or (10 if args.small else 3)
     try:
+        if args.asynchronous:
+            import bench_async
+
+            return bench_async.main(args)
         if repeats < 1:
             raise Refused(f"--repeats={repeats} must be >= 1")
         setup = setup_of(args.shape, args.small, args.dtype)

@@ -19,7 +19,8 @@ from marl_jax.data.real_tasks import decode_responses
 from marl_jax.data.tasks import build_task
 from marl_jax.eval.unit_test_reward import attach_unit_test_reward
 from marl_jax.models import attention, decode_layout, lora
-from marl_jax.train import build, exports, metrics as metrics_lib, preemption, reward, sharding
+from marl_jax.train import async_schedule, build, exports, metrics as metrics_lib, preemption
+from marl_jax.train import reward, sharding
 from marl_jax.train import ppo as ppo_lib
 from marl_jax.train.ppo import run_ppo
 from marl_jax.train.reward import PAIR_KEYS, run_rm, sample_policy_pairs
@@ -36,6 +37,7 @@ class Pipeline:
         self.config, self.workdir = config, workdir
         os.makedirs(workdir, exist_ok=True)
         self.mesh = sharding.make_mesh(config.mesh)
+        async_schedule.meshes(config, self.mesh)  # a device split that cannot be: one line, now
         for stage in ("sft", "rm", "ppo"):
             sharding.validate_batch(config[stage].batch_size, self.mesh,
                                     f"config.{stage}.batch_size")

@@ -130,3 +130,65 @@ def test_the_device_split():
             ((), (1,), r"config.rollout.trainer_devices=\(1,\): set rollout.sampler_devices")]:
         with pytest.raises(ValueError, match=message):
             split(devices, sampler, trainer)
+
+
+def test_the_meshes_of_a_split():
+    """Two meshes of `config.mesh` over the sets (the trainer's first); one mesh when nothing
+    is split; a set too small for the batch, or a device that does not exist, is one line."""
+    import jax
+
+    from marl_jax.train import sharding
+
+    config = _config(**{"rollout.max_staleness": 1, "rollout.sampler_devices": (6, 7),
+                        "ppo.batch_size": 16})
+    mesh = sharding.make_mesh(config.mesh)
+    trainer, sampler = async_schedule.meshes(config, mesh)
+    assert [d.id for d in trainer.devices.flat] == list(range(6))
+    assert [d.id for d in sampler.devices.flat] == [6, 7]
+    config.rollout.sampler_devices = ()
+    assert async_schedule.meshes(config, mesh) == (mesh, None)
+    config.rollout.sampler_devices, config.ppo.batch_size, config.ppo.group_size = (5, 6, 7), 16, 1
+    with pytest.raises(ValueError, match=r"^config.ppo.batch_size \(on the sampler's devices\)"
+                                         r"=16 is not divisible by the 3 data-parallel shards"):
+        async_schedule.meshes(config, mesh)
+    config.rollout.sampler_devices = (8,)
+    with pytest.raises(ValueError, match=r"devices \[8\] do not exist \(this run has 8: 0..7\)"):
+        async_schedule.meshes(config, mesh)
+    assert len(jax.devices()) == 8
+
+
+def test_a_sampler_device_that_does_not_exist_stops_the_command_in_one_line(tmp_path):
+    """Checked where the meshes are built, after the processes join and before anything
+    compiles: exit status 2."""
+    import os
+    import subprocess
+    import sys
+
+    from train_util import ROOT
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / "run.py"), f"--workdir={tmp_path / 'run'}",
+         "--config.stage=ppo", "--config.rollout.max_staleness=1",
+         "--config.rollout.sampler_devices=(3,)"], capture_output=True, text=True, timeout=300,
+        env=env)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.splitlines()[-1] == (
+        "error: config.rollout.sampler_devices=(3,): devices [3] do not exist (this run has 1: "
+        "0..0)")
+
+
+def test_the_async_bench_refuses_a_shape_it_does_not_time():
+    import sys
+    import types
+
+    from train_util import ROOT
+
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import bench_async
+    import bench_ppo
+
+    with pytest.raises(bench_ppo.Refused, match=r"^--shape='w2' with --async: the asynchronous "
+                                                r"loop is timed on w1"):
+        bench_async.main(types.SimpleNamespace(shape="w2", small=False, dtype="auto",
+                                               repeats=None))

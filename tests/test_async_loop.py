@@ -12,6 +12,7 @@ import shutil
 import signal
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -34,9 +35,12 @@ def tiny_pipe(tmp_path_factory):
     yield from trained_tiny_pipeline(tmp_path_factory.mktemp("async"))
 
 
-def _run(tiny_pipe):
-    """`ITERATIONS` iterations of the loop from a fresh start: per iteration, the batch trained
-    (host arrays, before its update), the metrics and the batches in flight after it."""
+def _run(tiny_pipe, sampler=None, copies=None):
+    """`ITERATIONS` iterations of the loop from a fresh start, the trainer on devices 0 and 1
+    and the sampler there too or on the devices `sampler`: per iteration, the batch trained
+    (host arrays, before its update), the metrics and the batches in flight after it. With
+    `copies` (a list), per iteration (the sampler's weights equal the new actor's, the devices
+    of the sampler's weights and batches, those of the trainer's state)."""
     pipe, sft, rm, stats = tiny_pipe
     cfg = tiny_config(**{"stage": "ppo", "ppo.group_size": GROUP, "ppo.batch_size": 16,
                          "ppo.response_length": RESPONSE, **ROLLOUT})
@@ -45,23 +49,34 @@ def _run(tiny_pipe):
     mods = ppo_lib.make_models(cfg, pipe.policy, pipe.critic, pipe.reward_model,
                                pipe.task.gold_fn)
     critic = ppo_lib.initial_critic_params(cfg, pipe.critic, sft, rm, jax.random.key(1), stats)
-    mesh = pipe.mesh
+    devices = jax.devices()
+    mesh = sharding.make_mesh(cfg.mesh, devices[:2])
+    sampler_mesh = None if sampler is None else sharding.make_mesh(
+        cfg.mesh, [devices[i] for i in sampler])
     state_sh = ppo_lib.state_shardings(mods, mesh, sft, critic)
     frozen_sh = programs.frozen_shardings(mods, mesh, state_sh, rm)
     frozen = jax.device_put(ppo_lib.frozen_models(mods, sft, rm, stats), frozen_sh)
-    state = jax.device_put(ppo_lib.initial_state(cfg, mods, sft, critic, cfg.seed), state_sh,
-                           may_alias=False)
+    # A state of its own buffers (on part of the pipeline's devices a device_put shares them).
+    state = jax.jit(lambda s: jax.tree.map(jnp.copy, s), out_shardings=state_sh)(
+        jax.device_put(ppo_lib.initial_state(cfg, mods, sft, critic, cfg.seed), state_sh))
     hparams = jax.device_put(ppo_lib.hparams_from_config(cfg.ppo), sharding.replicated(mesh))
     trace = []
     with sharding.mesh_context(mesh, sharding.logical_rules(mesh, build.model_dims(
             pipe.policy.config))):
         loop = AsyncStep(cfg, pipe.task, static, mods, state_sh, frozen_sh, mesh,
-                         async_schedule.Schedule.from_config(cfg), timed=False)
+                         async_schedule.Schedule.from_config(cfg), timed=False,
+                         sampler_mesh=sampler_mesh)
         state = loop.initial_state(state, frozen)
         for step in range(ITERATIONS):
             trained = jax.device_get(state.batches[0])
             state, metrics = loop(state, frozen, hparams, step)
             trace.append((trained, jax.device_get(metrics), jax.device_get(state.batches)))
+            if copies is not None:
+                ids = lambda tree: {d.id for x in jax.tree.leaves(tree)  # noqa: E731
+                                    for d in x.sharding.device_set}
+                copies.append((all(np.array_equal(a, b) for a, b in zip(
+                    jax.tree.leaves(loop.weights), jax.tree.leaves(state.ppo.actor_params))),
+                    ids((loop.weights, state.batches)), ids(state.ppo)))
     return trace
 
 
@@ -159,16 +174,31 @@ def test_the_accounting_adds_up_on_every_iteration(trace, tiny_pipe):
     assert stale_total > 0
 
 
-def test_two_runs_with_the_same_seed_give_the_same_metrics_and_batches(trace, tiny_pipe):
-    again = _run(tiny_pipe)
+def _assert_same(trace, again):
+    assert len(trace) == len(again) == ITERATIONS
     for (batch, metrics, in_flight), (batch2, metrics2, in_flight2) in zip(trace, again):
+        assert sorted(metrics) == sorted(metrics2)
         for a, b in zip(jax.tree.leaves((batch, in_flight, metrics)),
                         jax.tree.leaves((batch2, in_flight2, metrics2))):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-# stage=ppo: 5 steps, checkpoints every 2, evaluations every 2.
-STAGE = {"stage": "ppo", "ppo.steps": 5, "ppo.eval_every": 2, "checkpoint_every": 2,
+def test_two_runs_with_the_same_seed_give_the_same_metrics_and_batches(trace, tiny_pipe):
+    _assert_same(trace, _run(tiny_pipe))
+
+
+def test_the_sampler_on_devices_of_its_own_gives_the_same_run(trace, tiny_pipe):
+    """The sampler on devices 2 and 3, the trainer on 0 and 1 (what `rollout.sampler_devices`
+    makes): the same metrics and batches as both on devices 0 and 1, the batches and the
+    sampler's weights on its devices only, and after every update its weights are the new
+    actor's, copied."""
+    copies = []
+    _assert_same(trace, _run(tiny_pipe, sampler=(2, 3), copies=copies))
+    assert copies == [(True, {2, 3}, {0, 1})] * ITERATIONS
+
+
+# stage=ppo: 4 steps, checkpoints every 2, evaluations every 2.
+STAGE = {"stage": "ppo", "ppo.steps": 4, "ppo.eval_every": 2, "checkpoint_every": 2,
          "ppo.group_size": GROUP, "ppo.batch_size": 16, "ppo.response_length": RESPONSE,
          **ROLLOUT}
 TIMING = ("timing/", "perf/")
@@ -208,23 +238,23 @@ def _stopping_at(step, stop):
 
 def test_a_preempted_run_resumes_with_the_uninterrupted_runs_rows(tiny_pipe, whole, tmp_path,
                                                                    monkeypatch):
-    """SIGTERM in step 3 (0-based 2): the step is finished and checkpointed with the batches in
+    """SIGTERM in step 1 (0-based 0): the step is finished and checkpointed with the batches in
     flight, the run stops (exit status 75 from run.py); the same command resumes there."""
     workdir = tmp_path / "run"
     monkeypatch.setattr(AsyncStep, "__call__", _stopping_at(
-        2, lambda: os.kill(os.getpid(), signal.SIGTERM)))
+        0, lambda: os.kill(os.getpid(), signal.SIGTERM)))
     with pytest.raises(preemption.Preempted) as stopped:
         _stage_ppo(tiny_pipe, workdir)
-    assert (stopped.value.stage, stopped.value.step) == ("ppo", 3)
+    assert (stopped.value.stage, stopped.value.step) == ("ppo", 1)
     monkeypatch.undo()
     assert _stage_ppo(tiny_pipe, workdir) == whole
-    assert [r["step"] for r in whole if r.get("stage") == "ppo"] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in whole if r.get("stage") == "ppo"] == [1, 2, 3, 4]
 
 
 def test_a_run_killed_in_a_step_resumes_with_the_uninterrupted_runs_rows(tiny_pipe, whole,
                                                                         tmp_path, monkeypatch):
     """A crash in step 4 (0-based 3): rows up to step 3 are written, the last checkpoint is
-    step 2's; the same command drops the rows after it and goes on from its batches."""
+    step 2's; the same command drops the row after it and goes on from its batches."""
     workdir = tmp_path / "run"
 
     def crash():

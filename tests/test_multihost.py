@@ -331,6 +331,9 @@ def test_bench_device_suite_small_on_cpu():
         assert row["tflops_per_s"] * row["iteration_s"] * 1e12 == pytest.approx(
             row["flops"]["total"])
         assert row["last_line"].startswith(f"iteration_s={row['iteration_s']:.4g} ")
+    # The asynchronous row: the synchronous loop and k = 1 (--small), timed iterations each.
+    row = result["rows"]["ppo_async_w1"]
+    assert row["staleness"] == [1] and row["sync"]["iterations"] == row["k1"]["iterations"] == 3
     # W2 chose its micro-batches by the compiler's memory analysis.
     assert set(result["rows"]["ppo_w2"]["compiled_peak_bytes"]) == {"update", "rollout", "score"}
     assert result["rows"]["mismatch_f32"]["diff_max"] < 1e-4

@@ -32,7 +32,10 @@ import dataclasses
 import math
 from typing import Optional, Sequence
 
+import jax
 import jax.numpy as jnp
+
+from marl_jax.train import sharding
 
 # The version of a token no policy sampled (observations, padding).
 NO_VERSION = -1
@@ -159,3 +162,25 @@ def device_split(devices: Sequence, sampler: Sequence[int], trainer: Sequence[in
         raise ValueError(f"config.rollout.sampler_devices={tuple(sampler)}: takes all {count} "
                          "devices, none is left to train")
     return [devices[i] for i in sampler], [devices[i] for i in trainer]
+
+
+def meshes(config, mesh):
+    """(the trainer's mesh, the sampler's mesh or None) of `config.mesh` over the device sets of
+    `config.rollout` (`device_split` of `jax.devices()`): `mesh` and None when they are one
+    set. Raises
+    ValueError naming the field when a set does not exist, `config.mesh` does not fit a set or
+    the batch does not split over the sampler's data shards (before anything compiles)."""
+    r = config.rollout
+    if not r.sampler_devices:
+        return mesh, None
+    sampler, trainer = device_split(jax.devices(), r.sampler_devices, r.trainer_devices)
+    out = []
+    for name, subset in (("trainer", trainer), ("sampler", sampler)):
+        out.append(sharding.make_mesh(config.mesh, subset,
+                                      name=f"config.mesh (over the {len(subset)} {name} devices)"))
+    p = config.ppo
+    sharding.validate_batch(p.batch_size, out[1], "config.ppo.batch_size (on the sampler's "
+                            "devices)")
+    sharding.validate_batch(p.batch_size // p.group_size, out[1], "config.ppo.batch_size / "
+                            "config.ppo.group_size (prompts per step, on the sampler's devices)")
+    return tuple(out)

@@ -345,6 +345,8 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
             mesh, writer, workdir):
     """Runs `config.ppo.steps` PPO / MA-PPO steps; returns the final PPOState."""
     p = config.ppo
+    # Asynchronous PPO on devices of its own: the trainer's mesh and the sampler's.
+    mesh, sampler_mesh = async_schedule.meshes(config, mesh)
     sharding.validate_batch(p.batch_size, mesh, "config.ppo.batch_size")
     validate_decode_slots(config, mesh)
     if p.reward_source == "host" and task.host_reward is None:
@@ -382,6 +384,10 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
     # the frozen reference and reward model they start from.
     state = jax.device_put(initial_state(config, mods, sft_params, critic_params, config.seed),
                            state_sh, may_alias=False)
+    if sampler_mesh is not None:
+        # Put on part of the devices it was replicated over, an array shares their buffers
+        # whatever may_alias says: the donated state gets buffers of its own.
+        state = jax.jit(lambda s: jax.tree.map(jnp.copy, s), out_shardings=state_sh)(state)
     # Host work between the phases (parsing, host rewards) runs the phases as programs of their
     # own; so does phase timing. Otherwise the step is one program.
     phased = asynchronous = None
@@ -394,7 +400,7 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
     elif schedule.asynchronous:
         # The sampler runs ahead of the trainer: the loop's state holds its batches.
         asynchronous = AsyncStep(config, task, static, mods, state_sh, frozen_sh, mesh,
-                                 schedule, timed=timed)
+                                 schedule, timed=timed, sampler_mesh=sampler_mesh)
     elif timed or p.termination == "parsing" or p.reward_source == "host":
         phased = PhasedStep(config, task, static, mods, state_sh, frozen_sh, mesh, timed=timed)
     step_fn = programs.ppo_step_program(static, mods, state_sh, frozen_sh, mesh).fn
