@@ -25,6 +25,7 @@ TASK_CONFIGS = {
     "apps": "configs/apps_smollm2.py",
     "reviews": "configs/real_text_smollm2.py",
     "calculator": "configs/multiturn_synthetic.py",
+    "reasoning_gym": "configs/rlvr_smollm2.py",
 }
 # What marl_jax/data/tasks.py reads of the synthetic task section besides the world's fields.
 SYNTHETIC_TASK_FIELDS = ("data_seed", "num_sft", "num_pairs", "num_rl_prompts",
@@ -33,6 +34,10 @@ SYNTHETIC_TASK_FIELDS = ("data_seed", "num_sft", "num_pairs", "num_rl_prompts",
 CALCULATOR_TASK_FIELDS = ("data_seed", "num_sft", "num_rl_prompts", "num_eval_prompts",
                           "prompt_length", "max_turns", "min_a", "max_a", "max_bc", "max_value",
                           "demo_shortcut")
+# What marl_jax/envs/tasks.py reads of the reasoning-gym task's section.
+REASONING_GYM_TASK_FIELDS = ("dataset", "options", "answer_format", "tokenizer", "data_seed",
+                             "num_sft", "num_rl_prompts", "num_eval_prompts", "prompt_length",
+                             "max_turns", "max_turn_tokens", "max_observation_tokens")
 # What marl_jax/data/review_task.py and the pipeline read of the review task's section.
 REVIEW_TASK_FIELDS = ("data_seed", "tokenizer", "max_prompt_length", "use_chat_template",
                       "num_eval_prompts", "num_rm_eval", "num_sft", "num_pairs",

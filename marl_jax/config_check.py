@@ -20,6 +20,7 @@ import ml_collections
 
 from marl_jax.config import (
     CALCULATOR_TASK_FIELDS,
+    REASONING_GYM_TASK_FIELDS,
     REVIEW_TASK_FIELDS,
     SYNTHETIC_TASK_FIELDS,
     TASK_CONFIGS,
@@ -62,6 +63,8 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
 
     check(c.stage in STAGES, "stage", f"must be one of {STAGES}")
     _check_task_fields(c, config_file)
+    if c.task.name == "reasoning_gym":
+        _check_reasoning_gym(c.task, check)
     check(isinstance(c.tpu_topology, str) and re.fullmatch(r"([a-z0-9]+-[0-9]+)?", c.tpu_topology),
           "tpu_topology", "must be empty or a Cloud TPU slice like v4-16, v5litepod-8, v5p-32")
     check(c.model.dtype in ("auto",) + DTYPES, "model.dtype", f"must be auto or one of {DTYPES}")
@@ -609,6 +612,29 @@ def _check_multi_turn(c, check):
                          f"{problem}")
 
 
+def _check_reasoning_gym(t, check):
+    """The reasoning-gym task's dataset and options against the library's registry (imports
+    the library, 2-3 s, which the task's build needs next; reads no file), and its answer
+    format."""
+    from marl_jax.envs import reasoning_gym
+
+    try:
+        reasoning_gym.library()
+    except ValueError as error:
+        raise ValueError(f"config.task.name='reasoning_gym': {error}") from None
+    problem = reasoning_gym.dataset_problem(t.dataset)
+    check(problem is None, "task.dataset", problem)
+    options = t.options.to_dict() if isinstance(t.options, ml_collections.ConfigDict) else None
+    problem = "must be a dict of the dataset's options, e.g. " \
+        "--config.task.options=\"{'max_terms': 2}\"" if options is None else \
+        reasoning_gym.options_problem(t.dataset, options)
+    if problem is not None:  # the field's own repr spans lines (a ConfigDict)
+        raise ValueError(f"config.task.options={options if options is not None else t.options!r}: "
+                         f"{problem}")
+    check(t.answer_format in reasoning_gym.ANSWER_FORMATS, "task.answer_format",
+          f"must be one of {tuple(reasoning_gym.ANSWER_FORMATS)}")
+
+
 def _check_task_fields(c, config_file):
     """A task name whose section lacks the fields its task reads fails here, naming them and the
     config file that serves the task, rather than deep inside data loading."""
@@ -616,11 +642,12 @@ def _check_task_fields(c, config_file):
     if name not in TASK_CONFIGS:
         raise ValueError(f"config.task.name={name!r}: must be one of {tuple(TASK_CONFIGS)}")
     needed = {"synthetic": SYNTHETIC_TASK_FIELDS, "reviews": REVIEW_TASK_FIELDS,
-              "calculator": CALCULATOR_TASK_FIELDS}.get(name, tuple(base_config().task))
+              "calculator": CALCULATOR_TASK_FIELDS,
+              "reasoning_gym": REASONING_GYM_TASK_FIELDS}.get(name, tuple(base_config().task))
     missing = [f for f in needed if f not in c.task]
     if missing:
-        kind = {"synthetic": "synthetic", "reviews": "review",
-                "calculator": "calculator"}.get(name, "real-dataset")
+        kind = {"synthetic": "synthetic", "reviews": "review", "calculator": "calculator",
+                "reasoning_gym": "reasoning-gym"}.get(name, "real-dataset")
         raise ValueError(
             f"config.task.name={name!r} needs the {kind} task fields ({', '.join(missing)}) that "
             f"{config_file or 'this config'} does not have; use --config={TASK_CONFIGS[name]}")

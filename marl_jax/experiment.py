@@ -481,7 +481,8 @@ class _GroupTurns:
         clock.done("rollout", None)
         exp, roll_metrics = clock.done("score", self.score(state, program.frozen, ids, mask,
                                                            trajectory))
-        return program.learn(state, exp, roll_metrics, clock)
+        state, metrics = program.learn(state, exp, roll_metrics, clock)
+        return state, dict(metrics, **self.player.episode_metrics)
 
     def macro_lengths(self, program):
         """`[runs]` tokens per macro of every run's first trajectories (its step 0's) under its

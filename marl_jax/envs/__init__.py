@@ -5,9 +5,11 @@ and one module per environment, each registered under its name:
 
 - `calculator`: arithmetic word problems with a calculator tool (synthetic, exact gold);
 - `guess_number`: guess the number with higher / lower feedback every turn;
-- `apps_repair`: APPS programs repaired from the failing tests' feedback (the APPS jail).
+- `apps_repair`: APPS programs repaired from the failing tests' feedback (the APPS jail);
+- `reasoning_gym`: reasoning-gym's problems, answered once or again after the checker's verdict.
 """
 from marl_jax.envs import apps_repair, calculator, guess_number  # noqa: F401  (they register)
+from marl_jax.envs import reasoning_gym  # noqa: F401  (registers; imports the library lazily)
 from marl_jax.envs import tasks  # noqa: F401  (registers the multi-turn tasks)
 from marl_jax.envs.base import Environment, StepResult, flag_counts
 from marl_jax.envs.registry import environment, environment_names, register_environment

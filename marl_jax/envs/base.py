@@ -64,6 +64,12 @@ class Environment:
         """(new state, observation or None, reward, done) after the policy's action."""
         raise NotImplementedError
 
+    def episode_metrics(self, states: Sequence) -> dict:
+        """The environment's own counts over the episodes whose current states are `states`
+        (metric name -> float, e.g. the share of answers a checker could not read), logged with
+        the training step that played them; none by default."""
+        return {}
+
     def reset(self, rows: Sequence[dict], seeds: Sequence) -> tuple[list, list]:
         """([B] states, [B] first prompts as chat messages) of `rows`, row i drawn from
         `np.random.default_rng(seeds[i])` (an int or a numpy Generator). A row the environment

@@ -10,6 +10,13 @@ the first prompts of fresh problems and play them against the environment
 order of the prompt arrays. There is no reward model: the environment's answer check is the
 reward (`TaskData.rm` is None).
 
+`reasoning_gym` (configs/rlvr_smollm2.py): a reasoning-gym dataset's problems
+(`marl_jax.envs.reasoning_gym`), `config.task.dataset` with its `options`, played for
+`config.task.max_turns` attempts (1: reinforcement learning with verifiable rewards on single
+answers); the dataset's checker is the reward. SFT trains on the library's reference answers in
+the answer format (`num_sft` of them, 0 for none). Its tokenizer is a pretrained one ("model" or
+a path).
+
 `config.task.tokenizer` chooses how text becomes tokens: "word" (the default, also when the
 section has no such field) is the task's own word-level tokenizer, written to
 `<workdir>/tokenizer` for a fresh model of `config.model.config`; "model" is the tokenizer of
@@ -27,6 +34,7 @@ from marl_jax.data.task_data import TaskData
 from marl_jax.data.task_registry import register_task
 from marl_jax.envs import calculator
 from marl_jax.envs.chat_turns import end_of_turn_ids, observation_span, prompt_ids
+from marl_jax.envs.reasoning_gym import problem_rows
 from marl_jax.envs.registry import environment
 from marl_jax.envs.transcripts import left_padded, pad_id, transcript_arrays
 from marl_jax.envs.turn_callback import turn_callback
@@ -75,7 +83,8 @@ def tokenizer_problem(config) -> str | None:
         tokenizer = _pretrained_tokenizer(path)
     except Exception as error:  # a missing file or a directory that holds no tokenizer
         return f"no tokenizer loads from {path}: {str(error).strip().splitlines()[0]}"
-    role = calculator.CalculatorEnvironment.observation_role
+    role = ("user" if config.task.name == "reasoning_gym" else
+            calculator.CalculatorEnvironment.observation_role)
     try:
         end_of_turn_ids(tokenizer)
         observation_span(tokenizer, [{"role": "user", "content": "2 + 3 ?"},
@@ -137,4 +146,47 @@ def calculator_task_data(config, workdir: str) -> TaskData:
         end_of_turn=tuple(end_of_turn_ids(tokenizer)),
         info=dict(task="calculator", calculator=dataclasses.asdict(task), rl_rows=rl_rows,
                   eval_rows=eval_rows),
+    )
+
+
+def reasoning_gym_environment_kwargs(t) -> dict:
+    """The `reasoning_gym` environment's arguments from a task section."""
+    return dict(dataset=t.dataset, options=dict(t.options), max_attempts=int(t.max_turns),
+                answer_format=t.answer_format)
+
+
+@register_task("reasoning_gym")
+def reasoning_gym_task_data(config, workdir: str) -> TaskData:
+    """The reasoning-gym task (see the module); deterministic in `config.task`. The SFT, PPO and
+    held-out problems come from `reasoning_gym.problem_rows` (disjoint seeds from `data_seed`,
+    no held-out question in a training part)."""
+    t = config.task
+    path = tokenizer_path(config)
+    if not path:
+        raise ValueError(f"config.task.tokenizer={t.tokenizer!r}: reasoning-gym problems are "
+                         f"text for a pretrained tokenizer: use {MODEL_TOKENIZER} or a path")
+    tokenizer = _pretrained_tokenizer(path)
+    p, r = int(t.prompt_length), int(config.ppo.response_length)
+    env_kwargs = reasoning_gym_environment_kwargs(t)
+    env = environment("reasoning_gym", **env_kwargs)
+    problems = env.problems
+    rows = problem_rows(problems, int(t.data_seed),
+                        dict(sft=t.num_sft, rl=t.num_rl_prompts, eval=t.num_eval_prompts))
+    demos = []
+    for row in rows["sft"]:
+        entry = problems.entry(row)
+        demos.append([{"role": "user", "content": problems.prompt(entry)},
+                      {"role": "assistant", "content": problems.demonstration(entry)}])
+    return TaskData(
+        tokenizer=tokenizer, prompt_length=p, response_length=r,
+        sft=transcript_arrays(tokenizer, demos, p, r), rm=None,
+        rl=first_prompts(env, tokenizer, rows["rl"], p),
+        eval=first_prompts(env, tokenizer, rows["eval"], p),
+        environment=dict(name="reasoning_gym", kwargs=env_kwargs),
+        turn_callback=lambda task_rows, seeds: turn_callback(
+            env, tokenizer, task_rows, seeds,
+            max_observation_tokens=int(t.max_observation_tokens))[1],
+        end_of_turn=tuple(end_of_turn_ids(tokenizer)),
+        info=dict(task="reasoning_gym", dataset=t.dataset, options=dict(t.options),
+                  rl_rows=rows["rl"], eval_rows=rows["eval"]),
     )

@@ -10,7 +10,8 @@ token ids of `marl_jax.envs.chat_turns.observation_span`, None once done), the t
 the done / failed flags. An action the policy left open (it did not end with the end-of-turn
 token, e.g. it ran out of its turn's tokens) is closed by the environment: its span starts with
 that token. A span longer than `max_observation_tokens` ends its row as failed, like a broken
-environment step; a failed row's turn earns 0 reward.
+environment step; a failed row's turn earns 0 reward. `step_turns.episode_metrics()` is the
+environment's `episode_metrics` of the episodes' states so far.
 """
 from __future__ import annotations
 
@@ -84,4 +85,5 @@ def turn_callback(environment: Environment, tokenizer, task_rows: Sequence[dict]
         finished[rows] = done
         return TurnStep(observation_ids, rewards, done, failed)
 
+    step_turns.episode_metrics = lambda: environment.episode_metrics(states)
     return first_prompt_ids, step_turns

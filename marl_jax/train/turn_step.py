@@ -45,7 +45,8 @@ class TrajectoryPlayer:
     """Plays a multi-turn task's episodes (`task.turn_callback`) with a policy: `play(params,
     prompt_ids, prompt_mask, task_rows, seeds, key) -> rollout.turns.Trajectory` (numpy
     `[B, T]`), the prompts left-padded `[B, P]` and the environment's rows and seeds one per
-    row."""
+    row. `episode_metrics` holds the environment's own counts of the last episodes played
+    (`Environment.episode_metrics`)."""
 
     def __init__(self, config, task, static: PPOStatic, policy):
         if jax.process_count() > 1:
@@ -55,18 +56,21 @@ class TrajectoryPlayer:
         self.turn_callback, self.end_of_turn = task.turn_callback, task.end_of_turn
         self.policy, self.static = policy, static
         self.max_turns, self.max_turn_tokens = int(t.max_turns), int(t.max_turn_tokens)
+        self.episode_metrics = {}
 
     def play(self, params, prompt_ids, prompt_mask, task_rows, seeds, key,
              temperature=None) -> turns.Trajectory:
         s = self.static
-        return turns.run_turns(
+        step_turns = self.turn_callback(task_rows, seeds)
+        trajectory = turns.run_turns(
             self.policy, params, np.asarray(prompt_ids), np.asarray(prompt_mask),
-            step_turns=self.turn_callback(task_rows, seeds),
-            row_keys=jax.random.split(key, len(task_rows)),
+            step_turns=step_turns, row_keys=jax.random.split(key, len(task_rows)),
             max_turns=self.max_turns, max_total_tokens=s.response_length,
             max_turn_tokens=self.max_turn_tokens, end_of_turn=self.end_of_turn,
             temperature=s.temperature if temperature is None else temperature,
             top_k=s.top_k, top_p=s.top_p, pad_id=s.pad_id, decode_slots=s.decode_slots or None)
+        self.episode_metrics = getattr(step_turns, "episode_metrics", dict)()
+        return trajectory
 
 
 def trajectory_arrays(trajectory: turns.Trajectory) -> dict:
@@ -112,7 +116,7 @@ class MultiTurnStep:
             state, frozen, hparams, exp, None))
         state, metrics = clock.done("update", self.fns["update"](
             state, exp, adv, roll_metrics, adv_metrics, frozen))
-        return state, dict(metrics, **clock.seconds)
+        return state, dict(metrics, **clock.seconds, **self.player.episode_metrics)
 
     def close(self):
         pass
@@ -169,8 +173,9 @@ def play_runs(player: TrajectoryPlayer, static: PPOStatic, state, frozen, ids, m
     """Every run's trajectories of a vmapped group's step: run r's actor (`state.actor_params`
     with a leading run axis) plays prompts `ids, mask [runs, B, P]` (groups repeated) on its
     task rows `task_rows[r]` (B each), with its own step key and episode seeds (as
-    `MultiTurnStep` would for that run alone). `TRAJECTORY_KEYS` arrays `[runs, B, T]`."""
-    out = []
+    `MultiTurnStep` would for that run alone). `TRAJECTORY_KEYS` arrays `[runs, B, T]`; the
+    player's `episode_metrics` become `[runs]` arrays."""
+    out, counts = [], []
     for r, seed in enumerate(run_seeds):
         run = jax.tree.map(lambda x: x[r], state.actor_params)
         key = step_keys(types.SimpleNamespace(key=state.key[r], step=state.step[r]))[0]
@@ -178,6 +183,8 @@ def play_runs(player: TrajectoryPlayer, static: PPOStatic, state, frozen, ids, m
                                  task_rows[r], episode_seeds(seed, step, range(len(ids[r]))),
                                  key)
         out.append(trajectory_arrays(trajectory))
+        counts.append(player.episode_metrics)
+    player.episode_metrics = {k: np.asarray([c[k] for c in counts]) for k in counts[0]}
     return {k: np.stack([o[k] for o in out]) for k in TRAJECTORY_KEYS}
 
 
