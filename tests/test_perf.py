@@ -81,6 +81,34 @@ def test_ppo_step_flops_is_the_hand_count():
     assert lean["update"] == pytest.approx(2 * 3 * forward(policy, 8, 20))
 
 
+def test_a_multi_turn_step_counts_the_work_its_tokens_count():
+    """A multi-turn row's tokens are every row's prompt, the observations its rollout prefilled
+    and the action tokens; its FLOPs count the same work: 4 prompt prefills (each sample plays
+    its own episode, not one prefill per group of 2) and the 6 observation tokens, by hand."""
+    import types
+
+    policy_module, critic_module = models.CausalLM(_config()), ScalarHeadModel(_config())
+    mods = types.SimpleNamespace(policy=policy_module, critic=critic_module,
+                                 reward=critic_module)
+    static = PPOStatic(batch_size=4, response_length=10, eos_id=1, pad_id=0, top_k=50,
+                       group_size=2, reward_source="env", estimator="gae")
+    policy, critic = perf.model_flops(policy_module), perf.model_flops(critic_module)
+    row = {"budget/generated_tokens": 12.0, "budget/prefill_tokens": 4 * 3 + 6.0,
+           "val/response_length": 3.0, "multiturn/turns_avg": 2.0,
+           "multiturn/observation_tokens_avg": 1.5}
+    tokens, flops = ppo_lib.step_cost(static, mods, 3)(row)
+    assert tokens == 12 + 18
+    attention = lambda positions, keys: 4 * 2 * 2 * 16 * positions * keys  # noqa: E731
+    # 4 prompts of 3 positions (head at the last); 6 observation positions, no head, each
+    # reading 3 + 10 / 2 keys; 12 decoded tokens, 4 rows of 3 reading 4, 5 and 6 keys.
+    rollout = 4 * (2 * BODY * 3 + 2 * 3200 + attention(3, 3)) \
+        + 2 * BODY * 6 + attention(6, 8) + 4 * (2 * (BODY + 3200) * 3 + attention(1, 15))
+    no_turns = {k: v for k, v in row.items() if not k.startswith("multiturn/")}
+    single = perf.ppo_step_flops(static, policy, critic, critic, 3, 12.0, 3.0)
+    assert flops == pytest.approx(rollout + single["score"] + single["update"], rel=1e-12)
+    assert ppo_lib.step_cost(static, mods, 3)(no_turns)[1] == pytest.approx(single["total"])
+
+
 def test_device_table():
     h200 = perf.device_kind("NVIDIA H200")
     assert (h200.bfloat16_flops, h200.hbm_bandwidth) == (989e12, 4.8e12)

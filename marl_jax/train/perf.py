@@ -217,7 +217,8 @@ PHASES = ("rollout", "score", "advantages", "update")
 
 
 def ppo_step_flops(static, policy: ModelFlops, critic: ModelFlops, reward: ModelFlops,
-                   prompt_length: int, generated_tokens, response_length_mean=None) -> dict:
+                   prompt_length: int, generated_tokens, response_length_mean=None,
+                   observation_tokens=None) -> dict:
     """Model FLOPs of one PPO step per phase `{rollout, score, advantages, update}` (and
     `total`), every model counted.
 
@@ -230,13 +231,23 @@ def ppo_step_flops(static, policy: ModelFlops, critic: ModelFlops, reward: Model
     (when it scores). update: `ppo_epochs` x the
     actor's (and critic's) forward and backward over `[B, P + R]`. advantages: none counted
     (Monte Carlo branches' tokens are in `generated_tokens`; their scoring is not counted).
+
+    A multi-turn step (`observation_tokens`: the environment's tokens its rollout prefilled
+    between turns, a host number) prefills every row's prompt (each sample plays its own
+    episode) and the observations into the cache, each attending to the prompt and, on
+    average, half the trajectory budget (no head at them): the work its `budget/prefill_tokens`
+    count.
     """
     b, p, r = static.batch_size, prompt_length, static.response_length
     length = max(float(r if response_length_mean is None else response_length_mean), 1.0)
-    rollout = (static.prompts_per_step * policy.prefill(p)
-               + float(np.sum(generated_tokens)) / length * policy.generation(p, length))
     # Scoring covers every sampled row (dynamic sampling scores m x the rows it trains on).
     sampled = static.prompts_per_step * static.group_size
+    decoded = float(np.sum(generated_tokens)) / length * policy.generation(p, length)
+    if observation_tokens is None:
+        rollout = static.prompts_per_step * policy.prefill(p) + decoded
+    else:
+        rollout = (sampled * policy.prefill(p) + decoded
+                   + policy.forward(float(np.sum(observation_tokens)), p + r / 2, 0))
     positions, keys = b * (p + r), p + r
     scorers = [reward] if static.reward_source == "rm" else []
     if not static.reuses_sampler_logprobs:

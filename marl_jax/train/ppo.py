@@ -489,11 +489,14 @@ def step_cost(static: PPOStatic, mods: Models, prompt_length: int):
         generated = np.atleast_1d(row["budget/generated_tokens"])
         # A single-turn rollout prefills each prompt once for its group; a multi-turn one every
         # row's prompt and observations, which the step's passes read as they read a prompt.
+        multi_turn = "multiturn/turns_avg" in row
         prompts = np.atleast_1d(row["budget/prefill_tokens"]) * (
-            1 if "multiturn/turns_avg" in row else static.group_size)
+            1 if multi_turn else static.group_size)
         lengths = np.atleast_1d(row["val/response_length"])
-        total = sum(perf.ppo_step_flops(static, *flops, prompt_length, g, n)["total"]
-                    for g, n in zip(generated, lengths))
+        observed = np.atleast_1d(row["multiturn/observation_tokens_avg"]) * static.batch_size \
+            if multi_turn else [None] * len(generated)
+        total = sum(perf.ppo_step_flops(static, *flops, prompt_length, g, n, o)["total"]
+                    for g, n, o in zip(generated, lengths, observed))
         return float(generated.sum() + prompts.sum()), total
 
     return cost
