@@ -9,7 +9,7 @@ same rollout of 8 held-out prompts x 4 samples, scored against Monte Carlo groun
         --page docs/credit.md
 
 `--config.seed` picks the run (its own SFT, reward model and PPO); the probe's prompts are the
-task's first held-out prompts, its keys `credit.seed` and the step. Sizes: configs/synthetic.py's,
+task's first held-out prompts, its keys `credit.seed`, the run's seed and the step. Sizes: configs/synthetic.py's,
 with PPO evaluated every 20 steps and checkpointed at every probe.
 """
 from configs import synthetic

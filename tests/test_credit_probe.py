@@ -9,6 +9,8 @@ import math
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import macro_oracle
 import numpy as np
 import pytest
@@ -16,8 +18,10 @@ from train_util import ROOT, tiny_config, tiny_flags
 
 from marl_jax import stages
 from marl_jax.config_check import validate_config
-from marl_jax.eval import credit_recheck
+from marl_jax.eval import credit_recheck, credit_truth
+from marl_jax.train import credit
 from marl_jax.train.metrics import read_metrics
+from marl_jax.train.turn_step import episode_seeds
 
 sys.path.insert(0, str(ROOT / "experiments"))
 import credit_report
@@ -118,10 +122,11 @@ def test_report_pools_seed_sets_and_states_differences_that_hold_on_every_set(pr
     assert "| estimator | start | end |" in page.read_text()
     x = _load(workdir, 1)
     lengths = np.cumprod(x["response_mask"] != 0, axis=1).sum(axis=1)
-    # A run pooled with itself: twice the states and prompts, the same point estimates.
+    # A run pooled with itself: twice the states of the same prompts (one bootstrap unit each
+    # across the copies), the same point estimates.
     pooled, single = out[0]["end"]["scores"]["token"], out[1]["end"]["scores"]["token"]
     assert pooled["token_gae"]["states"] == 2 * single["token_gae"]["states"] == 2 * lengths.sum()
-    assert pooled["grpo"]["prompts"] == 2 * single["grpo"]["prompts"] == 2 * 3
+    assert pooled["grpo"]["prompts"] == single["grpo"]["prompts"] == 3
     for name, entry in single.items():
         assert pooled[name]["pearson"]["value"] == pytest.approx(entry["pearson"]["value"])
     text = page.read_text()
@@ -133,6 +138,69 @@ def test_report_pools_seed_sets_and_states_differences_that_hold_on_every_set(pr
                         for r in out) and len({credit_report.st.direction(
                             r[phase]["vs_token_gae"][name]["ci"]) for r in out}) == 1
             assert stated == holds, (phase, name)
+
+
+def _probe_draws(run_seed: int, step: int, *, states=40, continuations=8, positions=12,
+                 mc_rows=24) -> set:
+    """The keys every draw of a probe is made with (raw key data), as the probe derives them
+    from `credit.seed` 1234, the run's seed and the step: the responses' positions
+    (`fold_in(key, t)`), the segmentation key, the Monte Carlo macro values' rows and the
+    truth's continuations (`continuation_keys`) at every position."""
+    keys = credit.probe_keys(credit.probe_seed(1234, run_seed), step)
+    rows = jnp.concatenate([keys.responses[None], keys.segments[None],
+                            jax.random.split(keys.macro_mc, mc_rows),
+                            credit_truth.continuation_keys(keys.truth, states,
+                                                           continuations).reshape(-1)])
+    drawn = jax.vmap(lambda k: jax.vmap(lambda t: jax.random.fold_in(k, t))(
+        jnp.arange(positions)))(rows)
+    return {tuple(k) for k in np.asarray(jax.random.key_data(drawn)).reshape(-1, 2).tolist()}
+
+
+def test_runs_of_different_seeds_share_no_probe_draw(probed):
+    workdir, _ = probed
+    # The run's seed (0) reached its probe, which saved the seed of its draws.
+    for step in (0, 1):
+        assert int(_load(workdir, step)["probe_seed"]) == credit.probe_seed(1234, 0)
+    seed_0, seed_1 = _probe_draws(0, 1), _probe_draws(1, 1)
+    assert len(seed_0) == len(seed_1) == (2 + 24 + 40 * 8) * 12
+    assert seed_0 == _probe_draws(0, 1), "the same run and step draws the same"
+    assert not seed_0 & seed_1 and not seed_0 & _probe_draws(0, 0)
+    # A multi-turn probe's episodes: other environment seeds in every run.
+    episodes = [set(episode_seeds(credit.probe_seed(1234, s), 1, range(64), held_out=True))
+                for s in (0, 1)]
+    assert len(episodes[0]) == 64 and not episodes[0] & episodes[1]
+
+
+def test_a_prompt_that_runs_share_is_one_bootstrap_unit(probed):
+    workdir, _ = probed
+    path = str(workdir / "credit" / "step_1.npz")
+    single = dict(np.load(path))
+    own = np.arange(single["response_ids"].shape[0]) // int(single["group_size"])
+
+    def interval(inputs, prompts):
+        scores, _ = credit.score_probe(inputs, prompts, resamples=300)
+        return scores["token"]["token_gae"]["pearson"]["ci"]
+
+    # Copies of one run: its prompts are one unit each across the copies, so the clustered
+    # interval is the single run's (each resample holds each drawn prompt's states twice: the
+    # same weighted correlation); numbering each copy's prompts apart (the prompt-level
+    # bootstrap) narrows it.
+    copies, clusters = credit_report.pooled([path, path])
+    assert clusters.tolist() == own.tolist() * 2
+    naive = np.concatenate([own, own + own.max() + 1])
+    clustered, prompt_level, alone = (interval(copies, clusters), interval(copies, naive),
+                                      interval(single, own))
+    assert clustered == pytest.approx(alone, abs=1e-12)
+    assert clustered[1] - clustered[0] > prompt_level[1] - prompt_level[0]
+    # Runs that share no prompt (the copy's prompts moved to other tokens): the clusters are
+    # the prompt-level numbering itself, so both draw the same resamples of the same units and
+    # the intervals are equal to the bit.
+    other = workdir.parent / "other_prompts"
+    (other / "credit").mkdir(parents=True, exist_ok=True)
+    np.savez(other / "credit" / "step_1.npz", **dict(single, prompt_ids=single["prompt_ids"] + 1))
+    disjoint, clusters = credit_report.pooled([path, str(other / "credit" / "step_1.npz")])
+    assert clusters.tolist() == naive.tolist()
+    assert interval(disjoint, clusters) == interval(disjoint, naive)
 
 
 def test_report_refuses_to_pool_probes_of_different_truths_or_turns(probed, tmp_path):
@@ -167,6 +235,8 @@ def test_report_refuses_to_pool_probes_of_different_truths_or_turns(probed, tmp_
     ("credit.continuations", 1, "compares two halves"),
     ("credit.rules", ("fixed", "parsing"), "rules cut on the device"),
     ("ppo.estimator", "grpo", "scores the run's critic"),
+    # The arms x seeds runner vmaps its runs' steps and runs no probe.
+    ("stage", "experiment", "inside a PPO run"),
 ])
 def test_bad_probe_settings_are_one_line(field, value, words):
     cfg = tiny_config(**{**CREDIT, field: value})

@@ -28,6 +28,11 @@ and each macro estimator's advantage against its rule's macro A* (`eval.credit_s
 Pearson, Spearman, sign agreement, variance, bootstrap intervals over prompts), beside the
 noise ceiling of the truth (two independent halves of the K).
 
+Every draw of a probe (its responses, the rules' random cuts, the Monte Carlo macro values'
+and the truth's continuations) comes from `probe_keys(probe_seed(credit.seed, config.seed),
+step)`: a run's own seed enters, so runs of different seeds share no random number, and the
+same run resumed draws the same.
+
 Each probe writes a `credit` metrics row (`credit/<level>/<estimator>/<score>`) and its inputs
 to `<workdir>/credit/step_<n>.npz` (the truth's name, prompts, responses, the truth's
 per-token rewards (and the run's, `run_rewards`, where they differ) and critic values, every
@@ -40,6 +45,7 @@ import dataclasses
 import functools
 import os
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +66,29 @@ ROW_SCORES = ("pearson", "spearman", "sign_agreement")
 GROUP_ESTIMATORS = ("grpo", "rloo")
 MC_RULE = "fixed"
 TRUTHS = ("reward", "gold")
+
+
+class ProbeKeys(NamedTuple):
+    """The keys of one probe's draws: the sampled responses, the segmentation (rules that
+    draw, e.g. randomized n-grams), the Monte Carlo macro values' continuations and the
+    truth's continuations."""
+
+    responses: jax.Array
+    segments: jax.Array
+    macro_mc: jax.Array
+    truth: jax.Array
+
+
+def probe_seed(credit_seed: int, run_seed: int) -> int:
+    """The seed of a run's probe: `credit.seed` and the run's own `config.seed` together, so
+    that runs of different seeds share no probe draw (responses, segmentation, Monte Carlo
+    macro values, truth continuations and, on a multi-turn task, episode seeds)."""
+    return int(np.random.SeedSequence([int(credit_seed), int(run_seed)]).generate_state(1)[0])
+
+
+def probe_keys(seed: int, step: int) -> ProbeKeys:
+    """The keys of the probe at `step` of the run whose probe seed is `seed` (`probe_seed`)."""
+    return ProbeKeys(*jax.random.split(jax.random.fold_in(jax.random.key(seed), step), 4))
 
 
 def probe_steps(every: int, total_steps: int) -> list[int]:
@@ -304,6 +333,7 @@ class CreditProbe:
                              f"{len(task.eval['ids'])} held-out prompts")
         self.prompt_ids = jnp.asarray(np.asarray(task.eval["ids"])[:n])
         self.prompt_mask = jnp.asarray(np.asarray(task.eval["mask"])[:n])
+        self.seed = probe_seed(int(self.c.seed), int(config.seed))
         self.ngram = int(config.ppo.ngram)
         self.aggregation = config.ppo.reward_aggregation
         self.directory = os.path.join(workdir, "credit")
@@ -325,15 +355,16 @@ class CreditProbe:
         """The arrays one probe scores (numpy): prompts, responses, rewards, states' values,
         segments and every estimator's advantages."""
         c, static = self.c, self.static
-        keys = jax.random.split(jax.random.fold_in(jax.random.key(int(c.seed)), step), 4)
-        exp = self._sample(state, frozen, self.prompt_ids, self.prompt_mask, keys[0],
+        keys = probe_keys(self.seed, step)
+        exp = self._sample(state, frozen, self.prompt_ids, self.prompt_mask, keys.responses,
                            group_size=int(c.group_size))
-        segments = rule_segments(static, exp, tuple(c.rules), keys[1], self.ngram, self.parser)
+        segments = rule_segments(static, exp, tuple(c.rules), keys.segments, self.ngram,
+                                 self.parser)
         gamma, lam = float(hparams.gamma), float(hparams.lam)
         advantages = estimator_advantages(
             static, self.models, state, frozen, exp, segments, gamma=gamma, lam=lam,
             weightings=tuple(c.weightings), aggregation=self.aggregation,
-            group_size=int(c.group_size), mc_rollouts=int(c.mc_rollouts), key=keys[2])
+            group_size=int(c.group_size), mc_rollouts=int(c.mc_rollouts), key=keys.macro_mc)
         rows, starts, ends = token_spans(exp.actions)
         actor = role_params(static, "actor", frozen, state.actor_params)
         reward_fn = (functools.partial(self._reward, state, frozen) if self._gold is None
@@ -341,7 +372,7 @@ class CreditProbe:
         truth = credit_truth.advantage_truth(
             self.models.policy, actor, exp.prompt_ids, exp.prompt_mask, exp.response_ids,
             exp.actions, rows, starts, ends,
-            reward_fn=reward_fn, key=keys[3],
+            reward_fn=reward_fn, key=keys.truth,
             num_continuations=int(c.continuations), temperature=static.temperature,
             top_k=static.top_k, top_p=static.top_p, eos_id=static.eos_id, pad_id=static.pad_id,
             gamma=gamma, chunk_states=int(c.chunk_states), reward_rows=self._gold is not None,
@@ -351,7 +382,8 @@ class CreditProbe:
                    reward_fn(exp.prompt_ids, exp.prompt_mask, exp.response_ids, exp.actions,
                              rows=np.arange(exp.response_ids.shape[0])))
         return {
-            "step": np.int64(step), "truth": np.str_(self.truth),
+            "step": np.int64(step), "probe_seed": np.int64(self.seed),
+            "truth": np.str_(self.truth),
             "group_size": np.int64(c.group_size),
             "gamma": np.float64(gamma),
             "prompt_ids": np.asarray(exp.prompt_ids), "prompt_mask": np.asarray(exp.prompt_mask),

@@ -5,9 +5,10 @@ them, and they are scored against ground truth from continuations that play the 
 
 `TurnCreditProbe` samples `group_size` trajectories of each of the first `credit.prompts`
 held-out episodes (`turn_step.TrajectoryPlayer`, the held-out task rows, episode seeds of the
-probe's step) and scores them as the run does (`ppo_core.score_trajectory_phase`: the critic's
-values and the per-token rewards, KL terms and the environment's turn rewards, on the action
-tokens). On that batch, over the action tokens (observation spans are holes):
+probe's seed and step: `credit.probe_seed`, which the run's seed enters) and scores them as the
+run does (`ppo_core.score_trajectory_phase`: the critic's values and the per-token rewards, KL
+terms and the environment's turn rewards, on the action tokens). On that batch, over the
+action tokens (observation spans are holes):
 
 - `token_gae`: GAE with one action token per step (across observations);
 - per rule of `credit.rules` (on-device rules within turns, and `turn`: one macro per turn) and
@@ -94,15 +95,16 @@ class TurnCreditProbe(credit.CreditProbe):
         """The arrays one probe scores (numpy), action tokens left-aligned (see the module)."""
         c, static = self.c, self.static
         k = int(c.group_size)
-        keys = jax.random.split(jax.random.fold_in(jax.random.key(int(c.seed)), step), 4)
+        keys = credit.probe_keys(self.seed, step)
         ids = jnp.repeat(self.prompt_ids, k, axis=0)
         mask = jnp.repeat(self.prompt_mask, k, axis=0)
         rows = [r for r in self.task_rows for _ in range(k)]
-        seeds = episode_seeds(int(c.seed), step, range(len(rows)), held_out=True)
+        seeds = episode_seeds(self.seed, step, range(len(rows)), held_out=True)
         actor = role_params(static, "actor", frozen, state.actor_params)
-        played = trajectory_arrays(self.player.play(actor, ids, mask, rows, seeds, keys[0]))
+        played = trajectory_arrays(self.player.play(actor, ids, mask, rows, seeds,
+                                                    keys.responses))
         exp, _ = self._score(state, frozen, ids, mask, played)
-        segments = credit.rule_segments(static, exp, tuple(c.rules), keys[1], self.ngram,
+        segments = credit.rule_segments(static, exp, tuple(c.rules), keys.segments, self.ngram,
                                         turn_ids=exp.turn_ids)
         gamma, lam = float(hparams.gamma), float(hparams.lam)
         advantages = turn_estimator_advantages(
@@ -113,7 +115,7 @@ class TurnCreditProbe(credit.CreditProbe):
         state_positions = np.concatenate([np.arange(n + 1) for n in lengths])
         values = truth_turns.state_values(
             self.models.policy, actor, ids, mask, played, state_rows, state_positions,
-            reward_fn=functools.partial(self._rewards, state, frozen), key=keys[3],
+            reward_fn=functools.partial(self._rewards, state, frozen), key=keys.truth,
             num_continuations=int(c.continuations), gamma=gamma,
             chunk_states=int(c.chunk_states), make_step_turns=self.turn_callback,
             task_rows=rows, seeds=seeds, progress=credit.truth_progress(step, int(c.continuations)),
@@ -121,7 +123,8 @@ class TurnCreditProbe(credit.CreditProbe):
         squeeze = functools.partial(truth_turns.compress, columns=columns, lengths=lengths)
         actions = (np.arange(columns.shape[1])[None, :] < lengths[:, None]).astype(np.int32)
         return {
-            "step": np.int64(step), "truth": np.str_("reward"), "group_size": np.int64(k),
+            "step": np.int64(step), "probe_seed": np.int64(self.seed),
+            "truth": np.str_("reward"), "group_size": np.int64(k),
             "gamma": np.float64(gamma),
             "prompt_ids": np.asarray(ids), "prompt_mask": np.asarray(mask),
             "response_ids": squeeze(played["tokens"]), "response_mask": actions,
