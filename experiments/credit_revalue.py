@@ -76,8 +76,10 @@ def check_step(workdir, step: int) -> None:
 class ProbePolicy(NamedTuple):
     """What a probe scored with: the PPO statics, models, state and frozen roles of its step,
     the mesh and logical rules its programs run under, and the run's per-token reward
-    `(prompt_ids, prompt_mask, response_ids, response_mask) -> [N, R]` and scoring
-    `(...) -> (rewards, values) [N, R]` under that state."""
+    `(prompt_ids, prompt_mask, response_ids, response_mask, *, rows) -> [N, R]` (rows: the
+    probe's response rows scored or continued) and scoring of the probe's responses
+    `(prompt_ids, prompt_mask, response_ids, response_mask) -> (rewards, values) [N, R]` under
+    that state."""
 
     static: object
     models: object
@@ -135,6 +137,9 @@ def restore_policy(config, workdir, step: int) -> ProbePolicy:
                                      async_save=False, read_only=True) as saved:
             state, _ = saved.restore(step, abstract, state_sh)
     reward = jax.jit(functools.partial(credit._rewards, static, models))
+    group_size = int(config.credit.group_size)
+    documents = credit.probe_documents(pipe.task, static, int(config.credit.prompts))
+    row_documents = None if documents is None else jax.numpy.repeat(documents, group_size, 0)
 
     def scored(state, frozen, *batch):
         exp, _ = score.score(static, models, state, frozen, *batch)
@@ -144,8 +149,8 @@ def restore_policy(config, workdir, step: int) -> ProbePolicy:
     return ProbePolicy(
         static=static, models=models, state=state, frozen=frozen, mesh=mesh,
         rules=sharding.logical_rules(mesh, build.model_dims(policy.config)),
-        reward_fn=functools.partial(reward, state, frozen),
-        score_fn=functools.partial(scored, state, frozen))
+        reward_fn=credit.run_reward_fn(reward, state, frozen, documents, group_size),
+        score_fn=lambda *batch: scored(state, frozen, *batch, row_documents))
 
 
 def revalue(policy: ProbePolicy, inputs: dict, *, states: int, continuations: int,
@@ -186,7 +191,8 @@ def revalue(policy: ProbePolicy, inputs: dict, *, states: int, continuations: in
             *batch, mask, state_rows, state_positions, reward_fn=policy.reward_fn,
             key=jax.random.fold_in(jax.random.key(seed), KEY_STREAM),
             num_continuations=continuations, temperature=static.temperature, top_k=static.top_k,
-            top_p=static.top_p, eos_id=static.eos_id, pad_id=static.pad_id, gamma=gamma)
+            top_p=static.top_p, eos_id=static.eos_id, pad_id=static.pad_id, gamma=gamma,
+            reward_rows=True)
     saved = credit_truth.StateValues(
         rows=state_rows, positions=state_positions, mean=inputs["state_mean"][saved_index],
         se=inputs["state_se"][saved_index], halves=inputs["state_halves"][saved_index],

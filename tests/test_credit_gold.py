@@ -1,6 +1,7 @@
 """The advantage-quality probe against the task's gold (`config.credit.truth="gold"`,
-marl_jax/train/credit.py): the truth's rewards are the synthetic task's gold on the last token,
-the documents read back from the prompts' tokens; every state's value is the mean discounted
+marl_jax/train/credit.py), on a run rewarded by the gold (`ppo.reward_source=gold`): the
+truth's rewards and the run's are the synthetic task's gold on the last token, the documents
+read back from the prompts' tokens; every state's value is the mean discounted
 gold of its continuations, redrawn with the truth's keys and scored token by token here; the
 review task's host-side gold scores decoded text; a task without a gold is one line at config
 time, exit status 2."""
@@ -53,10 +54,13 @@ def gold_on_last_token(documents, ids, mask) -> np.ndarray:
 @pytest.fixture(scope="module")
 def probed(tmp_path_factory):
     """The probe of a run's first step against the gold, its policy and reward model as
-    initialised (no training steps): (workdir, rows by step)."""
+    initialised (no training steps), the run rewarded by the gold too
+    (`ppo.reward_source=gold`: the probe scores its responses with their prompts' documents):
+    (workdir, rows by step)."""
     workdir = tmp_path_factory.mktemp("credit_gold") / "run"
     stages.run(tiny_config(**{"sft.steps": 0, "rm.steps": 0, "ppo.steps": 0,
-                              "ppo.eval_every": 0, **CREDIT}), str(workdir))
+                              "ppo.eval_every": 0, "ppo.reward_source": "gold", **CREDIT}),
+               str(workdir))
     rows = {r["step"]: r for r in read_metrics(str(workdir)) if r["stage"] == "credit"}
     return workdir, rows
 
@@ -71,8 +75,11 @@ def test_the_truth_is_rewarded_by_the_gold_on_the_last_token(probed):
         documents = documents_of_prompts(x["prompt_ids"], x["prompt_mask"])
         want = gold_on_last_token(documents, x["response_ids"], mask)
         np.testing.assert_allclose(x["rewards"], want, atol=1e-6)
-        # The estimators read the run's rewards (the reward model's score), saved beside.
-        assert x["run_rewards"].shape == want.shape and not np.allclose(x["run_rewards"], want)
+        # The estimators read the run's rewards, saved beside: the gold of each prompt's
+        # document too (clipped at 2.5, which a gold in [-1, 1] never reaches), with KL terms
+        # that are 0 while the actor is the reference.
+        np.testing.assert_allclose(x["run_rewards"], want, atol=1e-5)
+        assert np.count_nonzero(want) >= mask.shape[0] // 2
         lengths = np.cumprod(mask != 0, axis=1).sum(axis=1)
         states = {(int(b), int(t)): i for i, (b, t) in enumerate(zip(x["state_rows"],
                                                                      x["state_positions"]))}
@@ -152,6 +159,24 @@ def test_a_host_gold_scores_the_decoded_text_of_each_row(tmp_path):
     rewards = credit.gold_reward_fn(task, 2)(None, None, ids, mask, rows=np.array([1, 2, 5]))
     assert seen == [(["e01 w02", "e03", ""], [0, 1, 2])]
     np.testing.assert_allclose(rewards, [[0, 0, 2.0, 0], [11.0, 0, 0, 0], [0, 0, 0, 0]])
+
+
+def test_the_run_reward_scores_each_row_with_its_prompts_document():
+    """A gold-rewarded run's reward as the truth's reward_fn: continued rows (probe rows 0..5,
+    two samples a prompt) read the documents of their prompts, rows // 2."""
+    documents = jnp.arange(3)[:, None] * 10 + jnp.arange(2)
+    seen = []
+
+    def reward(state, frozen, prompt_ids, prompt_mask, ids, mask, docs):
+        seen.append(docs)
+        return jnp.zeros(ids.shape)
+
+    reward_fn = credit.run_reward_fn(reward, None, None, documents, 2)
+    reward_fn(None, None, jnp.zeros((4, 3)), jnp.ones((4, 3)), rows=np.array([5, 0, 3, 2]))
+    np.testing.assert_array_equal(np.asarray(seen[0]), [[20, 21], [0, 1], [10, 11], [10, 11]])
+    credit.run_reward_fn(reward, None, None, None, 2)(None, None, jnp.zeros((1, 3)),
+                                                      jnp.ones((1, 3)), rows=np.array([1]))
+    assert seen[1] is None  # a run rewarded by its reward model reads no document
 
 
 def test_a_task_without_a_gold_is_one_line_and_status_2(tmp_path):

@@ -112,10 +112,19 @@ def mean_macro_length(segment_ids, response_mask) -> float:
     return float(np.asarray(response_mask).sum()) / max(rows.size, 1)
 
 
+def probe_documents(task, static: PPOStatic, prompts: int):
+    """`[n, D]` the documents of the probe's first `prompts` held-out prompts where the run's
+    reward reads them (`ppo.reward_source=gold`: the synthetic task's gold of each prompt's
+    document), else None."""
+    if static.reward_source != "gold":
+        return None
+    return jnp.asarray(np.asarray(task.eval["documents"])[:prompts])
+
+
 def _sampled(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, prompt_ids,
-             prompt_mask, key, group_size: int):
-    """`group_size` responses to each prompt from the current actor, scored as the run scores
-    them: (prompts repeated `[B, P]`, Experience)."""
+             prompt_mask, documents, key, group_size: int):
+    """`group_size` responses to each prompt (and its document `[B, D]`, or None) from the
+    current actor, scored as the run scores them: Experience, prompts repeated `[B * k, P]`."""
     actor = role_params(static, "actor", frozen, state.actor_params)
     out = rollout_engine.generate(
         models.policy, actor, prompt_ids, prompt_mask, key=key,
@@ -123,18 +132,30 @@ def _sampled(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen,
         top_k=static.top_k, top_p=static.top_p, eos_id=static.eos_id, pad_id=static.pad_id,
         num_samples=group_size)
     ids, mask = (jnp.repeat(a, group_size, axis=0) for a in (prompt_ids, prompt_mask))
+    docs = None if documents is None else jnp.repeat(documents, group_size, axis=0)
     exp, _ = score.score(static, models, state, frozen, ids, mask, out.tokens,
-                         out.mask.astype(jnp.int32), sampled_logprobs=out.logprobs,
+                         out.mask.astype(jnp.int32), docs, sampled_logprobs=out.logprobs,
                          sampled_entropy=out.entropy)
     return exp
 
 
 def _rewards(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, prompt_ids,
-             prompt_mask, response_ids, response_mask):
-    """The run's per-token rewards `[N, R]` of responses (the truth's `reward_fn`)."""
+             prompt_mask, response_ids, response_mask, documents=None):
+    """The run's per-token rewards `[N, R]` of responses (and their prompts' documents
+    `[N, D]`, where the run's reward reads them)."""
     exp, _ = score.score(static, models, state, frozen, prompt_ids, prompt_mask, response_ids,
-                         response_mask.astype(jnp.int32))
+                         response_mask.astype(jnp.int32), documents)
     return exp.rewards
+
+
+def run_reward_fn(reward, state: PPOState, frozen: Frozen, documents, group_size: int):
+    """The truth's reward_fn (called with `rows`, see `eval.credit_truth`) for the run's own
+    reward: `reward` (`_rewards`, jitted) under `state`, each row scored with the document of
+    its held-out prompt, rows // group_size, where `documents` (`probe_documents`) is not None."""
+    def reward_fn(prompt_ids, prompt_mask, response_ids, response_mask, *, rows):
+        docs = None if documents is None else documents[jnp.asarray(rows) // group_size]
+        return reward(state, frozen, prompt_ids, prompt_mask, response_ids, response_mask, docs)
+    return reward_fn
 
 
 def last_token_rewards(scores, response_mask) -> np.ndarray:
@@ -333,6 +354,7 @@ class CreditProbe:
                              f"{len(task.eval['ids'])} held-out prompts")
         self.prompt_ids = jnp.asarray(np.asarray(task.eval["ids"])[:n])
         self.prompt_mask = jnp.asarray(np.asarray(task.eval["mask"])[:n])
+        self.documents = probe_documents(task, static, n)
         self.seed = probe_seed(int(self.c.seed), int(config.seed))
         self.ngram = int(config.ppo.ngram)
         self.aggregation = config.ppo.reward_aggregation
@@ -356,8 +378,8 @@ class CreditProbe:
         segments and every estimator's advantages."""
         c, static = self.c, self.static
         keys = probe_keys(self.seed, step)
-        exp = self._sample(state, frozen, self.prompt_ids, self.prompt_mask, keys.responses,
-                           group_size=int(c.group_size))
+        exp = self._sample(state, frozen, self.prompt_ids, self.prompt_mask, self.documents,
+                           keys.responses, group_size=int(c.group_size))
         segments = rule_segments(static, exp, tuple(c.rules), keys.segments, self.ngram,
                                  self.parser)
         gamma, lam = float(hparams.gamma), float(hparams.lam)
@@ -367,15 +389,15 @@ class CreditProbe:
             group_size=int(c.group_size), mc_rollouts=int(c.mc_rollouts), key=keys.macro_mc)
         rows, starts, ends = token_spans(exp.actions)
         actor = role_params(static, "actor", frozen, state.actor_params)
-        reward_fn = (functools.partial(self._reward, state, frozen) if self._gold is None
-                     else self._gold)
+        reward_fn = self._gold or run_reward_fn(self._reward, state, frozen, self.documents,
+                                                int(c.group_size))
         truth = credit_truth.advantage_truth(
             self.models.policy, actor, exp.prompt_ids, exp.prompt_mask, exp.response_ids,
             exp.actions, rows, starts, ends,
             reward_fn=reward_fn, key=keys.truth,
             num_continuations=int(c.continuations), temperature=static.temperature,
             top_k=static.top_k, top_p=static.top_p, eos_id=static.eos_id, pad_id=static.pad_id,
-            gamma=gamma, chunk_states=int(c.chunk_states), reward_rows=self._gold is not None,
+            gamma=gamma, chunk_states=int(c.chunk_states), reward_rows=True,
             progress=truth_progress(step, int(c.continuations)))
         states = truth.states
         rewards = (exp.rewards if self._gold is None else
