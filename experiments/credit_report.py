@@ -13,7 +13,11 @@ same held-out prompts, so a prompt is one unit across the runs that probe it (it
 every run resampled together, `prompt_clusters`). Beside each estimator's
 Pearson correlation with A* is its paired difference from token GAE (the same bootstrap
 resamples of prompts); a difference is stated on the page only where its interval excludes 0
-with the same sign on every seed set, otherwise the two are "not distinguishable". The runs of
+with the same sign on every seed set, otherwise the two are "not distinguishable". The rules
+are compared with each other the same way (`ranking`): a rule is "best" only where its paired
+difference from each other rule lies above 0 on every seed set, else the page names each set's
+highest point estimate and the rules not distinguishable from it. The results JSON holds every
+paired difference (`pairs`) and the rankings. The runs of
 a page must share one kind of probe: one truth (`credit.truth`; a probe without it was valued by
 the run's reward) and single- or multi-turn responses; a mix is refused in one line naming them.
 """
@@ -28,6 +32,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from marl_jax.eval import credit_scores  # noqa: E402
 from marl_jax.eval import study_stats as st  # noqa: E402
 from marl_jax.train import credit  # noqa: E402
 from readme_results import markers, replace_section  # noqa: E402
@@ -125,49 +130,31 @@ def pooled(paths: list[str]) -> tuple[dict, np.ndarray]:
     return out, prompt_clusters(out["prompt_ids"], out["prompt_mask"])
 
 
-def paired_differences(inputs: dict, prompts: np.ndarray, level_rows, truth, names,
-                       resamples: int = RESAMPLES) -> dict:
-    """name -> {"value", "ci"} of Pearson(name, A*) - Pearson(token GAE, A*) on token states,
-    the same prompt resamples for both."""
-    rows, starts = level_rows
-    state_prompts = prompts[rows]
-    unique, index = np.unique(state_prompts, return_inverse=True)
-    draws = st.bootstrap_indices(unique.size, resamples=resamples)
-    base = inputs[f"advantages/{BASELINE}"][rows, starts]
-
-    def pearson(x, y, weights):
-        w = weights / weights.sum()
-        mx, my = (w * x).sum(), (w * y).sum()
-        cov = (w * (x - mx) * (y - my)).sum()
-        with np.errstate(invalid="ignore", divide="ignore"):  # a constant resample: NaN
-            return cov / np.sqrt((w * (x - mx) ** 2).sum() * (w * (y - my) ** 2).sum())
-
-    counts = np.stack([np.bincount(d, minlength=unique.size) for d in draws])[:, index]
-    out = {}
-    for name in names:
-        x = inputs[f"advantages/{name}"][rows, starts]
-        value = pearson(x, truth, np.ones_like(truth)) - pearson(base, truth, np.ones_like(truth))
-        boot = np.array([pearson(x, truth, c) - pearson(base, truth, c) for c in counts
-                         if c.sum() > 0])
-        lo, hi = np.nanquantile(boot, [(1 - st.LEVEL) / 2, (1 + st.LEVEL) / 2])
-        out[name] = {"value": float(value), "ci": [float(lo), float(hi)]}
-    return out
+def pair_key(a: str, b: str) -> str:
+    """The results' name of the paired difference Pearson(a) - Pearson(b)."""
+    return f"{a} - {b}"
 
 
-def token_truth(inputs: dict):
-    """(rows, starts) of every response token and its A* (the truth `score_probe` uses)."""
-    rows, starts, ends = credit.token_spans(inputs["response_mask"])
-    index = {(int(b), int(t)): i for i, (b, t) in
-             enumerate(zip(inputs["state_rows"], inputs["state_positions"]))}
-    gamma = float(inputs["gamma"])
-    v = inputs["state_mean"]
-    truth = np.array([inputs["rewards"][b, s] + gamma * v[index[(b, s + 1)]] - v[index[(b, s)]]
-                      for b, s in zip(rows, starts)])
-    return (rows, starts), truth
+def rule_candidates(names) -> list[str]:
+    """The token level's rules: macro GAE of every rule and weighting."""
+    return [n for n in names if n.startswith("macro_gae/")]
+
+
+def level_pairs(level: str, names) -> list[tuple[str, str]]:
+    """The paired differences a level's result holds: at the token level every estimator
+    against token GAE and every pair of rules; at a macro level every pair of its estimators
+    (the same macros' states)."""
+    if level == "token":
+        rules = rule_candidates(names)
+        return ([(n, BASELINE) for n in names if n != BASELINE]
+                + [(a, b) for i, a in enumerate(rules) for b in rules[i + 1:]])
+    return [(a, b) for i, a in enumerate(names) for b in names[i + 1:]]
 
 
 def seed_set_result(workdirs: list[str]) -> dict:
-    """{phase: {"step", "token": scores, "ceiling", "macro": ..., "vs_token_gae": ...}}."""
+    """{phase: {"step", "scores", "ceilings", "pairs": {level: {pair_key: {"value", "ci"}}},
+    "vs_token_gae": {name: the token level's pair (name, token GAE)}}}: every difference from
+    the same bootstrap resamples as the scores (`credit_scores.paired_differences`)."""
     runs = [probe_files(w) for w in workdirs]
     counts = {len(r) for r in runs}
     if len(counts) != 1 or counts.pop() < 2:
@@ -177,12 +164,64 @@ def seed_set_result(workdirs: list[str]) -> dict:
     for phase, i in probe_phases(n):
         inputs, prompts = pooled([r[i] for r in runs])
         scores, ceilings = credit.score_probe(inputs, prompts, resamples=RESAMPLES)
-        level_rows, truth = token_truth(inputs)
-        names = [k.split("/", 1)[1] for k in inputs if k.startswith("advantages/")]
+        pairs = {}
+        for level, states in credit.level_states(inputs, prompts).items():
+            names = credit.level_estimators(inputs, level)
+            differences = credit_scores.paired_differences(
+                credit.level_advantages(inputs, states, names), states.truth, states.prompts,
+                level_pairs(level, names), resamples=RESAMPLES)
+            pairs[level] = {pair_key(a, b): d for (a, b), d in differences.items()}
         out[phase] = {"step": int(inputs["step"]), "scores": scores, "ceilings": ceilings,
-                      "vs_token_gae": paired_differences(inputs, prompts, level_rows, truth,
-                                                         [m for m in names if m != BASELINE])}
+                      "pairs": pairs,
+                      "vs_token_gae": {n: pairs["token"][pair_key(n, BASELINE)]
+                                       for n in scores["token"] if n != BASELINE}}
     return out
+
+
+def difference(entry: dict, level: str, a: str, b: str) -> dict | None:
+    """The paired difference Pearson(a) - Pearson(b) at `level` of one phase's result (the
+    stored pair or its negation), or None where the result holds neither order."""
+    pairs = entry["pairs"].get(level, {})
+    if pair_key(a, b) in pairs:
+        return pairs[pair_key(a, b)]
+    d = pairs.get(pair_key(b, a))
+    if d is None:
+        return None
+    return {"value": None if d["value"] is None else -d["value"],
+            "ci": None if d["ci"] is None else [-d["ci"][1], -d["ci"][0]]}
+
+
+def ranking(results: list[dict], phase: str, level: str, candidates) -> dict:
+    """Which of `candidates` (estimators of one level) correlates best with A* at a phase, by
+    paired differences on every seed set: {"best": the candidate whose difference from each
+    other candidate lies above 0 on every set, or None; "leaders": each set's highest point
+    estimate; "not_distinguishable": per set, the candidates whose difference from that set's
+    leader does not lie above 0}."""
+    leaders, tied = [], []
+    for result in results:
+        entry = result[phase]
+        points = {n: entry["scores"][level][n]["pearson"]["value"] for n in candidates}
+        defined = [n for n in candidates if points[n] is not None]
+        leader = max(defined, key=lambda n: points[n]) if defined else None
+        leaders.append(leader)
+        tied.append([n for n in candidates if n != leader and (
+            leader is None or st.direction((difference(entry, level, leader, n) or {}).get("ci")) != 1)])
+    best = leaders[0] if len(set(leaders)) == 1 and leaders[0] is not None and not any(tied) \
+        else None
+    return {"best": best, "leaders": leaders, "not_distinguishable": tied}
+
+
+def ranking_line(rank: dict) -> str:
+    """The ranking as the page states it: "best: X (above each other ...)" only where X beats
+    every other candidate on every set, else "highest point estimate: X (set 1), ...; not
+    distinguishable from ..."."""
+    if rank["best"] is not None:
+        return (f"best: {rank['best']} (its paired difference from each other one lies above 0 "
+                "on every seed set)")
+    sets = [f"{leader} (set {i + 1}; not distinguishable from "
+            + (", ".join(tied) if tied else "none") + ")"
+            for i, (leader, tied) in enumerate(zip(rank["leaders"], rank["not_distinguishable"]))]
+    return "highest point estimate: " + "; ".join(sets)
 
 
 def common_to_all(results: list[dict]) -> list[dict]:
@@ -202,7 +241,23 @@ def common_to_all(results: list[dict]) -> list[dict]:
                        for level, by_name in e["scores"].items() if level in levels}
         e["ceilings"] = {level: c for level, c in e["ceilings"].items() if level in levels}
         e["vs_token_gae"] = {n: d for n, d in e["vs_token_gae"].items() if n in names["token"]}
+        e["pairs"] = {level: {key: d for key, d in by_pair.items()
+                              if set(key.split(" - ")) <= names[level]}
+                      for level, by_pair in e["pairs"].items() if level in levels}
     return results
+
+
+def rankings(results: list[dict]) -> dict:
+    """{level: {phase: `ranking`}}: the token level's rules (macro GAE of every rule and
+    weighting) and each macro level's estimators, where a level has two or more."""
+    out = {}
+    for level, by_name in results[0]["start"]["scores"].items():
+        names = list(by_name)
+        candidates = rule_candidates(names) if level == "token" else names
+        if len(candidates) >= 2:
+            out[level] = {phase: ranking(results, phase, level, candidates)
+                          for phase in phases_of(results)}
+    return out
 
 
 def _cell(entry: dict) -> str:
@@ -269,6 +324,18 @@ def section(sets: list[list[str]], results: list[dict], command: str, plot_link:
             for (phase, name), sign in sorted(stated.items(),
                                               key=lambda kv: (phases.index(kv[0][0]), kv[0][1]))]
     lines += held or ["- none: every estimator is not distinguishable from token GAE."]
+    ranked = rankings(results)
+    if "token" in ranked:
+        lines += ["", "Which rule's macro GAE (every rule and weighting) correlates best with A*_t, "
+                  "by paired differences between the rules on every seed set:", ""]
+        lines += [f"- {phase}: {ranking_line(rank)}" for phase, rank in ranked["token"].items()]
+    macro_levels = [level for level in ranked if level != "token"]
+    if macro_levels:
+        lines += ["", "Each rule's estimators against its own macros' A* (paired differences on "
+                  "the same macros; the rules' macros are other states, so rules are not "
+                  "compared here):", ""]
+        lines += [f"- {level.split('/', 1)[1]} at the {phase}: {ranking_line(rank)}"
+                  for level in macro_levels for phase, rank in ranked[level].items()]
     lines += ["", f"![correlation with A* by estimator and phase]({plot_link})", ""]
     return "\n".join(lines)
 
@@ -317,7 +384,7 @@ def main(argv) -> int:
     check_one_kind([probe_files(w)[0] for s in sets for w in s])
     results = common_to_all([seed_set_result(s) for s in sets])
     with open(args.results, "w") as f:
-        json.dump({"sets": sets, "results": results}, f, indent=1)
+        json.dump({"sets": sets, "results": results, "rankings": rankings(results)}, f, indent=1)
     plot(results, args.plot)
     page = open(args.page).read()
     link = os.path.relpath(args.plot, os.path.dirname(args.page) or ".")

@@ -2,7 +2,6 @@
 marl_jax/train/credit.py): the probe's segments are the PPO step's parser's on the same tokens,
 its macro GAE and matched control equal the textbook loops (tests/macro_oracle.py) on them, the
 report pools a rule that some runs lack, and a run that cannot parse is one config line."""
-import functools
 import subprocess
 import sys
 
@@ -89,8 +88,6 @@ def _write_probes(directory, inputs):
 def test_report_leaves_out_a_rule_that_some_runs_lack(probed, tmp_path, capsys, monkeypatch):
     _, _, x = probed
     monkeypatch.setattr(credit_report, "RESAMPLES", 50)
-    monkeypatch.setattr(credit_report, "paired_differences",
-                        functools.partial(credit_report.paired_differences, resamples=50))
     without = {k: v for k, v in x.items() if "parsing" not in k}
     with_parsing, plain = _write_probes(tmp_path / "a", x), _write_probes(tmp_path / "b", without)
     inputs, _ = credit_report.pooled([f"{with_parsing}/credit/step_0.npz",
@@ -115,8 +112,8 @@ def test_report_leaves_out_a_rule_that_some_runs_lack(probed, tmp_path, capsys, 
                                "of fewer tokens is a macro)")),
     ("credit.rules", ("fixed", "turn"), (
         "config.credit.rules=('fixed', 'turn'): must be a non-empty subset of ('fixed', "
-        "'randomized', 'perplexity', 'entropy', 'low_probability') (the rules cut on the device) "
-        "and parsing (parsed on the host)")),
+        "'randomized', 'perplexity', 'entropy', 'low_probability', 'step') (the rules cut on the "
+        "device) and parsing (parsed on the host)")),
 ])
 def test_a_probe_that_cannot_parse_is_one_line(field, value, line):
     cfg = tiny_config(**{"ppo.parsing_model": MODEL,

@@ -332,6 +332,38 @@ def test_picked_tokens_are_distinct_valid_and_seeded():
     assert list(zip(rows, positions)) == [(0, 0), (0, 1), (0, 2), (1, 0)]
 
 
+def _phase(points: dict, differences: dict) -> dict:
+    """One phase of a seed set's result at the token level: Pearson points and the paired
+    differences (a, b) -> ci."""
+    return {"start": {"scores": {"token": {n: {"pearson": {"value": v}} for n, v in points.items()}},
+                      "pairs": {"token": {credit_report.pair_key(a, b): {"value": None, "ci": ci}
+                                          for (a, b), ci in differences.items()}}}}
+
+
+def test_a_rule_is_best_only_where_it_beats_each_other_rule_on_every_set():
+    rules = ["macro_gae/x/equal", "macro_gae/y/equal", "macro_gae/z/equal"]
+    x, y, z = rules
+    points = {x: 0.30, y: 0.20, z: 0.10}
+    beats = {(x, y): [0.01, 0.2], (x, z): [0.05, 0.3], (y, z): [-0.1, 0.2]}
+    one = [_phase(points, beats), _phase(points, beats)]
+    rank = credit_report.ranking(one, "start", "token", rules)
+    assert rank == {"best": x, "leaders": [x, x], "not_distinguishable": [[], []]}
+    assert credit_report.ranking_line(rank).startswith(f"best: {x} ")
+    # On the second set x's lead over y covers 0 (the pair stored in the other order, negated).
+    weaker = dict(beats)
+    weaker.pop((x, y))
+    weaker[(y, x)] = [-0.05, 0.02]
+    rank = credit_report.ranking([one[0], _phase(points, weaker)], "start", "token", rules)
+    assert rank == {"best": None, "leaders": [x, x], "not_distinguishable": [[], [y]]}
+    assert credit_report.ranking_line(rank) == (
+        f"highest point estimate: {x} (set 1; not distinguishable from none); "
+        f"{x} (set 2; not distinguishable from {y})")
+    # Another leader on one set is no best either.
+    rank = credit_report.ranking([one[0], _phase({x: 0.1, y: 0.3, z: 0.0}, {
+        (y, x): [0.1, 0.3], (y, z): [0.1, 0.4]})], "start", "token", rules)
+    assert rank["best"] is None and rank["leaders"] == [x, y]
+
+
 def test_a_constant_estimator_is_undefined_in_the_table():
     assert credit_report._cell({"value": 0.123, "ci": [0.01, 0.2]}) == "+0.12 [+0.01, +0.20]"
     assert credit_report._cell({"value": float("nan"), "ci": None}) == "undefined"

@@ -267,6 +267,31 @@ def test_scores_equal_numpy_scipy_and_explicit_resampling_with_ties():
         np.testing.assert_allclose(got[name]["ci"], ci, atol=1e-10, err_msg=name)
 
 
+def test_paired_differences_equal_numpy_on_the_same_resamples():
+    rng = np.random.default_rng(4)
+    prompts = np.repeat(np.arange(9), rng.integers(2, 5, size=9))
+    truth = rng.normal(size=prompts.size)
+    estimates = {"a": truth + rng.normal(size=truth.size), "b": truth + 2 * rng.normal(size=truth.size),
+                 "c": rng.normal(size=truth.size)}
+    got = cs.paired_differences(estimates, truth, prompts, [("a", "b"), ("c", "a")], resamples=200)
+    members = [np.flatnonzero(prompts == label) for label in range(9)]
+    for a, b in (("a", "b"), ("c", "a")):
+        r = lambda x, y: np.corrcoef(x, y)[0, 1]
+        assert got[(a, b)]["value"] == pytest.approx(r(estimates[a], truth) - r(estimates[b], truth),
+                                                     abs=1e-12)
+        # Both correlations of a resample on the same concatenated states.
+        diffs = []
+        for draw in st.bootstrap_indices(9, resamples=200):
+            take = np.concatenate([members[j] for j in draw])
+            diffs.append(r(estimates[a][take], truth[take]) - r(estimates[b][take], truth[take]))
+        np.testing.assert_allclose(got[(a, b)]["ci"], np.percentile(diffs, [2.5, 97.5]), atol=1e-10)
+    # Paired, the interval of a - b is narrower than a's and b's intervals side by side.
+    alone = [cs.score_advantages(estimates[n], truth, prompts, resamples=200)["pearson"]["ci"]
+             for n in ("a", "b")]
+    lo, hi = got[("a", "b")]["ci"]
+    assert hi - lo < (alone[0][1] - alone[0][0]) + (alone[1][1] - alone[1][0])
+
+
 def test_exact_advantages_score_one(truth):
     got, _, exact_a, _, _, _ = truth
     scores = cs.score_advantages(exact_a, exact_a, got.rows // 2, resamples=500)

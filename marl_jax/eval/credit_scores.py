@@ -9,6 +9,10 @@ comes from `eval/credit_truth.py`, the estimates from any estimator at the same 
   Spearman ranks ties by their average rank; sign agreement is the share of states where
   `np.sign(estimate) == np.sign(truth)` (0 is a sign of its own); the variances are over
   states (ddof 0). A correlation with a constant side is undefined (value None).
+- `paired_differences(estimates {name: [S]}, truth [S], prompts [S], pairs, ...) -> dict`
+  {(a, b): {"value": Pearson(a, truth) - Pearson(b, truth), "ci": [lo, hi] | None}}: both
+  correlations of each resample on the same resampled states, so the interval is that of the
+  paired difference (what "a beats b" needs), not of two separate intervals.
 - `noise_ceiling(halves [S, 2], prompts [S], ...) -> dict` {"states", "prompts",
   "halves_pearson", "reliability", "ceiling"}, same entries. `halves` are the A* of two
   independent halves of the K continuations of every state. Their Pearson correlation r is the
@@ -127,17 +131,19 @@ def _bootstrapped(statistics: dict, size: int, index, n_prompts, *, level, resam
         for w in _weight_blocks(index, n_prompts, resamples, rng_seed):
             for name, f in statistics.items():
                 samples[name].append(f(w))
-    out = {}
-    for name, point in points.items():
-        if not np.isfinite(point):
-            out[name] = {"value": None, "ci": None}
-            continue
-        values = np.concatenate(samples[name]) if samples[name] else np.empty(0)
-        values = values[np.isfinite(values)]
-        ci = ([float(v) for v in np.percentile(values, st._tails(level))] if values.size
-              else None)
-        out[name] = {"value": point, "ci": ci}
-    return out
+    return {name: _summary(point, samples[name], level) for name, point in points.items()}
+
+
+def _summary(point: float, samples: list, level: float) -> dict:
+    """{"value", "ci"} of a statistic's point estimate and its resampled values (blocks of
+    `[rows]`): the percentile interval over the resamples where it is defined; value None
+    where the point estimate is undefined, ci None without a defined resample."""
+    if not np.isfinite(point):
+        return {"value": None, "ci": None}
+    values = np.concatenate(samples) if samples else np.empty(0)
+    values = values[np.isfinite(values)]
+    ci = [float(v) for v in np.percentile(values, st._tails(level))] if values.size else None
+    return {"value": point, "ci": ci}
 
 
 def score_advantages(estimate, truth, prompts, *, level: float = st.LEVEL,
@@ -159,6 +165,32 @@ def score_advantages(estimate, truth, prompts, *, level: float = st.LEVEL,
     return {"states": int(y.size), "prompts": n_prompts,
             **_bootstrapped(statistics, y.size, index, n_prompts, level=level,
                             resamples=resamples, rng_seed=rng_seed)}
+
+
+def paired_differences(estimates: dict, truth, prompts, pairs, *, level: float = st.LEVEL,
+                       resamples: int = st.RESAMPLES, rng_seed: int = st.RNG_SEED) -> dict:
+    """{(a, b): {"value", "ci"}} of Pearson(estimates[a], truth) - Pearson(estimates[b], truth)
+    for every pair `(a, b)` of `pairs`, `estimates` {name: advantages `[S]`} at the states of
+    `truth [S]`, with bootstrap intervals over `prompts [S]` (the module docstring's
+    resamples: every pair and `score_advantages` see the same). A difference where either
+    correlation is undefined is undefined (value None)."""
+    y = _as_states(truth, "truth")
+    names = sorted({name for pair in pairs for name in pair})
+    x = {name: _as_states(estimates[name], f"estimate {name}", y.size) for name in names}
+    index, n_prompts = _prompt_index(prompts, y.size)
+
+    def differences(w):
+        # Each estimator's correlation once per block of resamples; every pair reuses it.
+        r = {name: _pearson(w, x[name], y) for name in names}
+        return {(a, b): r[a] - r[b] for a, b in pairs}
+
+    points = {pair: float(d[0]) for pair, d in differences(np.ones((1, y.size))).items()}
+    samples = {pair: [] for pair in pairs}
+    if n_prompts >= 2:
+        for w in _weight_blocks(index, n_prompts, resamples, rng_seed):
+            for pair, d in differences(w).items():
+                samples[pair].append(d)
+    return {pair: _summary(points[pair], samples[pair], level) for pair in pairs}
 
 
 def noise_ceiling(halves, prompts, *, level: float = st.LEVEL, resamples: int = st.RESAMPLES,

@@ -288,13 +288,22 @@ def macro_rule(name: str) -> str | None:
     return parts[1] if parts[0] in ("macro_gae", "macro_mc") else None
 
 
-def score_probe(inputs: dict, prompts_of_rows, **bootstrap) -> dict:
-    """{level: {estimator: scores}} and {level: noise ceiling} of one probe's (or several pooled
-    probes') inputs (`probe_inputs`' arrays), `prompts_of_rows [B]` each response's prompt id.
+class LevelStates(NamedTuple):
+    """The states one level of a probe scores (`[S]` each): the response row and first token
+    of each span, its A* (`truth`), the A* of the continuations' two halves (`halves [S, 2]`)
+    and the prompt it belongs to (`prompts`, the bootstrap's unit)."""
 
-    Level "token": every estimator's advantage at every response token against A*_t. Level
-    "macro/<rule>": each of that rule's estimators' advantage at a macro's first token against
-    the macro's A*."""
+    rows: np.ndarray
+    starts: np.ndarray
+    truth: np.ndarray
+    halves: np.ndarray
+    prompts: np.ndarray
+
+
+def level_states(inputs: dict, prompts_of_rows) -> dict:
+    """{level: LevelStates} of one probe's (or several pooled probes') inputs (`probe_inputs`'
+    arrays), `prompts_of_rows [B]` each response's prompt id. Level "token": every response
+    token [t, t + 1); level "macro/<rule>": every macro of the rule's segments."""
     values = credit_truth.StateValues(
         rows=inputs["state_rows"], positions=inputs["state_positions"],
         mean=inputs["state_mean"], se=inputs["state_se"], halves=inputs["state_halves"],
@@ -307,7 +316,7 @@ def score_probe(inputs: dict, prompts_of_rows, **bootstrap) -> dict:
     for key in inputs:
         if key.startswith("segments/"):
             levels["macro/" + key.split("/", 1)[1]] = credit_truth.segment_spans(inputs[key], mask)
-    scores, ceilings = {}, {}
+    out = {}
     for level, (rows, starts, ends) in levels.items():
         start_state = np.array([index[(b, s)] for b, s in zip(rows, starts)], dtype=np.int64)
         end_state = np.array([index[(b, e)] for b, e in zip(rows, ends)], dtype=np.int64)
@@ -315,16 +324,39 @@ def score_probe(inputs: dict, prompts_of_rows, **bootstrap) -> dict:
                                  for b, s, e in zip(rows, starts, ends)])
         truth, _, halves = credit_truth.span_advantages(values, start_state, end_state,
                                                         span_rewards, ends - starts, gamma)
-        prompts = np.asarray(prompts_of_rows)[rows]
-        ceilings[level] = credit_scores.noise_ceiling(halves, prompts, **bootstrap)
-        rule = None if level == "token" else level.split("/", 1)[1]
-        scores[level] = {}
-        for name in (k.split("/", 1)[1] for k in inputs if k.startswith("advantages/")):
-            if rule is not None and macro_rule(name) != rule:
-                continue
-            estimate = inputs["advantages/" + name][rows, starts]
-            scores[level][name] = credit_scores.score_advantages(estimate, truth, prompts,
-                                                                 **bootstrap)
+        out[level] = LevelStates(rows=rows, starts=starts, truth=truth, halves=halves,
+                                 prompts=np.asarray(prompts_of_rows)[rows])
+    return out
+
+
+def level_estimators(inputs: dict, level: str) -> list[str]:
+    """The estimators a level scores: every one at the token level; at "macro/<rule>" those
+    whose advantages are constant over that rule's macros."""
+    names = [k.split("/", 1)[1] for k in inputs if k.startswith("advantages/")]
+    if level == "token":
+        return names
+    return [name for name in names if macro_rule(name) == level.split("/", 1)[1]]
+
+
+def level_advantages(inputs: dict, states: LevelStates, names) -> dict:
+    """{name: advantages `[S]`} of estimators at a level's states (each span's first token)."""
+    return {name: inputs["advantages/" + name][states.rows, states.starts] for name in names}
+
+
+def score_probe(inputs: dict, prompts_of_rows, **bootstrap) -> dict:
+    """{level: {estimator: scores}} and {level: noise ceiling} of one probe's (or several pooled
+    probes') inputs (`probe_inputs`' arrays), `prompts_of_rows [B]` each response's prompt id.
+
+    Level "token": every estimator's advantage at every response token against A*_t. Level
+    "macro/<rule>": each of that rule's estimators' advantage at a macro's first token against
+    the macro's A*."""
+    scores, ceilings = {}, {}
+    for level, states in level_states(inputs, prompts_of_rows).items():
+        ceilings[level] = credit_scores.noise_ceiling(states.halves, states.prompts, **bootstrap)
+        estimates = level_advantages(inputs, states, level_estimators(inputs, level))
+        scores[level] = {name: credit_scores.score_advantages(x, states.truth, states.prompts,
+                                                              **bootstrap)
+                         for name, x in estimates.items()}
     return scores, ceilings
 
 
