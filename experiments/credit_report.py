@@ -103,7 +103,8 @@ def pooled(paths: list[str]) -> tuple[dict, np.ndarray]:
     (SystemExit, one line). An array some runs lack (a rule probed in some runs only: its
     segments and estimators) is left out, named on stderr."""
     check_one_kind(paths)
-    parts = [dict(np.load(p)) for p in paths]
+    # Each state's continuation returns are the recheck's (credit_revalue.py), not the report's.
+    parts = [{k: v for k, v in np.load(p).items() if k != "state_returns"} for p in paths]
     keys = [k for k in parts[0] if all(k in p for p in parts)]
     left_out = sorted(set().union(*parts) - set(keys))
     if left_out:

@@ -11,9 +11,11 @@ workdir: the PPO checkpoint of step N, or at step 0 the run's SFT policy and ini
 of `<workdir>/credit/step_<N>.npz` are drawn at random (seed `--seed`); the states (b, t) and
 (b, t + 1) of each are valued again from `--continuations` continuations drawn with keys from
 `--seed` (never the probe's), rewarded by the run's own per-token reward, and each token's
-A*_t = r_t + gamma V(s_{t+1}) - V(s_t) recomputed. Every state and token gets
-z = (new - saved) / sqrt(se_new^2 + se_saved^2); the states' sum of z^2 is tested against
-chi-square (marl_jax/eval/credit_recheck.py).
+A*_t = r_t + gamma V(s_{t+1}) - V(s_t) recomputed. The states' saved continuation returns
+(`state_returns`) and the fresh ones are compared by the split test of
+marl_jax/eval/credit_recheck.py (every state's z under the variance of its pooled returns, and
+the p-value of their sum of squares over random splits of the pooled returns: valid at any
+number of continuations and any return distribution); every token's A* gets its z too.
 
 Exit status 0: consistent (p >= 0.001, and the restored policy gives the probe's own rewards and
 critic values); 1: not, said in one line; 2: an input error (no probe or no policy at step N:
@@ -169,6 +171,9 @@ def revalue(policy: ProbePolicy, inputs: dict, *, states: int, continuations: in
     if truth != "reward":
         raise ValueError(f"the probe's truth is {truth!r}: only probes valued by the run's own "
                          "reward (credit.truth='reward') are valued again")
+    if "state_returns" not in inputs:
+        raise ValueError("the probe saved no continuation returns (state_returns), which the "
+                         "split test compares with fresh ones: probe the run again")
     mask = inputs["response_mask"]
     rows, positions = credit_recheck.pick_tokens(mask, states, seed)
     if rows.size == 0:
@@ -212,11 +217,18 @@ def revalue(policy: ProbePolicy, inputs: dict, *, states: int, continuations: in
     reproduced = bool(np.allclose(rewards[valid], saved_rewards[valid], rtol=RTOL, atol=ATOL)
                       and np.allclose(values[valid], np.asarray(inputs["values"])[valid],
                                       rtol=RTOL, atol=ATOL))
-    state_cmp = credit_recheck.compare_values(saved.mean, saved.se, new.mean, new.se)
-    token_cmp = credit_recheck.compare_values(saved_a, saved_a_se, new_a, new_a_se)
+    saved_returns = np.asarray(inputs["state_returns"], np.float64)[saved_index]
+    state_cmp = credit_recheck.split_test(saved_returns, new.returns, seed=seed)
+    # A token's A* differs by its two states' differences: its z under the states' null
+    # variances (shown beside the states; the verdict is the states' split test).
+    k_saved = saved_returns.shape[1]
+    variance = np.asarray(state_cmp["variance"])
+    token_cmp = credit_recheck.z_summary(credit_recheck.null_z(
+        saved_a - new_a, variance[start] + gamma ** 2 * variance[end], k_saved, continuations))
+    consistent = state_cmp["p_value"] >= credit_recheck.MIN_P_VALUE
     return {
-        "gamma": gamma, "continuations": int(continuations), "seed": int(seed),
-        "min_p_value": credit_recheck.MIN_P_VALUE,
+        "gamma": gamma, "continuations": int(continuations), "saved_continuations": k_saved,
+        "seed": int(seed), "min_p_value": credit_recheck.MIN_P_VALUE,
         "states": dict(rows=state_rows.tolist(), positions=state_positions.tolist(),
                        saved_mean=saved.mean.tolist(), saved_se=saved.se.tolist(),
                        new_mean=new.mean.tolist(), new_se=new.se.tolist(), **state_cmp),
@@ -227,7 +239,7 @@ def revalue(policy: ProbePolicy, inputs: dict, *, states: int, continuations: in
                        new_advantage=new_a.tolist(), new_se=new_a_se.tolist(), **token_cmp),
         "reproduced": {"ok": reproduced, "max_reward_diff": reward_diff,
                            "max_value_diff": value_diff},
-        "consistent": bool(state_cmp["consistent"] and reproduced),
+        "consistent": bool(consistent and reproduced),
     }
 
 
@@ -255,8 +267,9 @@ def summary(report: dict) -> str:
     """One line: the states' and tokens' agreement and the verdict."""
     s, k, r = report["states"], report["tokens"], report["reproduced"]
     line = (f"states: {s['tested']} tested, mean z^2 {s['mean_z2']:.2f}, |z| < 2 for "
-            f"{s['frac_within_2']:.0%}, chi-square {s['chi2']:.1f} on {s['tested']} df, "
-            f"p = {s['p_value']:.3g}; tokens' A*: mean z^2 {k['mean_z2']:.2f}, |z| < 2 for "
+            f"{s['frac_within_2']:.0%}, split test T = {s['statistic']:.1f}, p = "
+            f"{s['p_value']:.3g} ({s['permutations']} random splits); tokens' A*: mean z^2 "
+            f"{k['mean_z2']:.2f}, |z| < 2 for "
             f"{k['frac_within_2']:.0%}; own rewards and values reproduced to "
             f"{max(r['max_reward_diff'], r['max_value_diff']):.1e}")
     if report["consistent"]:

@@ -1,11 +1,11 @@
 """The advantage-quality probe of a PPO run (`config.credit`, marl_jax/train/credit.py), the
 study's report (experiments/credit_report.py) and the probe's states valued again
 (experiments/credit_revalue.py, marl_jax/eval/credit_recheck.py), on one tiny run of the tests'
-pipeline: what a probe saves is scored as numpy computes it by hand, fresh continuations of the
-restored policy agree with what the probe saved, a shifted truth is caught, and the comparison's
-numbers equal hand computations."""
+pipeline: what a probe saves is scored as numpy computes it by hand, its draws are the run's
+own (no draw shared with a run of another seed), a prompt that pooled runs share is one
+bootstrap unit, a rule is "best" only by paired differences, fresh continuations of the
+restored policy agree with what the probe saved, and a shifted truth is caught."""
 import json
-import math
 import subprocess
 import sys
 
@@ -267,6 +267,8 @@ def test_fresh_values_agree_with_the_probes_and_give_its_advantages(restored):
             inputs["rewards"][b, t] + gamma * saved_v[saved[(b, t + 1)]] - saved_v[saved[(b, t)]])
         assert tokens["new_advantage"][i] == pytest.approx(
             tokens["new_reward"][i] + gamma * new_v[at[(b, t + 1)]] - new_v[at[(b, t)]])
+    # The probe's own continuation returns against fresh ones: one distribution.
+    assert report["saved_continuations"] == CREDIT["credit.continuations"]
     z = np.array([x for x in states["z"] if x is not None])
     assert report["consistent"] and states["p_value"] > 0.01 and np.all(np.abs(z) < 4)
     assert np.all(np.abs([x for x in tokens["z"] if x is not None]) < 4)
@@ -276,9 +278,11 @@ def test_fresh_values_agree_with_the_probes_and_give_its_advantages(restored):
 
 def test_a_shifted_truth_is_inconsistent_and_exits_1(restored):
     policy, inputs = restored
-    corrupted = dict(inputs)
-    # Every non-terminal state's saved value moved by four of its standard errors.
-    corrupted["state_mean"] = inputs["state_mean"] + 4 * inputs["state_se"]
+    # Every non-terminal state's saved value moved by four of its standard errors (its
+    # continuation returns with it).
+    shift = 4 * inputs["state_se"]
+    corrupted = dict(inputs, state_mean=inputs["state_mean"] + shift,
+                     state_returns=inputs["state_returns"] + shift[:, None])
     report = credit_revalue.revalue(policy, corrupted, **SIZES)
     assert not report["consistent"] and report["states"]["p_value"] < 1e-3
     assert report["reproduced"]["ok"]
@@ -286,6 +290,10 @@ def test_a_shifted_truth_is_inconsistent_and_exits_1(restored):
         ": inconsistent: the saved values disagree with fresh ones (p < 0.001)")
     # The status the command returns for this comparison.
     assert credit_revalue.exit_status(report) == 1
+    # A probe saved without its continuation returns has nothing for the split test.
+    with pytest.raises(ValueError, match="saved no continuation returns"):
+        credit_revalue.revalue(policy, {k: v for k, v in inputs.items() if k != "state_returns"},
+                               **SIZES)
 
 
 def test_the_command_exits_2_without_the_step(probed):
@@ -297,39 +305,6 @@ def test_the_command_exits_2_without_the_step(probed):
     assert result.stderr.strip().splitlines() == [
         (f"error: {workdir}: no probe was saved at step 5 (credit/step_5.npz; probes at [0, 1]); "
          "steps with a probe and its policy: [0, 1]")]
-
-
-def test_compare_values_on_hand_numbers():
-    out = credit_recheck.compare_values([1.0, 2.0, 0.0], [0.3, 0.4, 0.0],
-                                        [1.4, 1.7, 0.0], [0.4, 0.3, 0.0])
-    # z = 0.4 / 0.5 and -0.3 / 0.5; the terminal pair (both exact) is no test.
-    assert out["z"][:2] == pytest.approx([0.8, -0.6]) and out["z"][2] is None
-    assert out["tested"] == 2 and out["chi2"] == pytest.approx(1.0)
-    # Chi-square with 2 degrees of freedom: P(X >= x) = exp(-x / 2).
-    assert out["p_value"] == pytest.approx(math.exp(-0.5)) and out["consistent"]
-    assert out["mean_z2"] == pytest.approx(0.5) and out["frac_within_2"] == 1.0
-    # One degree of freedom: P(X >= z^2) = erfc(|z| / sqrt 2), 0.0027 at z = 3, 0.00047 at 3.5.
-    for z, consistent in ((3.0, True), (3.5, False)):
-        one = credit_recheck.compare_values([0.0], [0.6], [z], [0.8])  # scale 1
-        assert one["p_value"] == pytest.approx(math.erfc(z / math.sqrt(2)))
-        assert one["consistent"] is consistent and one["frac_within_2"] == 0.0
-    # Exact values that differ contradict each other whatever the rest.
-    out = credit_recheck.compare_values([0.0, 1.0], [0.0, 0.1], [0.5, 1.0], [0.0, 0.1])
-    assert out["z"][0] == math.inf and out["p_value"] == 0.0 and not out["consistent"]
-    # Up to float32 rounding of the rewards, exact values agree.
-    out = credit_recheck.compare_values([1.0, 2.0], [0.0, 0.0], [1.0 + 1e-6, 2.0], [0.0, 1e-7])
-    assert out["z"] == [None, None] and out["tested"] == 0 and out["consistent"]
-
-
-def test_picked_tokens_are_distinct_valid_and_seeded():
-    mask = np.array([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
-    rows, positions = credit_recheck.pick_tokens(mask, 3, seed=7)
-    assert len(set(zip(rows, positions))) == 3
-    assert all(mask[b, t] for b, t in zip(rows, positions))
-    again = credit_recheck.pick_tokens(mask, 3, seed=7)
-    assert rows.tolist() == again[0].tolist() and positions.tolist() == again[1].tolist()
-    rows, positions = credit_recheck.pick_tokens(mask, 10, seed=0)
-    assert list(zip(rows, positions)) == [(0, 0), (0, 1), (0, 2), (1, 0)]
 
 
 def _phase(points: dict, differences: dict) -> dict:

@@ -34,10 +34,11 @@ step)`: a run's own seed enters, so runs of different seeds share no random numb
 same run resumed draws the same.
 
 Each probe writes a `credit` metrics row (`credit/<level>/<estimator>/<score>`) and its inputs
-to `<workdir>/credit/step_<n>.npz` (the truth's name, prompts, responses, the truth's
-per-token rewards (and the run's, `run_rewards`, where they differ) and critic values, every
-state's V with its standard error and halves, every estimator's advantages and every rule's
-segment ids), from which `experiments/credit_report.py` pools runs into the study's table.
+to `<workdir>/credit/step_<n>.npz` (the probe seed, the truth's name, prompts, responses, the
+truth's per-token rewards (and the run's, `run_rewards`, where they differ) and critic values,
+every state's V with its standard error, halves and continuation returns (`state_returns
+[M, K]`), every estimator's advantages and every rule's segment ids), from which
+`experiments/credit_report.py` pools runs into the study's table.
 """
 from __future__ import annotations
 
@@ -450,6 +451,7 @@ class CreditProbe:
             "values": np.asarray(exp.values, np.float64), "lam": np.float64(lam),
             "state_rows": states.rows, "state_positions": states.positions,
             "state_mean": states.mean, "state_se": states.se, "state_halves": states.halves,
+            "state_returns": states.returns,
             **{f"segments/{rule}": np.asarray(seg) for rule, seg in segments.items()},
             **{f"advantages/{name}": a for name, a in advantages.items()},
         }

@@ -132,6 +132,7 @@ class TurnCreditProbe(credit.CreditProbe):
             "values": squeeze(np.asarray(exp.values, np.float64)), "lam": np.float64(lam),
             "state_rows": values.rows, "state_positions": values.positions,
             "state_mean": values.mean, "state_se": values.se, "state_halves": values.halves,
+            "state_returns": values.returns,
             **{f"segments/{rule}": squeeze(np.asarray(seg)) for rule, seg in segments.items()},
             **{f"advantages/{name}": squeeze(a) for name, a in advantages.items()},
             "action_columns": columns,
