@@ -277,9 +277,10 @@ def base_config() -> ml_collections.ConfigDict:
 
     # Asynchronous PPO (marl_jax/train/async_schedule.py, docs/async.md). max_staleness k: the
     # sampler runs up to k policy versions ahead of the trainer (0: the synchronous step); each
-    # response is decoded in chunks of `chunk_tokens` tokens (0: ceil(response_length / k)), one
-    # version per chunk, the weights swapped between chunks; a response unfinished after its k
-    # chunks continues in a later batch. A token sampled more than `max_token_staleness` versions
+    # response is decoded in chunks of `chunk_tokens` tokens (0: ceil(response_length / k); a
+    # multi-turn trajectory's chunks are ceil(max_turns / k) turns), one version per chunk, the
+    # weights swapped between chunks; a response unfinished after its k chunks continues in a
+    # later batch. A token sampled more than `max_token_staleness` versions
     # before the update that trains it gets no loss weight (unset: no limit; at least k). The
     # sampler and the trainer on disjoint devices (indices into jax.devices()): () and () share
     # every device, the loop interleaving them; trainer_devices () = every device not sampling.

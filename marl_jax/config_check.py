@@ -295,9 +295,9 @@ def _check_async(c, check):
     unserved = (
         (c.stage in ("ppo", "all"), "stage", f"the asynchronous loop runs stage ppo or all; "
          f"stage {c.stage!r} vmaps synchronous steps: use rollout.max_staleness=0"),
-        (not multi_turn_task(c), "task.name", "the asynchronous loop samples single responses "
-         "in decode chunks; a multi-turn task plays its turns from the host: use "
-         "rollout.max_staleness=0"),
+        (not multi_turn_task(c) or not r.chunk_tokens, "rollout.chunk_tokens", "a multi-turn "
+         f"task's trajectories are split over the k chunks by turns (task {c.task.name!r}): "
+         "use 0"),
         (p.termination != "parsing", "ppo.termination", "parsing runs on the host between the "
          "phases, which the asynchronous loop does not stop for: use an on-device termination "
          "or rollout.max_staleness=0"),

@@ -28,8 +28,7 @@ def test_the_schedule_by_hand():
     # k = 2, responses of 8 tokens in chunks of 3: chunk 0 is positions [0, 3), chunk 1 [3, 6),
     # and a response longer than 6 tokens carries over.
     s = _schedule(2, 3)
-    assert (s.chunks, s.chunk_span(0), s.chunk_span(1), s.carries_over) == (2, (0, 3), (3, 6),
-                                                                            True)
+    assert (s.chunks, s.chunk_tokens, s.carries_over) == (2, 3, True)
     # Batch 5 is sampled by versions 3 and 4 and trained by update 5.
     assert [s.version(5, i) for i in range(2)] == [3, 4]
     # Iteration 4 (version 4): the last chunk of batch 5, the first of batch 6.
@@ -38,16 +37,13 @@ def test_the_schedule_by_hand():
     assert list(s.warm_up()) == [-2, -1]
     assert s.decoded_at(-2) == [(0, 0)] and s.decoded_at(-1) == [(0, 1), (1, 0)]
     assert [s.version(0, 0), s.version(0, 1), s.version(1, 0), s.version(1, 1)] == [0, 0, 0, 0]
-    # Between update 2 and iteration 3: batch 3 waits whole, batch 4 has its first chunk.
-    assert list(s.in_flight_after(3)) == [3, 4]
     # The default chunk splits the budget over the k chunks: nothing carries over.
     even = _schedule(3, 0, length=8)
-    assert (even.chunk_tokens, even.chunk_span(2), even.carries_over) == (3, (6, 8), False)
-    # Synchronous: one chunk, the whole budget, the step's own version, nothing in flight.
+    assert (even.chunk_tokens, even.carries_over) == (3, False)
+    # Synchronous: one chunk, the whole budget, the step's own version, no warm-up.
     sync = _schedule(0, 0)
-    assert (sync.asynchronous, sync.chunks, sync.chunk_span(0), sync.version(7, 0),
-            sync.decoded_at(7), list(sync.in_flight_after(7))) == (False, 1, (0, 8), 7,
-                                                                    [(7, 0)], [])
+    assert (sync.asynchronous, sync.chunks, sync.chunk_tokens, sync.version(7, 0),
+            sync.decoded_at(7), list(sync.warm_up())) == (False, 1, 8, 7, [(7, 0)], [])
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
@@ -103,12 +99,23 @@ def test_bad_async_settings_are_one_line_at_config_time(overrides, message):
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
 
 
-def test_a_calculator_task_is_refused_while_asynchronous():
+@pytest.mark.parametrize("field, value, message", [
+    ("rollout.chunk_tokens", 8, "config.rollout.chunk_tokens=8: rollout.max_staleness=2: a "
+     "multi-turn task's trajectories are split over the k chunks by turns"),
+    ("rollout.sampler_devices", (1,), "config.rollout.sampler_devices=(1,): rollout."
+     "max_staleness=2: a multi-turn task (task 'calculator') plays its episodes in threads"),
+    ("ppo.decode_slots", 4, "config.ppo.decode_slots=4: rollout.max_staleness=2: a multi-turn "
+     "task's asynchronous turns prefill"),
+])
+def test_what_a_multi_turn_task_cannot_serve_asynchronously(field, value, message):
     c = importlib.import_module("configs.multiturn_synthetic").get_config()
-    c.stage, c.rollout.max_staleness = "ppo", 1
-    with pytest.raises(ValueError, match=r"^config.task.name='calculator': rollout.max_staleness"
-                                         r"=1: the asynchronous loop samples single responses"):
+    c.stage, c.rollout.max_staleness = "ppo", 2
+    validate_config(c)
+    section, _, name = field.rpartition(".")
+    c[section][name] = value
+    with pytest.raises(ValueError) as error:
         validate_config(c)
+    assert str(error.value).startswith(message)
 
 
 def test_good_async_settings_pass():

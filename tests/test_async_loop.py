@@ -19,7 +19,7 @@ import pytest
 from marl_jax import stages
 from marl_jax.config_check import validate_config
 from marl_jax.train import async_schedule, metrics as metrics_lib, preemption, programs, sharding
-from marl_jax.train import build, ppo as ppo_lib
+from marl_jax.train import build, phases, ppo as ppo_lib
 from marl_jax.train.async_step import AsyncStep
 
 from train_util import tiny_config, trained_tiny_pipeline
@@ -35,12 +35,13 @@ def tiny_pipe(tmp_path_factory):
     yield from trained_tiny_pipeline(tmp_path_factory.mktemp("async"))
 
 
-def _run(tiny_pipe, sampler=None, copies=None):
+def _run(tiny_pipe, sampler=None, copies=None, weights=None):
     """`ITERATIONS` iterations of the loop from a fresh start, the trainer on devices 0 and 1
     and the sampler there too or on the devices `sampler`: per iteration, the batch trained
     (host arrays, before its update), the metrics and the batches in flight after it. With
     `copies` (a list), per iteration (the sampler's weights equal the new actor's, the devices
-    of the sampler's weights and batches, those of the trainer's state)."""
+    of the sampler's weights and batches, those of the trainer's state); with `weights` (a
+    list), the actor's weights at each iteration's start: version t's."""
     pipe, sft, rm, stats = tiny_pipe
     cfg = tiny_config(**{"stage": "ppo", "ppo.group_size": GROUP, "ppo.batch_size": 16,
                          "ppo.response_length": RESPONSE, **ROLLOUT})
@@ -68,6 +69,8 @@ def _run(tiny_pipe, sampler=None, copies=None):
                          sampler_mesh=sampler_mesh)
         state = loop.initial_state(state, frozen)
         for step in range(ITERATIONS):
+            if weights is not None:
+                weights.append(jax.device_get(state.ppo.actor_params))
             trained = jax.device_get(state.batches[0])
             state, metrics = loop(state, frozen, hparams, step)
             trace.append((trained, jax.device_get(metrics), jax.device_get(state.batches)))
@@ -81,8 +84,15 @@ def _run(tiny_pipe, sampler=None, copies=None):
 
 
 @pytest.fixture(scope="module")
-def trace(tiny_pipe):
-    return _run(tiny_pipe)
+def run(tiny_pipe):
+    """(the trace of `_run`, the weights of versions 0 .. ITERATIONS - 1)."""
+    weights = []
+    return _run(tiny_pipe, weights=weights), weights
+
+
+@pytest.fixture(scope="module")
+def trace(run):
+    return run[0]
 
 
 def _lengths(batch):
@@ -116,8 +126,14 @@ def _history(trace, eos):
     return carried, cleared, origin
 
 
-def test_every_tokens_version_is_the_schedules(trace, tiny_pipe):
-    eos = tiny_pipe[0].task.tokenizer.eos_token_id
+def test_every_tokens_version_is_the_schedules(run, tiny_pipe):
+    """The stamps against the rule, and each token's sampler logprob against the one its
+    version's weights give it in a full forward pass (the next version's give others)."""
+    trace, weights = run
+    pipe = tiny_pipe[0]
+    eos = pipe.task.tokenizer.eos_token_id
+    logprobs = jax.jit(lambda p, *a: phases.score.token_logprobs(pipe.policy, p, *a,
+                                                                  pipe.config.ppo.temperature)[0])
     carried, cleared, origin = _history(trace, eos)
     spans = []
     for s, (batch, _, _) in enumerate(trace):
@@ -125,6 +141,13 @@ def test_every_tokens_version_is_the_schedules(trace, tiny_pipe):
         mask = np.asarray(batch.mask) != 0
         want = np.where(mask, np.maximum(0, origin[s][:, None] - K + positions // CHUNK), -1)
         np.testing.assert_array_equal(np.asarray(batch.versions), want, err_msg=f"batch {s}")
+        args = (batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.mask)
+        for version in np.unique(want[mask]):
+            tokens = mask & (want == version)
+            np.testing.assert_allclose(np.asarray(logprobs(weights[version], *args))[tokens],
+                                       np.asarray(batch.logprobs)[tokens], atol=1e-4)
+            other = np.asarray(logprobs(weights[version + 1], *args))[tokens]
+            assert np.abs(other - np.asarray(batch.logprobs)[tokens]).max() > 1e-3
         if s >= K:
             before = trace[s - K][0]
             kept = carried[s] & ~cleared[s]

@@ -280,11 +280,13 @@ class _CacheDriver:
 
 class _ReprefillDriver:
     """The turns of `reprefill_turns`: every turn prefills each playing row's prompt and history
-    again (`engine.continue_responses` from its cursor) and samples the turn after it."""
+    again (`engine.continue_responses` from its cursor) and samples the turn after it, with
+    `params_of_turn(j)` at round j (every playing row's turn j) when given."""
 
     def __init__(self, model, params, prompt_ids, prompt_mask, row_keys, temperature, top_p, flags, *, total,
-                 turn_tokens):
+                 turn_tokens, params_of_turn=None):
         self.model, self.params = model, params
+        self.params_of_turn, self.round = params_of_turn, 0
         self.prompt_ids, self.prompt_mask = prompt_ids, prompt_mask
         self.row_keys, self.total, self.turn_tokens = row_keys, total, turn_tokens
         self.settings = dict(temperature=temperature, top_k=flags["top_k"], top_p=top_p, eos_id=flags["eos_ids"],
@@ -299,8 +301,10 @@ class _ReprefillDriver:
     def decode(self, active: np.ndarray, cursor: np.ndarray) -> _TurnOut:
         batch = active.shape[0]
         prefix = np.where(active, cursor, self.total).astype(np.int32)
+        params = self.params if self.params_of_turn is None else self.params_of_turn(self.round)
+        self.round += 1
         out = engine.continue_responses(
-            self.model, self.params, self.prompt_ids, self.prompt_mask, jnp.asarray(self.history),
+            self.model, params, self.prompt_ids, self.prompt_mask, jnp.asarray(self.history),
             jnp.ones((batch, self.total), jnp.int32), jnp.asarray(prefix), row_keys=self.row_keys,
             max_new_tokens=self.turn_tokens, **self.settings)
         self.prefill_tokens += int((self.prompt_lengths + cursor)[active].sum())
@@ -480,18 +484,24 @@ def run_turns(model: CausalLM, params, prompt_ids, prompt_mask, *, step_turns: S
 
 def reprefill_turns(model: CausalLM, params, prompt_ids, prompt_mask, *, step_turns: StepTurns, row_keys,
                     max_turns: int, max_total_tokens: int, max_turn_tokens: int, end_of_turn: int | Sequence[int],
-                    temperature, top_k: int = 0, top_p=1.0, pad_id: int) -> Trajectory:
+                    temperature, top_k: int = 0, top_p=1.0, pad_id: int, params_of_turn=None) -> Trajectory:
     """`run_turns` by re-prefilling: every turn samples with `engine.continue_responses` after the
     prompt and the whole history so far (one prefill of prompt + history per row and turn), with
     the same keys. The reference `run_turns` is tested against, and its cost in prefill tokens.
     An observation ending with an end-of-turn id would stop `continue_responses` before it
-    samples: give such environments to `run_turns` only."""
+    samples: give such environments to `run_turns` only.
+
+    `params_of_turn(j) -> params` (optional): the params every row samples its turn j with (all
+    rows play round j together), in place of `params`: a turn's whole context is prefilled again
+    with them, so each turn is exactly its params' policy given the history (asynchronous PPO's
+    versions, `train/async_turns.py`)."""
     prompt_ids, prompt_mask, flags = _settings(
         model, prompt_ids, prompt_mask, row_keys, step_turns=step_turns, max_turns=max_turns,
         max_total_tokens=max_total_tokens, max_turn_tokens=max_turn_tokens, end_of_turn=end_of_turn,
         temperature=temperature, top_k=top_k, top_p=top_p, pad_id=pad_id, name="reprefill_turns")
     driver = _ReprefillDriver(model, params, prompt_ids, prompt_mask, row_keys, temperature, top_p, flags,
-                              total=int(max_total_tokens), turn_tokens=int(max_turn_tokens))
+                              total=int(max_total_tokens), turn_tokens=int(max_turn_tokens),
+                              params_of_turn=params_of_turn)
     return _play(driver, step_turns, batch=prompt_ids.shape[0], total=int(max_total_tokens), max_turns=int(max_turns),
                  turn_tokens=int(max_turn_tokens), eos_ids=flags["eos_ids"], pad_id=flags["pad_id"],
                  vocab_size=model.config.vocab_size)

@@ -8,8 +8,8 @@ reproducible as a synchronous one.
 Versions: version v is the actor after v updates (version 0: the SFT policy); update s trains
 batch s and turns version s into s + 1. With `max_staleness` k = 0 batch s is sampled by version
 s, all at once: the synchronous step. With k >= 1 batch s is sampled while the trainer works on
-the batches before it: each response is decoded in k chunks of `chunk_tokens` (D) tokens,
-chunk i (response positions `[i D, (i + 1) D)`) by version `max(0, s - k + i)`, so
+the batches before it: each response is decoded in k chunks of `chunk_tokens` (D) tokens (D
+more tokens of each response still going), chunk i by version `max(0, s - k + i)`, so
 
     iteration t (the weights at version t):  the sampler decodes chunk k - j of batch t + j for
                                               j = 1..k (batch t + k starts),
@@ -75,15 +75,6 @@ class Schedule:
         """Whether a response can outlast its batch's chunks (k D < R)."""
         return self.chunks * self.chunk_tokens < self.response_length
 
-    def chunk_span(self, chunk: int) -> tuple[int, int]:
-        """Response positions `[start, stop)` of chunk `chunk` of a pass (the last one of a
-        synchronous step is the whole budget)."""
-        if not self.asynchronous:
-            return 0, self.response_length
-        start = chunk * self.chunk_tokens
-        return min(start, self.response_length), min(start + self.chunk_tokens,
-                                                     self.response_length)
-
     def version(self, batch: int, chunk: int) -> int:
         """The policy version that samples chunk `chunk` of batch `batch`."""
         if not 0 <= chunk < self.chunks:
@@ -102,11 +93,6 @@ class Schedule:
         """The sampler's iterations before step 0 (k of them, all with version 0)."""
         return range(-self.max_staleness, 0)
 
-    def in_flight_after(self, step: int) -> range:
-        """The batches partly sampled when update `step - 1` is done (a step boundary, where
-        a checkpoint is taken): `step + 1 .. step + k - 1`, and `step` itself, complete but not
-        yet trained."""
-        return range(step, step + self.max_staleness) if self.asynchronous else range(0)
 
 
 def stamp_versions(mask, version):

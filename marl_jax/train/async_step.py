@@ -152,14 +152,14 @@ class AsyncStep:
 
     def _decode(self, params, ppo: PPOState, batches: dict, iteration: int):
         """Decodes the chunks `schedule.decoded_at(iteration)` of `batches` {batch index:
-        PartialBatch} with `params` (version max(0, iteration)), in place; returns the tokens
-        sampled and prefilled."""
+        PartialBatch} with `params` (the version of iteration `iteration`), in place; returns
+        the tokens sampled and prefilled."""
         rep = sharding.replicated(self.sampler_mesh)
-        version = jax.device_put(jnp.int32(max(0, iteration)), rep)
         sampled = prefilled = jnp.zeros((), jnp.int32)
         if self.key_data is None:  # the run's key, constant over its steps, kept on the host
             self.key_data = np.asarray(jax.device_get(ppo.key))
-        for batch, _ in self.schedule.decoded_at(iteration):
+        for batch, chunk in self.schedule.decoded_at(iteration):
+            version = jax.device_put(jnp.int32(self.schedule.version(batch, chunk)), rep)
             key = jax.device_put(batch_key(self.key_data, batch), rep)
             batches[batch], new, prefill = self.programs["decode"](params, batches[batch], key,
                                                                    version)

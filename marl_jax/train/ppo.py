@@ -22,6 +22,7 @@ from marl_jax.models import lora
 from marl_jax.train import (async_schedule, build, checkpoint, credit_turns, loop, perf, programs,
                              sharding)
 from marl_jax.train.async_step import AsyncStep
+from marl_jax.train.async_turns import AsyncTurnsStep
 from marl_jax.train import phases
 from marl_jax.train.phased_step import PhasedStep
 from marl_jax.train.turn_step import MultiTurnStep, TrajectoryEvaluation
@@ -393,7 +394,11 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
     phased = asynchronous = None
     timed = p.get("phase_timing", True)
     schedule = async_schedule.Schedule.from_config(config)
-    if task.turn_callback is not None:
+    if task.turn_callback is not None and schedule.asynchronous:
+        # Each batch's episodes played in a thread, its turns by the schedule's versions.
+        asynchronous = AsyncTurnsStep(config, task, static, mods, state_sh, frozen_sh, mesh,
+                                      schedule, timed=timed)
+    elif task.turn_callback is not None:
         # Multi-turn: the rollout plays the environment from the host, phase by phase.
         phased = MultiTurnStep(config, task, static, mods, state_sh, frozen_sh, mesh,
                                timed=timed)
@@ -463,15 +468,21 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
         if asynchronous is not None:
             state = asynchronous.initial_state(state, frozen)
             progress += ("async/staleness_avg", "timing/overlap")
-        state, _ = loop.run(stage, state=state, total_steps=p.steps, step_fn=run_step,
-                            writer=writer, metadata=metadata,
-                            checkpoint_every=config.checkpoint_every, log_every=config.log_every,
-                            # The asynchronous loop's state is restored as it is placed.
-                            shardings=state_sh if asynchronous is None else None,
-                            truncate_stages=("ppo", "eval", "credit"), progress_keys=progress,
-                            hooks=eval_hook, hooks_due=hooks_due, cost=step_cost(static, mods, task.prompt_length),
-                            peak_flops=perf.devices_peak_flops(policy.config.dtype,
-                                                            policy.config.precision))
+        try:
+            state, _ = loop.run(stage, state=state, total_steps=p.steps, step_fn=run_step,
+                                writer=writer, metadata=metadata,
+                                checkpoint_every=config.checkpoint_every,
+                                log_every=config.log_every,
+                                # The asynchronous loop's state is restored as it is placed.
+                                shardings=state_sh if asynchronous is None else None,
+                                truncate_stages=("ppo", "eval", "credit"),
+                                progress_keys=progress, hooks=eval_hook, hooks_due=hooks_due,
+                                cost=step_cost(static, mods, task.prompt_length),
+                                peak_flops=perf.devices_peak_flops(policy.config.dtype,
+                                                                policy.config.precision))
+        finally:
+            if isinstance(asynchronous, AsyncTurnsStep):
+                asynchronous.close()  # its threads still waiting for a version stop
     stage.close()
     if phased is not None:
         phased.close()

@@ -53,16 +53,27 @@ def score_trajectory_phase(static: PPOStatic, models: Models, state: PPOState, f
     `truncated`, `failed`. The forward passes read the observations, the policy's terms the
     action tokens only (`score.score`); the environment's rewards are the turn rewards (no
     sequence score on top). (Experience `[B, ...]`, metrics with the rollout's budget: the
-    action tokens generated, the prompt and observation tokens prefilled.)"""
+    action tokens generated, the prompt and observation tokens prefilled.) An asynchronous
+    trajectory's `versions [B, T]` (the version of each turn's policy, `train/async_turns.py`)
+    are kept, with the batch's accounting (`async_accounting`); without them every action token
+    is the actor's."""
     kinds = trajectory["kinds"]
     context = (kinds != turns.PAD).astype(jnp.int32)
     actions = (kinds == turns.ACTION).astype(jnp.int32)
+    versions = trajectory.get("versions")
     exp, metrics = score.score(
         static, models, state, frozen, prompt_ids, prompt_mask, trajectory["tokens"], context,
         host_scores=jnp.zeros(kinds.shape[:1], jnp.float32),
         sampled_logprobs=trajectory["logprobs"], sampled_entropy=trajectory["entropy"],
         first_step=first_step, action_mask=actions, turn_ids=trajectory["turn_ids"],
-        turn_rewards=trajectory["turn_rewards"])
+        turn_rewards=trajectory["turn_rewards"], versions=versions)
+    if versions is not None:
+        metrics.update(async_accounting(static, state.step, actions, versions,
+                                        jnp.ones(kinds.shape[:1], bool)))
+    # A row whose environment failed (it raised or answered something malformed) leaves the
+    # loss: an infrastructure failure is no evidence about the policy
+    # (`multiturn/failed_frac` counts these rows).
+    exp = exp.replace(loss_rows=~jnp.asarray(trajectory["failed"], bool))
     turn_count = jnp.where(actions != 0, trajectory["turn_ids"] + 1, 0).max(axis=1)
     observed = (kinds == turns.OBSERVATION).sum()
     metrics = dict(metrics, **{
@@ -93,21 +104,30 @@ def score_async_phase(static: PPOStatic, models: Models, state: PPOState, frozen
     budget = rollout_phases.rollout_budget(static, batch.prompt_mask, batch.mask)
     exp, group_metrics = rollout_phases.keep_informative_groups(static, exp)
     trained = ~rollout_phases.unfinished_groups(static, batch)
-    tokens = (batch.mask != 0) & trained[:, None]
-    fresh = async_schedule.fresh_tokens(batch.versions, state.step, static.max_token_staleness)
-    oldest = jnp.where(tokens, batch.versions, jnp.iinfo(jnp.int32).max).min(axis=1)
-    newest = jnp.where(tokens, batch.versions, -1).max(axis=1)
+    accounting = async_accounting(static, state.step, batch.mask, batch.versions, trained)
+    return exp.replace(loss_rows=trained), {**metrics, **budget, **group_metrics, **accounting,
+                                            "async/carried_frac": 1.0 - trained.astype(
+                                                jnp.float32).mean()}
+
+
+def async_accounting(static: PPOStatic, step, actions, versions, trained):
+    """The accounting of a batch an asynchronous update `step` trains on, its policy's tokens
+    `actions [B, R]` with their `versions [B, R]`, the rows `trained [B]`: the tokens trained
+    and those masked (more than `static.max_token_staleness` versions old), the token-weighted
+    staleness of each trained response from its oldest token, the widest version span within
+    one."""
+    tokens = (actions != 0) & trained[:, None]
+    fresh = async_schedule.fresh_tokens(versions, step, static.max_token_staleness)
+    oldest = jnp.where(tokens, versions, jnp.iinfo(jnp.int32).max).min(axis=1)
+    newest = jnp.where(tokens, versions, -1).max(axis=1)
     lengths = tokens.sum(axis=1)
-    staleness = jnp.where(lengths > 0, state.step - oldest, 0)
-    accounting = {
-        "async/batch_tokens_trained": (tokens & fresh).sum().astype(jnp.int32),
-        "async/batch_tokens_masked": (tokens & ~fresh).sum().astype(jnp.int32),
-        "async/staleness_avg": ((lengths * staleness).sum()
-                                / jnp.maximum(lengths.sum(), 1)).astype(jnp.float32),
-        "async/version_span_max": jnp.where(lengths > 0, newest - oldest, 0).max().astype(
-            jnp.int32),
-        "async/carried_frac": 1.0 - trained.astype(jnp.float32).mean()}
-    return exp.replace(loss_rows=trained), {**metrics, **budget, **group_metrics, **accounting}
+    staleness = jnp.where(lengths > 0, step - oldest, 0)
+    return {"async/batch_tokens_trained": (tokens & fresh).sum().astype(jnp.int32),
+            "async/batch_tokens_masked": (tokens & ~fresh).sum().astype(jnp.int32),
+            "async/staleness_avg": ((lengths * staleness).sum()
+                                    / jnp.maximum(lengths.sum(), 1)).astype(jnp.float32),
+            "async/version_span_max": jnp.where(lengths > 0, newest - oldest, 0).max().astype(
+                jnp.int32)}
 
 
 def rollout(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, prompt_ids,
