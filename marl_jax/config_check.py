@@ -297,6 +297,11 @@ def _check_async(c, check):
          f"stage {c.stage!r} vmaps synchronous steps: use rollout.max_staleness=0"),
         (not multi_turn_task(c) or not r.chunk_tokens, "rollout.chunk_tokens", "a multi-turn "
          f"task's trajectories are split over the k chunks by turns (task {c.task.name!r}): "
+        (not multi_turn_task(c) or not r.sampler_devices, "rollout.sampler_devices", "a "
+         f"multi-turn task (task {c.task.name!r}) plays its episodes in threads beside the "
+         "trainer, on its devices: use ()"),
+        (not multi_turn_task(c) or not p.decode_slots, "ppo.decode_slots", "a multi-turn "
+         "task's asynchronous turns prefill their whole history again each turn, in one batch: "
          "use 0"),
         (p.termination != "parsing", "ppo.termination", "parsing runs on the host between the "
          "phases, which the asynchronous loop does not stop for: use an on-device termination "
