@@ -297,6 +297,7 @@ def _check_async(c, check):
          f"stage {c.stage!r} vmaps synchronous steps: use rollout.max_staleness=0"),
         (not multi_turn_task(c) or not r.chunk_tokens, "rollout.chunk_tokens", "a multi-turn "
          f"task's trajectories are split over the k chunks by turns (task {c.task.name!r}): "
+         "use 0"),
         (not multi_turn_task(c) or not r.sampler_devices, "rollout.sampler_devices", "a "
          f"multi-turn task (task {c.task.name!r}) plays its episodes in threads beside the "
          "trainer, on its devices: use ()"),
