@@ -30,7 +30,6 @@ SETTINGS = {"stage": "ppo", "ppo.batch_size": 8, "ppo.steps": 4, "ppo.eval_every
 
 def _config():
     config = tiny_calculator_config(max_turns=4)
-    config.sft.steps = 60
     for dotted, value in SETTINGS.items():
         section, _, name = dotted.rpartition(".")
         (config[section] if section else config)[name] = value

@@ -89,11 +89,12 @@ class Versions:
 
 class EpisodeBatch:
     """Batch `index` played in a thread: `play(params_of_turn) -> Trajectory`, turn j with the
-    weights of its version (`AsyncTurnsStep.version_of`)."""
+    weights of its version (`AsyncTurnsStep.version_of`); `prompts` its prompt ids and mask
+    `[B, P]`; `finished` when its last turn was played (`time.perf_counter`)."""
 
-    def __init__(self, play, index: int, version_of, versions: Versions):
+    def __init__(self, play, index: int, version_of, versions: Versions, prompts):
         self.index, self.version_of, self.versions = index, version_of, versions
-        self.trajectory = self.error = None
+        self.prompts, self.trajectory, self.error, self.finished = prompts, None, None, None
         self.thread = threading.Thread(target=self._run, args=(play,), daemon=True)
         self.thread.start()
 
@@ -103,6 +104,7 @@ class EpisodeBatch:
                                                                                   turn)))
         except BaseException as error:  # raised again in the loop's thread by `result`
             self.error = error
+        self.finished = time.perf_counter()
 
     def result(self) -> turns.Trajectory:
         self.thread.join()
@@ -114,7 +116,8 @@ class EpisodeBatch:
 class AsyncTurnsStep:
     """`(state: AsyncTurnsState, frozen, hparams, step) -> (state, metrics)`: one iteration of
     the multi-turn asynchronous loop (module docstring), `timed` as `config.ppo.phase_timing`
-    asks (`timing/rollout_s`: until batch t + 1 was played, from the iteration's start)."""
+    asks (`timing/rollout_s`: from the iteration's start until batch t + 1, whose last chunk is
+    this iteration's version's, was played)."""
 
     def __init__(self, config, task, static: PPOStatic, mods, state_sh, frozen_sh, mesh,
                  schedule: async_schedule.Schedule, *, timed: bool):
@@ -159,8 +162,8 @@ class AsyncTurnsStep:
                 end_of_turn=player.end_of_turn, temperature=s.temperature, top_k=s.top_k,
                 top_p=s.top_p, pad_id=s.pad_id, params_of_turn=params_of_turn)
 
-        self.batches[batch] = EpisodeBatch(play, batch, self.version_of, self.versions)
-        self.batches[batch].prompts = (ids, mask)
+        self.batches[batch] = EpisodeBatch(play, batch, self.version_of, self.versions,
+                                           (ids, mask))
 
     def initial_state(self, ppo: PPOState, frozen) -> AsyncTurnsState:
         """The state before step 0: versions -k .. -1 are version 0's weights, zero totals."""
@@ -211,7 +214,8 @@ class AsyncTurnsStep:
                                                         adv_metrics, frozen))
         following = self.trajectory_arrays(step + 1)  # played to its end: its tokens count
         if self.timed:
-            clock.seconds["timing/rollout_s"] = time.perf_counter() - started
+            finished = self.batches[step + 1].finished
+            clock.seconds["timing/rollout_s"] = max(0.0, finished - started)
         in_flight = int((following["kinds"] == turns.ACTION).sum())
         generated += in_flight
         self.versions.keep_from(step + 1 - self.k)
