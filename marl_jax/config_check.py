@@ -635,8 +635,8 @@ def _check_reasoning_gym(t, check):
         "--config.task.options=\"{'max_terms': 2}\"" if options is None else \
         reasoning_gym.options_problem(t.dataset, options)
     if problem is not None:  # the field's own repr spans lines (a ConfigDict)
-        raise ValueError(f"config.task.options={options if options is not None else t.options!r}: "
-                         f"{problem}")
+        shown = options if options is not None else t.options
+        raise ValueError(f"config.task.options={shown!r}: {problem}")
     check(t.answer_format in reasoning_gym.ANSWER_FORMATS, "task.answer_format",
           f"must be one of {tuple(reasoning_gym.ANSWER_FORMATS)}")
 

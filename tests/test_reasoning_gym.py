@@ -8,7 +8,6 @@ dataset, bad options or a missing library are one line."""
 import dataclasses
 import importlib.util
 
-import numpy as np
 import pytest
 import reasoning_gym
 import sympy
@@ -170,12 +169,15 @@ def test_bad_datasets_and_options_are_one_line_at_config_time():
         "config.task.dataset='basic_arithmatic': not a reasoning-gym dataset (104 registered; "
         "closest: basic_arithmetic, bitwise_arithmetic, decimal_arithmetic, complex_arithmetic)")
     c = rlvr_smollm2.get_config()
+    c.task.dataset = "basic_arithmetic"
     c.task.options = dict(max_term=3)
     with pytest.raises(ValueError) as error:
         validate_config(c)
-    assert str(error.value).startswith(
+    assert str(error.value) == (
         "config.task.options={'max_term': 3}: basic_arithmetic has no option 'max_term' "
-        "(closest: max_terms, min_terms, max_digits)")
+        "(closest: max_terms, min_terms, max_digits); its options: allow_negation, "
+        "allow_parentheses, format_style, max_digits, max_terms, min_digits, min_terms, "
+        "operators, whitespace (seed and size are the task's)")
 
 
 def test_a_missing_library_is_one_line_naming_the_extra(monkeypatch):

@@ -140,7 +140,8 @@ def latex_to_expression(answer: str) -> str:
 
     # The timeout is a SIGALRM, which only the main thread may set.
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
-    parsed = math_verify.parse(f"${answer}$", extraction_config=[math_verify.LatexExtractionConfig()],
+    parsed = math_verify.parse(f"${answer}$",
+                               extraction_config=[math_verify.LatexExtractionConfig()],
                                parsing_timeout=timeout)
     expressions = [p for p in parsed if not isinstance(p, str)]
     return str(expressions[0]) if expressions else answer
