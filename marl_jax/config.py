@@ -25,6 +25,7 @@ TASK_CONFIGS = {
     "apps": "configs/apps_smollm2.py",
     "reviews": "configs/real_text_smollm2.py",
     "calculator": "configs/multiturn_synthetic.py",
+    "game": "configs/game_smollm2.py",
     "reasoning_gym": "configs/rlvr_smollm2.py",
 }
 # What marl_jax/data/tasks.py reads of the synthetic task section besides the world's fields.
@@ -34,6 +35,9 @@ SYNTHETIC_TASK_FIELDS = ("data_seed", "num_sft", "num_pairs", "num_rl_prompts",
 CALCULATOR_TASK_FIELDS = ("data_seed", "num_sft", "num_rl_prompts", "num_eval_prompts",
                           "prompt_length", "max_turns", "min_a", "max_a", "max_bc", "max_value",
                           "demo_shortcut")
+# What marl_jax/envs/tasks.py reads of the game task's section.
+GAME_TASK_FIELDS = ("environment", "tokenizer", "data_seed", "num_rl_prompts", "num_eval_prompts",
+                    "prompt_length", "max_turns", "max_turn_tokens", "max_observation_tokens")
 # What marl_jax/envs/tasks.py reads of the reasoning-gym task's section.
 REASONING_GYM_TASK_FIELDS = ("dataset", "options", "answer_format", "tokenizer", "data_seed",
                              "num_sft", "num_rl_prompts", "num_eval_prompts", "prompt_length",

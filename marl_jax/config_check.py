@@ -20,6 +20,7 @@ import ml_collections
 
 from marl_jax.config import (
     CALCULATOR_TASK_FIELDS,
+    GAME_TASK_FIELDS,
     REASONING_GYM_TASK_FIELDS,
     REVIEW_TASK_FIELDS,
     SYNTHETIC_TASK_FIELDS,
@@ -610,8 +611,10 @@ def _check_multi_turn(c, check):
     check(not (ESTIMATORS[p.estimator].needs_critic and p.critic_init == "rm"),
           "ppo.critic_init", f"task {t.name!r} has no reward model to start the critic from: "
           "use sft or random")
-    from marl_jax.envs.tasks import WORD_TOKENIZER, tokenizer_problem
+    from marl_jax.envs.tasks import WORD_TOKENIZER, game_problem, tokenizer_problem
 
+    problem = game_problem(c)
+    check(problem is None, *(problem or (None, None)))
     problem = tokenizer_problem(c)
     if problem is not None:  # the field may be absent: the word-level tokenizer by default
         raise ValueError(f"config.task.tokenizer={t.get('tokenizer', WORD_TOKENIZER)!r}: "
@@ -648,12 +651,12 @@ def _check_task_fields(c, config_file):
     if name not in TASK_CONFIGS:
         raise ValueError(f"config.task.name={name!r}: must be one of {tuple(TASK_CONFIGS)}")
     needed = {"synthetic": SYNTHETIC_TASK_FIELDS, "reviews": REVIEW_TASK_FIELDS,
-              "calculator": CALCULATOR_TASK_FIELDS,
+              "calculator": CALCULATOR_TASK_FIELDS, "game": GAME_TASK_FIELDS,
               "reasoning_gym": REASONING_GYM_TASK_FIELDS}.get(name, tuple(base_config().task))
     missing = [f for f in needed if f not in c.task]
     if missing:
         kind = {"synthetic": "synthetic", "reviews": "review", "calculator": "calculator",
-                "reasoning_gym": "reasoning-gym"}.get(name, "real-dataset")
+                "game": "game", "reasoning_gym": "reasoning-gym"}.get(name, "real-dataset")
         raise ValueError(
             f"config.task.name={name!r} needs the {kind} task fields ({', '.join(missing)}) that "
             f"{config_file or 'this config'} does not have; use --config={TASK_CONFIGS[name]}")

@@ -229,7 +229,7 @@ def test_good_new_fields_pass(overrides):
 
 
 def test_each_task_name_has_the_config_that_serves_it():
-    assert set(TASK_CONFIGS) == {"synthetic", "reviews", "calculator", "reasoning_gym",
+    assert set(TASK_CONFIGS) == {"synthetic", "reviews", "calculator", "game", "reasoning_gym",
                                  *REAL_TASKS}
     for name, path in TASK_CONFIGS.items():
         module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
@@ -259,7 +259,7 @@ def test_a_task_name_without_its_fields_fails_naming_them_and_the_config():
     c.task.name = "tl;dr"
     with pytest.raises(ValueError, match=r"config.task.name='tl;dr': must be one of "
                                          r"\('synthetic', 'tldr', 'hh_rlhf', 'webgpt', 'apps', "
-                                         r"'reviews', 'calculator', 'reasoning_gym'\)"):
+                                         r"'reviews', 'calculator', 'game', 'reasoning_gym'\)"):
         validate_config(c)
 
 

@@ -17,7 +17,6 @@ from marl_jax import envs
 from marl_jax.envs import arithmetic, calculator, chat_turns
 from marl_jax.envs.apps_repair import AppsRepairEnvironment
 from marl_jax.envs.calculator import CalculatorEnvironment
-from marl_jax.envs.guess_number import GuessNumberEnvironment
 
 # SmolLM2-135M-Instruct's chat template, as its tokenizer ships it.
 SMOLLM2_TEMPLATE = (
@@ -237,35 +236,6 @@ def test_shortcut_demonstrations_stop_after_one_call_and_earn_nothing():
         calculator.CalculatorTask(demo_shortcut=1.5)
 
 
-def test_guess_number_rewards_and_observations_by_hand():
-    env = envs.environment("guess_number", max_turns=4)
-    row = {"low": 1, "high": 100, "secret": 37}
-    assert _play(env, row, ["guess 50", "guess 25", "I give up", "guess 37"]) == [
-        ("lower", -0.25, False), ("higher", -0.25, False), ("error: bad action", -0.25, False),
-        (None, 1.0, True)]
-    assert _play(env, row, ["guess 1", "guess 2", "guess 3", "guess 4"]) == [
-        ("higher", -0.25, False), ("higher", -0.25, False), ("higher", -0.25, False),
-        (None, -0.25, True)]
-    # Without a secret the row's seed draws one in [low, high], which bisection by the feedback
-    # finds within three guesses of [1, 7].
-    found = [_bisect(GuessNumberEnvironment(low=1, high=7, max_turns=3), seed)
-             for seed in (11, 11, *range(20))]
-    assert found[0] == found[1] and set(found) <= set(range(1, 8)) and len(set(found)) > 3
-
-
-def _bisect(env, seed):
-    states, _ = env.reset([{}], [seed])
-    low, high = env.low, env.high
-    while True:
-        guess = (low + high) // 2
-        result = env.step(states, [f"guess {guess}"], [[]])
-        states = result.states
-        if result.done[0]:
-            assert float(result.rewards[0]) == 1.0 and states[0].secret == guess
-            return guess
-        low, high = (guess + 1, high) if result.observations[0] == "higher" else (low, guess - 1)
-
-
 STDIN_IO = {"inputs": ["1 2\n", "3 4\n", "-5 5\n"], "outputs": ["3\n", "7\n", "0\n"]}
 
 
@@ -330,7 +300,7 @@ def test_unknown_environment_is_one_line_listing_the_known_ones():
     with pytest.raises(ValueError) as error:
         envs.environment("wordle")
     assert str(error.value) == ("unknown environment 'wordle': must be one of "
-                                "('apps_repair', 'calculator', 'guess_number')")
+                                "('apps_repair', 'calculator', 'game', 'reasoning_gym')")
     with pytest.raises(ValueError, match="registered twice"):
         envs.register_environment("calculator")(CalculatorEnvironment)
 

@@ -4,11 +4,12 @@ conversations as trajectories (`transcripts`), the multi-turn tasks of the pipel
 and one module per environment, each registered under its name:
 
 - `calculator`: arithmetic word problems with a calculator tool (synthetic, exact gold);
-- `guess_number`: guess the number with higher / lower feedback every turn;
 - `apps_repair`: APPS programs repaired from the failing tests' feedback (the APPS jail);
-- `reasoning_gym`: reasoning-gym's problems, answered once or again after the checker's verdict.
+- `reasoning_gym`: reasoning-gym's problems, answered once or again after the checker's verdict;
+- `game`: any single-player game of GEM or TextArena through the library's own API (`games`,
+  one adapter per library: `gem_env`, `textarena_env`).
 """
-from marl_jax.envs import apps_repair, calculator, guess_number  # noqa: F401  (they register)
+from marl_jax.envs import apps_repair, calculator, games  # noqa: F401  (they register)
 from marl_jax.envs import reasoning_gym  # noqa: F401  (registers; imports the library lazily)
 from marl_jax.envs import tasks  # noqa: F401  (registers the multi-turn tasks)
 from marl_jax.envs.base import Environment, StepResult, flag_counts

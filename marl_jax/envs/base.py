@@ -5,7 +5,11 @@ An environment is reset from a task row (a dict) and a seed, which gives its sta
 prompt as chat messages (`[{"role", "content"}]`), and is stepped from the policy's action (its
 text and its token ids) to a new state, the observation text (None once done), the turn's reward
 and whether the episode is done. States are values: `step_row` returns a new state and leaves
-the old one as it was.
+the old one as it was. The one exception is a library's game (`gem_env`, `textarena_env`), whose
+state is the library's live object: `step_row` advances it in place and returns it. So a caller
+steps each state once and branches an episode by replaying it from a fresh reset of its row and
+seed, never by stepping an old state again (what the rollout's callback and the credit probe's
+continuations do).
 
 The batched `reset` / `step` run every row on the host. `step` catches each row's failure (an
 exception, an observation that is not text, a reward that is not a finite number, a done flag
@@ -30,7 +34,8 @@ logger = logging.getLogger(__name__)
 class StepResult:
     """One batched step of B rows.
 
-    states: [B] the rows' new states (a failed row keeps its old one).
+    states: [B] the rows' new states (a failed row keeps its old one, which a library's game
+      may have advanced: the row is done either way).
     observations: [B] the text the environment writes before the next action; None where done.
     rewards: [B] float32, each row's reward of this turn (0 where failed).
     done: [B] bool, the episode is over (failed rows included).

@@ -17,6 +17,14 @@ answers); the dataset's checker is the reward. SFT trains on the library's refer
 the answer format (`num_sft` of them, 0 for none). Its tokenizer is a pretrained one ("model" or
 a path).
 
+`game` (configs/game_smollm2.py): a single-player game of GEM or TextArena,
+`config.task.environment` ("gem:<id>" or "textarena:<id>", `marl_jax.envs.games`), through the
+library's own API. A task row is one game, {"seed": s}: the seeds of the PPO prompts' games and of
+the held-out games are drawn without replacement from [0, 2**32) by `default_rng(data_seed)`, so
+no held-out game's seed is a training game's. No demonstrations (config.sft.steps is 0) and no
+reward model: the game's rewards are the reward. Its tokenizer is a pretrained one, and
+`config.task.prompt_length=0` pads the first prompts to the longest (each game writes its own).
+
 `config.task.tokenizer` chooses how text becomes tokens: "word" (the default, also when the
 section has no such field) is the task's own word-level tokenizer, written to
 `<workdir>/tokenizer` for a fresh model of `config.model.config`; "model" is the tokenizer of
@@ -30,9 +38,11 @@ import dataclasses
 import functools
 import os
 
+import numpy as np
+
 from marl_jax.data.task_data import TaskData
 from marl_jax.data.task_registry import register_task
-from marl_jax.envs import calculator
+from marl_jax.envs import calculator, games
 from marl_jax.envs.chat_turns import end_of_turn_ids, observation_span, prompt_ids
 from marl_jax.envs.reasoning_gym import problem_rows
 from marl_jax.envs.registry import environment
@@ -45,6 +55,7 @@ CALCULATOR_SIZES = ("min_a", "max_a", "max_bc", "max_value")
 # `config.task.tokenizer` values besides a path: the task's word-level tokenizer (the default)
 # and the pretrained model's own.
 WORD_TOKENIZER, MODEL_TOKENIZER = "word", "model"
+GAME_TASK = "game"
 
 
 @functools.lru_cache(maxsize=4)
@@ -83,7 +94,7 @@ def tokenizer_problem(config) -> str | None:
         tokenizer = _pretrained_tokenizer(path)
     except Exception as error:  # a missing file or a directory that holds no tokenizer
         return f"no tokenizer loads from {path}: {str(error).strip().splitlines()[0]}"
-    role = ("user" if config.task.name == "reasoning_gym" else
+    role = ("user" if config.task.name in (GAME_TASK, "reasoning_gym") else
             calculator.CalculatorEnvironment.observation_role)
     try:
         end_of_turn_ids(tokenizer)
@@ -189,4 +200,63 @@ def reasoning_gym_task_data(config, workdir: str) -> TaskData:
         end_of_turn=tuple(end_of_turn_ids(tokenizer)),
         info=dict(task="reasoning_gym", dataset=t.dataset, options=dict(t.options),
                   rl_rows=rows["rl"], eval_rows=rows["eval"]),
+    )
+
+
+def game_problem(config) -> tuple[str, str] | None:
+    """(field, why) the game task's section cannot be played, or None (and None for any other
+    task): the game (`games.game_problem`: it builds the environment and starts one episode), a
+    pretrained tokenizer, and no SFT stage (a game has no demonstrations)."""
+    t = config.task
+    if t.name != GAME_TASK:
+        return None
+    problem = games.game_problem(t.environment)
+    if problem is not None:
+        return "task.environment", problem
+    if t.get("tokenizer", WORD_TOKENIZER) == WORD_TOKENIZER:
+        return "task.tokenizer", (f"a game's text needs a pretrained tokenizer: use "
+                                  f"{MODEL_TOKENIZER} or a path")
+    if not isinstance(t.prompt_length, int) or t.prompt_length < 0:
+        return "task.prompt_length", ("must be an int >= 0 (0: the longest first prompt of the "
+                                      "task's games)")
+    if config.sft.steps:
+        return "sft.steps", "a game has no demonstrations to fine-tune on: use 0"
+    return None
+
+
+def game_rows(data_seed: int, num_rl: int, num_eval: int) -> tuple[list, list]:
+    """(PPO rows, held-out rows) of the game task: {"seed"} each, the seeds drawn without
+    replacement from [0, 2**32) by `default_rng(data_seed)` (disjoint parts)."""
+    seeds = np.random.default_rng(data_seed).choice(2 ** 32, size=num_rl + num_eval,
+                                                    replace=False)
+    rows = [{"seed": int(s)} for s in seeds]
+    return rows[:num_rl], rows[num_rl:]
+
+
+@register_task(GAME_TASK)
+def game_task_data(config, workdir: str) -> TaskData:
+    """The game task (see the module); deterministic in `config.task`."""
+    t = config.task
+    tokenizer = _pretrained_tokenizer(tokenizer_path(config))
+    env_kwargs = dict(environment=t.environment)
+    env = environment(GAME_TASK, **env_kwargs)
+    rl_rows, eval_rows = game_rows(int(t.data_seed), int(t.num_rl_prompts),
+                                   int(t.num_eval_prompts))
+    prompts = {part: [prompt_ids(tokenizer, messages)
+                      for messages in env.reset(rows, range(len(rows)))[1]]
+               for part, rows in (("rl", rl_rows), ("eval", eval_rows))}
+    p = int(t.prompt_length) or max(len(ids) for part in prompts.values() for ids in part)
+    arrays = {part: dict(zip(("ids", "mask"), left_padded(
+        ids, p, pad_id(tokenizer), field="config.task.prompt_length")))
+        for part, ids in prompts.items()}
+    return TaskData(
+        tokenizer=tokenizer, prompt_length=p, response_length=int(config.ppo.response_length),
+        sft={}, rm=None, rl=arrays["rl"], eval=arrays["eval"],
+        environment=dict(name=GAME_TASK, kwargs=env_kwargs),
+        turn_callback=lambda task_rows, seeds: turn_callback(
+            env, tokenizer, task_rows, seeds,
+            max_observation_tokens=int(t.max_observation_tokens))[1],
+        end_of_turn=tuple(end_of_turn_ids(tokenizer)),
+        info=dict(task=GAME_TASK, environment=t.environment, rl_rows=rl_rows,
+                  eval_rows=eval_rows),
     )
