@@ -55,10 +55,11 @@ def setup(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def played(setup):
-    """Three trajectories of the random policy (`run_turns`, the cache-based driver)."""
+    """Three trajectories of the random policy (`run_turns`, the cache-based driver), one of
+    them cut by the trajectory budget."""
     task, model, params, rows, seeds, settings = setup
     ids, mask = np.asarray(task.eval["ids"][:3]), np.asarray(task.eval["mask"][:3])
-    row_keys = jax.random.split(jax.random.key(1), 3)
+    row_keys = jax.random.split(jax.random.key(2), 3)
     traj = turns.run_turns(model, params, ids, mask, step_turns=task.turn_callback(rows, seeds),
                            row_keys=row_keys, max_total_tokens=TOTAL, **settings)
     return ids, mask, row_keys, traj
@@ -164,9 +165,21 @@ def test_continuations_play_the_environment_on_as_a_reference_does(setup, played
 
 
 def test_a_trajectorys_own_key_continues_it_into_itself(setup, played):
+    """The truth's continuations play the engine's turn rules (`turns.end_turns`): from each
+    row's first state with the row's own key they give `run_turns`' trajectory back, here one
+    with a turn ended by its token budget, one ended by the end-of-turn id and an episode cut
+    by the trajectory budget."""
     task, model, params, rows, seeds, settings = setup
     ids, mask, row_keys, traj = played
+    endings = set()
+    for b in range(len(traj.kinds)):
+        for t in range(traj.num_turns[b]):
+            actions = traj.tokens[b][(traj.kinds[b] == turns.ACTION) & (traj.turn_ids[b] == t)]
+            endings.add("end of turn" if actions[-1] in task.end_of_turn else
+                        "turn budget" if len(actions) == TURN_TOKENS else "trajectory budget")
+    assert endings == {"end of turn", "turn budget", "trajectory budget"}
     state_rows, positions, _ = _states(traj)
+    assert {(b, 0) for b in range(len(traj.kinds))} <= set(zip(state_rows, positions))
     out = ct.continue_trajectories(model, params, ids, mask, traj, state_rows, positions,
                                    row_keys[state_rows][:, None],
                                    make_step_turns=task.turn_callback, task_rows=rows, seeds=seeds,

@@ -17,7 +17,8 @@ the run does (`rollout.turns.run_turns`): a fresh environment episode of the row
 seed, replayed through the turns completed before t (the callback's observations and rewards
 are checked against the trajectory's), then the policy samples the rest of the current turn
 (its actions so far count against `max_turn_tokens`), the environment steps the whole turn, and
-the turns go on until done, failed, `max_turns` or the budget of T columns. Column u is drawn
+the turns go on until done, failed, `max_turns` or the budget of T columns: the engine's own
+turn rules (`rollout.turns.end_turns`), not a copy of them. Column u is drawn
 with `fold_in(key, u)`, as `run_turns` draws it, so the trajectory's own row key continues it
 into itself from any state. Each turn is sampled by `engine.continue_responses` after the
 prompt and the whole history (one prefill of every live row per turn), so, as for
@@ -56,7 +57,7 @@ import numpy as np
 
 from marl_jax.eval.credit_truth import StateValues, continuation_keys, values_from_returns
 from marl_jax.rollout import engine
-from marl_jax.rollout.turns import ACTION, OBSERVATION, PAD, Trajectory
+from marl_jax.rollout.turns import ACTION, OBSERVATION, PAD, Trajectory, end_turns
 
 TRAJECTORY_ARRAYS = ("tokens", "kinds", "turn_ids", "logprobs", "entropy", "turn_rewards")
 
@@ -178,29 +179,20 @@ def continue_trajectories(model, params, prompt_ids, prompt_mask, trajectory, ro
         cursor += count
         taken += count
         last = out["tokens"][np.arange(n), np.maximum(cursor - 1, 0)]
-        complete = live & (np.isin(last, eos) | (taken == max_turn_tokens))
-        truncated |= live & ~complete
-        live &= complete
-        stepped = np.flatnonzero(complete)
-        if not stepped.size:
-            continue
-        actions = [out["tokens"][i][(out["kinds"][i] == ACTION) & (out["turn_ids"][i] == turn[i])]
-                   for i in stepped]
-        observations, rewards, done, step_failed = step_turns(stepped, actions)
-        for j, i in enumerate(stepped):
-            out["turn_rewards"][i, cursor[i] - 1] = rewards[j]
-            failed[i] = step_failed[j]
-            obs = observations[j]
-            if done[j] or step_failed[j]:
-                live[i] = False
-            elif turn[i] + 1 == max_turns or cursor[i] + len(obs) + 1 > width:
-                live[i], truncated[i] = False, True
-            else:
-                at = slice(cursor[i], cursor[i] + len(obs))
-                out["tokens"][i, at], out["kinds"][i, at], out["turn_ids"][i, at] = obs, OBSERVATION, turn[i]
-                cursor[i] += len(obs)
-                turn[i] += 1
-                taken[i] = 0
+        ends = end_turns(step_turns, live, last, taken, turn + 1, cursor,
+                         lambda i: out["tokens"][i][(out["kinds"][i] == ACTION) & (out["turn_ids"][i] == turn[i])],
+                         eos_ids=eos, turn_tokens=max_turn_tokens, max_turns=max_turns, total=width,
+                         vocab_size=model.config.vocab_size)
+        truncated |= ends.truncated
+        live &= ~ends.ended
+        out["turn_rewards"][ends.rows, cursor[ends.rows] - 1] = ends.rewards
+        failed[ends.rows] = ends.failed
+        for i, obs in ends.observations.items():
+            at = slice(cursor[i], cursor[i] + len(obs))
+            out["tokens"][i, at], out["kinds"][i, at], out["turn_ids"][i, at] = obs, OBSERVATION, turn[i]
+            cursor[i] += len(obs)
+            turn[i] += 1
+            taken[i] = 0
     for i in range(n):
         out["turn_ids"][i, cursor[i]:] = turn[i]
     num_turns = np.where(out["kinds"] == ACTION, out["turn_ids"] + 1, 0).max(axis=1).astype(np.int32)

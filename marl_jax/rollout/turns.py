@@ -25,8 +25,8 @@ first turn to its end, and the slot then takes the next waiting prompt (its prom
 the slot's cache rows) at the next round of turns. A round is one turn of every seated row and
 one call of the callback.
 
-Turn ends: an end-of-turn token or `max_turn_tokens` actions end a turn, which the callback then
-steps. A row ends when the callback says done (or failed); it ends truncated when its budget of
+Turn ends (`end_turns`, the one statement of these rules): an end-of-turn token or
+`max_turn_tokens` actions end a turn, which the callback then steps. A row ends when the callback says done (or failed); it ends truncated when its budget of
 T columns cuts a turn short (that turn is not stepped), when its observation and one more action
 do not fit, or after `max_turns` turns without done.
 """
@@ -365,6 +365,51 @@ def _step_results(result, rows: np.ndarray, vocab_size: int):
     return checked, arrays["rewards"], arrays["done"], arrays["failed"]
 
 
+class TurnEnds(NamedTuple):
+    """The turn rules' verdict on one round of turns (`end_turns`): rows `[R]` whose turn ended
+    and was stepped, with the environment's rewards and failed flags `[R]`; ended and
+    truncated `[B]` (rows whose episode is over, and those of them cut short); observations
+    {row: ids} of the rows that play on."""
+
+    rows: np.ndarray
+    rewards: np.ndarray
+    failed: np.ndarray
+    ended: np.ndarray
+    truncated: np.ndarray
+    observations: dict
+
+
+def end_turns(step_turns: StepTurns, played, last_token, turn_actions, turns_played, cursor,
+              actions_of: Callable[[int], np.ndarray], *, eos_ids, turn_tokens: int, max_turns: int,
+              total: int, vocab_size: int) -> TurnEnds:
+    """The turn rules, once for every driver of a multi-turn episode (`run_turns`,
+    `reprefill_turns` and the credit probe's continuations): the rows `played [B]` have just
+    sampled through column `cursor [B]`, their turn's last token `last_token [B]`, its action
+    count so far `turn_actions [B]` and `turns_played [B]` turns with this one. A turn ends at an
+    end-of-turn id or when its actions reach `turn_tokens`; one that stopped otherwise was cut
+    by the trajectory's budget: the row ends truncated and that turn is not stepped. The ended
+    turns are stepped (`step_turns` with `actions_of(row)`, the turn's action ids); an episode
+    ends when the environment says done or failed, and ends truncated after `max_turns` turns
+    or when its observation and one more action do not fit in `total` columns; the other rows
+    go on with their observation."""
+    complete = played & (np.isin(last_token, np.asarray(eos_ids)) | (turn_actions == turn_tokens))
+    ended, truncated = played & ~complete, played & ~complete
+    rows = np.flatnonzero(complete)
+    if not rows.size:
+        return TurnEnds(rows, np.zeros(0, np.float32), np.zeros(0, bool), ended, truncated, {})
+    observations, rewards, done, failed = _step_results(step_turns(rows, [actions_of(row) for row in rows]),
+                                                        rows, vocab_size)
+    going_on = {}
+    for i, row in enumerate(rows):
+        if done[i] or failed[i]:
+            ended[row] = True
+        elif turns_played[row] == max_turns or cursor[row] + len(observations[i]) + 1 > total:
+            ended[row] = truncated[row] = True
+        else:
+            going_on[row] = observations[i]
+    return TurnEnds(rows, rewards, failed, ended, truncated, going_on)
+
+
 def _play(driver, step_turns: StepTurns, *, batch: int, total: int, max_turns: int, turn_tokens: int, eos_ids,
           pad_id: int, vocab_size: int) -> Trajectory:
     tokens = np.full((batch, total), pad_id, np.int32)
@@ -387,25 +432,16 @@ def _play(driver, step_turns: StepTurns, *, batch: int, total: int, max_turns: i
             kinds[row, at], turn_ids[row, at] = ACTION, num_turns[row]
         num_turns[active] += 1
         last = np.take_along_axis(out.tokens, np.maximum(out.lengths - 1, 0)[:, None], axis=1)[:, 0]
-        complete = active & (np.isin(last, eos) | (out.lengths == turn_tokens))
         cursor = cursor + np.where(active, out.lengths, 0)
-        truncated |= active & ~complete
-        live &= complete | ~active
-        rows = np.flatnonzero(complete)
-        if not rows.size:
-            continue
-        actions = [tokens[row, cursor[row] - out.lengths[row]:cursor[row]].copy() for row in rows]
-        observations, step_rewards, done, step_failed = _step_results(step_turns(rows, actions), rows, vocab_size)
-        rewards[rows, cursor[rows] - 1] = step_rewards
-        failed[rows] = step_failed
-        appended = {}
-        for i, row in enumerate(rows):
-            if done[i] or step_failed[i]:
-                live[row] = False
-            elif num_turns[row] == max_turns or cursor[row] + len(observations[i]) + 1 > total:
-                live[row], truncated[row] = False, True
-            else:
-                appended[row] = observations[i]
+        ends = end_turns(step_turns, active, last, out.lengths, num_turns, cursor,
+                         lambda row: tokens[row, cursor[row] - out.lengths[row]:cursor[row]].copy(),
+                         eos_ids=eos, turn_tokens=turn_tokens, max_turns=max_turns, total=total,
+                         vocab_size=vocab_size)
+        truncated |= ends.truncated
+        live &= ~ends.ended
+        rewards[ends.rows, cursor[ends.rows] - 1] = ends.rewards
+        failed[ends.rows] = ends.failed
+        appended = ends.observations
         if appended:
             driver.append(appended, cursor)
             for row, obs in appended.items():
