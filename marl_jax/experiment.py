@@ -158,7 +158,7 @@ def is_macro_arm(fields: dict) -> bool:
         fields["termination"] == "fixed" and int(fields["ngram"]) == 1)
 
 
-def mean_macro_length(fields: dict, ppo_cfg):
+def known_macro_length(fields: dict, ppo_cfg):
     """L of a macro arm when it is known without rollouts: n for fixed n-grams shorter than the
     responses; None (measured on the arm's own rollouts) for the other terminations and on
     multi-turn trajectories (an environment's rewards), where turn boundaries cut n-grams."""
@@ -224,7 +224,7 @@ def resolve_arm(name: str, ppo_cfg) -> dict:
                                                     fields["dynamic_sampling_oversample"])
     if problem:
         raise ValueError(f"arm {name!r}: {problem}")
-    fields["mean_macro_length"] = mean_macro_length(fields, ppo_cfg) if is_macro_arm(
+    fields["mean_macro_length"] = known_macro_length(fields, ppo_cfg) if is_macro_arm(
         fields) else 1.0
     return fields
 

@@ -269,3 +269,18 @@ def test_only_static_checks_apply_under_jit():
     # a traced n below 1 cannot be checked; it is treated as 1
     np.testing.assert_array_equal(jax.jit(lambda n: fixed_ngram(mask, n))(jnp.int32(0)),
                                   oracle.fixed_ngram(mask, 1))
+
+
+def test_mean_macro_length_counts_each_rows_macros_over_its_valid_tokens():
+    # A response of 7 tokens and an empty row, and a trajectory whose action tokens (1) have an
+    # observation hole: macros within turns, the hole's ids 0 as every termination writes them.
+    mask = np.array([[1, 1, 1, 1, 1, 1, 1, 0], [0] * 8])
+    seg = np.asarray(termination.fixed_ngram(mask, 3))
+    actions = np.array([[1, 1, 1, 0, 0, 1, 1, 1]])
+    turn_ids = np.array([[0, 0, 0, 0, 0, 1, 1, 1]])
+    within = np.asarray(termination.segment("fixed", actions, n=2, turn_ids=turn_ids))
+    for s, m in ((seg, mask), (within, actions)):
+        macros = [len(np.unique(s[b][m[b] != 0])) for b in range(len(m))]
+        np.testing.assert_array_equal(termination.macros_per_row(s, m), macros)
+        assert float(termination.mean_macro_length(s, m)) == pytest.approx(m.sum() / sum(macros))
+    assert float(termination.mean_macro_length(seg, np.zeros_like(mask))) == 0.0

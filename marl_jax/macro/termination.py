@@ -53,6 +53,22 @@ def segment_ids_from_starts(starts, response_mask):
     return _ids_from_starts(xp.asarray(starts) != 0, xp.asarray(response_mask) != 0, xp)
 
 
+def macros_per_row(segment_ids, mask):
+    """int32 `[B]`: the macros of each row, of segment ids `[B, T]` contiguous from 0 over the
+    row's valid tokens (`mask [B, T]`: a response's, or a trajectory's action tokens), as every
+    termination gives them; 0 for a row without valid tokens."""
+    valid = jnp.asarray(mask) != 0
+    return (jnp.where(valid, jnp.asarray(segment_ids), -1).max(axis=1) + 1).astype(jnp.int32)
+
+
+def mean_macro_length(segment_ids, mask):
+    """Tokens per macro over a batch (float32 scalar): the valid tokens of `mask [B, T]` over the
+    macros of `segment_ids [B, T]` (`macros_per_row`); 0 without valid tokens. The matched
+    token control's L (lam^(1/L)) and the step's `macro/len_avg`."""
+    tokens = (jnp.asarray(mask) != 0).sum().astype(jnp.float32)
+    return tokens / jnp.maximum(macros_per_row(segment_ids, mask).sum(), 1).astype(jnp.float32)
+
+
 def fixed_ngram(response_mask, n, *, isolate_last=True):
     """Fixed n-gram macros: tokens 0..L-2 grouped by `t // n`, the last token alone.
 

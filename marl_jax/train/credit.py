@@ -107,12 +107,6 @@ def token_spans(response_mask) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return rows, starts, starts + 1
 
 
-def mean_macro_length(segment_ids, response_mask) -> float:
-    """Response tokens per macro over the batch (`segment_ids`, `response_mask` `[B, R]`)."""
-    rows, starts, _ = credit_truth.segment_spans(segment_ids, response_mask)
-    return float(np.asarray(response_mask).sum()) / max(rows.size, 1)
-
-
 def probe_documents(task, static: PPOStatic, prompts: int):
     """`[n, D]` the documents of the probe's first `prompts` held-out prompts where the run's
     reward reads them (`ppo.reward_source=gold`: the synthetic task's gold of each prompt's
@@ -256,7 +250,7 @@ def estimator_advantages(static: PPOStatic, models: Models, state: PPOState, fro
             out[f"macro_gae/{rule}/{weighting}"] = _gae(exp, seg, gamma=gamma, lam=lam,
                                                         weighting=weighting,
                                                         aggregation=aggregation)
-        length = mean_macro_length(seg, mask)
+        length = float(termination.mean_macro_length(seg, mask))
         out[f"control/{rule}"] = _gae(exp, tokens, gamma=gamma, lam=lam ** (1.0 / length))
     inputs = adv_phase.advantage_inputs(static, exp, state.kl_coef, group_size)
     for name in GROUP_ESTIMATORS:

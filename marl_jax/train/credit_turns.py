@@ -35,6 +35,7 @@ import numpy as np
 
 from marl_jax import estimators
 from marl_jax.eval import credit_turns as truth_turns
+from marl_jax.macro import termination
 from marl_jax.macro.advantage import action_ranks
 from marl_jax.train import credit, ppo_core
 from marl_jax.train.phases import advantages as adv_phase
@@ -42,14 +43,6 @@ from marl_jax.train.ppo_types import Experience, PPOState, PPOStatic, role_param
 from marl_jax.train.turn_step import TrajectoryPlayer, episode_seeds, trajectory_arrays
 
 TURN_ESTIMATORS = ("turn_rloo", "turn_grpo")
-
-
-def mean_macro_length(segment_ids, action_mask) -> float:
-    """Action tokens per macro over a batch of trajectories (`[B, T]` each)."""
-    mask = np.asarray(action_mask) != 0
-    seg = np.asarray(segment_ids)
-    macros = sum(np.unique(seg[b][mask[b]]).size for b in range(seg.shape[0]))
-    return float(mask.sum()) / max(macros, 1)
 
 
 def turn_estimator_advantages(static: PPOStatic, exp: Experience, segments: dict, kl_coef, *,
@@ -65,7 +58,8 @@ def turn_estimator_advantages(static: PPOStatic, exp: Experience, segments: dict
         for weighting in weightings:
             out[f"macro_gae/{rule}/{weighting}"] = gae(seg, lam=lam, weighting=weighting,
                                                        aggregation=aggregation)
-        out[f"control/{rule}"] = gae(tokens, lam=lam ** (1.0 / mean_macro_length(seg, mask)))
+        length = float(termination.mean_macro_length(seg, mask))
+        out[f"control/{rule}"] = gae(tokens, lam=lam ** (1.0 / length))
     inputs = adv_phase.advantage_inputs(static, exp, kl_coef, group_size)
     for name in credit.GROUP_ESTIMATORS + TURN_ESTIMATORS:
         out[name] = estimators.ESTIMATORS[name].advantages(inputs)

@@ -226,10 +226,8 @@ def segment_stats(segments, variant, static, mask):
     run's variant."""
     names = [v[0] for v in static.variants]
     seg = jnp.stack([segments[n] for n in names])[variant]
-    num = jnp.where(mask.sum(axis=1) > 0, seg.max(axis=1) + 1, 0).astype(jnp.float32)
-    length = mask.sum(axis=1).astype(jnp.float32)
-    return {"macro/num_macros_avg": num.mean(),
-            "macro/len_avg": length.sum() / jnp.maximum(num.sum(), 1.0)}
+    return {"macro/num_macros_avg": termination.macros_per_row(seg, mask).mean(dtype=jnp.float32),
+            "macro/len_avg": termination.mean_macro_length(seg, mask)}
 
 
 def correction_weights(static: PPOStatic, exp: Experience, segments: dict, variant):
