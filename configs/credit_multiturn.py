@@ -1,7 +1,7 @@
 """How right is each advantage on the multi-turn task (configs/multiturn_synthetic.py: the
 calculator environment, its word tokenizer and its reward, no reward model): one token-PPO run
 (the study's `ppo` arm, its critic trained as the run trains it) probed at its start, middle and
-end (`config.credit`, `marl_jax/train/credit.py`): every estimator's advantages on the same
+end (`config.credit`, `marl_jax/credit/`): every estimator's advantages on the same
 rollout of 8 held-out problems x 4 trajectories, scored against Monte Carlo ground truth from 8
 continuations (played in the environment) of every state of every trajectory.
 

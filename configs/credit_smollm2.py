@@ -1,7 +1,7 @@
 """How right is each advantage on real text: SmolLM2-135M-Instruct writing two-sentence reviews
 (configs/real_text_smollm2.py's task, data, SFT, reward model and `ppo` arm at its cpu_study
 size), one token-PPO run probed at its start and end (`config.credit`,
-marl_jax/train/credit.py): every estimator's advantages on one rollout of held-out prompts,
+marl_jax/credit/): every estimator's advantages on one rollout of held-out prompts,
 scored against Monte Carlo ground truth from continuations of every state of every response,
 rewarded as the run rewards them (the reward model's score and the KL terms).
 

@@ -1,6 +1,6 @@
 """How right is each advantage on the synthetic task: one token-PPO run (the default
 experiment's `ppo` arm, its critic trained as the run trains it) probed at its start, middle
-and end (`config.credit`, `marl_jax/train/credit.py`): every estimator's advantages on the
+and end (`config.credit`, `marl_jax/credit/`): every estimator's advantages on the
 same rollout of 8 held-out prompts x 4 samples, scored against Monte Carlo ground truth from
 8 continuations of every state of every response.
 

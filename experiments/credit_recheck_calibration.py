@@ -1,4 +1,4 @@
-"""How often the credit recheck (marl_jax/eval/credit_recheck.py) calls a correct probe
+"""How often the credit recheck (marl_jax/credit/recheck.py) calls a correct probe
 inconsistent: false alarms on simulated null data (the saved and the fresh continuation returns
 of every state drawn from one distribution) at K1 saved and K2 fresh continuations a state,
 beside those of the test it replaced (z with each side's own standard error, chi-square), and
@@ -22,7 +22,7 @@ import numpy as np
 from scipy import stats
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from marl_jax.eval import credit_recheck  # noqa: E402
+from marl_jax.credit import recheck as credit_recheck  # noqa: E402
 
 DISTRIBUTIONS = ("gaussian", "skewed")
 # (K1 saved, K2 fresh): the probes' 4 and 8 continuations against the command's default 32,

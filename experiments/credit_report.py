@@ -8,7 +8,7 @@ truth at the start, middle and end of training, on two or more seed sets.
 Each positional argument is one seed set: comma-separated workdirs of runs with the credit
 probe on (`config.credit`, e.g. configs/credit_synthetic.py). Their probes' inputs
 (`<workdir>/credit/step_<n>.npz`) at the same step are pooled and scored by
-`marl_jax.train.credit.score_probe`, with a clustered bootstrap: the runs of a set probe the
+`marl_jax.credit.probe_scores.score_probe`, with a clustered bootstrap: the runs of a set probe the
 same held-out prompts, so a prompt is one unit across the runs that probe it (its states of
 every run resampled together, `prompt_clusters`). Beside each estimator's
 Pearson correlation with A* is its paired difference from token GAE (the same bootstrap
@@ -32,9 +32,8 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from marl_jax.eval import credit_scores  # noqa: E402
+from marl_jax.credit import estimator_scores, probe_scores  # noqa: E402
 from marl_jax.eval import study_stats as st  # noqa: E402
-from marl_jax.train import credit  # noqa: E402
 from readme_results import markers, replace_section  # noqa: E402
 
 PHASES = ("start", "middle", "end")
@@ -155,7 +154,7 @@ def level_pairs(level: str, names) -> list[tuple[str, str]]:
 def seed_set_result(workdirs: list[str]) -> dict:
     """{phase: {"step", "scores", "ceilings", "pairs": {level: {pair_key: {"value", "ci"}}},
     "vs_token_gae": {name: the token level's pair (name, token GAE)}}}: every difference from
-    the same bootstrap resamples as the scores (`credit_scores.paired_differences`)."""
+    the same bootstrap resamples as the scores (`estimator_scores.paired_differences`)."""
     runs = [probe_files(w) for w in workdirs]
     counts = {len(r) for r in runs}
     if len(counts) != 1 or counts.pop() < 2:
@@ -164,12 +163,12 @@ def seed_set_result(workdirs: list[str]) -> dict:
     n = len(runs[0])
     for phase, i in probe_phases(n):
         inputs, prompts = pooled([r[i] for r in runs])
-        scores, ceilings = credit.score_probe(inputs, prompts, resamples=RESAMPLES)
+        scores, ceilings = probe_scores.score_probe(inputs, prompts, resamples=RESAMPLES)
         pairs = {}
-        for level, states in credit.level_states(inputs, prompts).items():
-            names = credit.level_estimators(inputs, level)
-            differences = credit_scores.paired_differences(
-                credit.level_advantages(inputs, states, names), states.truth, states.prompts,
+        for level, states in probe_scores.level_states(inputs, prompts).items():
+            names = probe_scores.level_estimators(inputs, level)
+            differences = estimator_scores.paired_differences(
+                probe_scores.level_advantages(inputs, states, names), states.truth, states.prompts,
                 level_pairs(level, names), resamples=RESAMPLES)
             pairs[level] = {pair_key(a, b): d for (a, b), d in differences.items()}
         out[phase] = {"step": int(inputs["step"]), "scores": scores, "ceilings": ceilings,

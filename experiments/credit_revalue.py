@@ -13,7 +13,7 @@ of `<workdir>/credit/step_<N>.npz` are drawn at random (seed `--seed`); the stat
 `--seed` (never the probe's), rewarded by the run's own per-token reward, and each token's
 A*_t = r_t + gamma V(s_{t+1}) - V(s_t) recomputed. The states' saved continuation returns
 (`state_returns`) and the fresh ones are compared by the split test of
-marl_jax/eval/credit_recheck.py (every state's z under the variance of its pooled returns, and
+marl_jax/credit/recheck.py (every state's z under the variance of its pooled returns, and
 the p-value of their sum of squares over random splits of the pooled returns: valid at any
 number of continuations and any return distribution); every token's A* gets its z too.
 
@@ -102,7 +102,8 @@ def restore_policy(config, workdir, step: int) -> ProbePolicy:
     import jax
 
     from marl_jax import pipeline as pipeline_lib
-    from marl_jax.train import build, checkpoint, credit, programs, sharding
+    from marl_jax.credit import probe as credit
+    from marl_jax.train import build, checkpoint, programs, sharding
     from marl_jax.train import ppo as ppo_lib
     from marl_jax.train.phases import score
 
@@ -138,7 +139,7 @@ def restore_policy(config, workdir, step: int) -> ProbePolicy:
         with checkpoint.Checkpointer(checkpoint.checkpoint_dir(workdir, "ppo"), max_to_keep=None,
                                      async_save=False, read_only=True) as saved:
             state, _ = saved.restore(step, abstract, state_sh)
-    reward = jax.jit(functools.partial(credit._rewards, static, models))
+    reward = jax.jit(functools.partial(credit.run_token_rewards, static, models))
     group_size = int(config.credit.group_size)
     documents = credit.probe_documents(pipe.task, static, int(config.credit.prompts))
     row_documents = None if documents is None else jax.numpy.repeat(documents, group_size, 0)
@@ -163,7 +164,8 @@ def revalue(policy: ProbePolicy, inputs: dict, *, states: int, continuations: in
     import jax
     import jax.numpy as jnp
 
-    from marl_jax.eval import credit_recheck, credit_truth
+    from marl_jax.credit import recheck as credit_recheck
+    from marl_jax.credit import truth as credit_truth
     from marl_jax.train import sharding
     from marl_jax.train.ppo_types import role_params
 

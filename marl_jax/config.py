@@ -328,7 +328,7 @@ def base_config() -> ml_collections.ConfigDict:
         histogram_bins=30,
     ))
 
-    # Advantage quality (`marl_jax.train.credit`): every `every` PPO steps (and at step 0), one
+    # Advantage quality (`marl_jax.credit`): every `every` PPO steps (and at step 0), one
     # rollout of the first `prompts` held-out prompts, `group_size` samples each, on which every
     # estimator's advantages are scored against Monte Carlo ground truth (`continuations`
     # samples from every state of every response). 0: off.

@@ -15,6 +15,7 @@ import numpy as np
 from marl_jax import distributed
 from marl_jax import envs  # noqa: F401  (registers the multi-turn tasks)
 from marl_jax.config_check import validate_config
+from marl_jax.credit.hook import ppo_probe
 from marl_jax.data.real_tasks import decode_responses
 from marl_jax.data.tasks import build_task
 from marl_jax.eval.unit_test_reward import attach_unit_test_reward
@@ -277,7 +278,8 @@ class Pipeline:
         sft_params = self.sft(needed_by="ppo")
         state = run_ppo(self.config, self.task, self.policy, self.critic, self.reward_model,
                         sft_params, rm_params, stats, mesh=self.mesh, writer=self.writer,
-                        workdir=self.workdir)
+                        workdir=self.workdir,
+                        make_probe=ppo_probe(self.config, self.task, self.workdir))
         if not self.policy.config.lora_rank:
             self._export("policy", self.policy, state.actor_params)
             return state

@@ -266,7 +266,7 @@ def test_a_task_name_without_its_fields_fails_naming_them_and_the_config():
 def test_the_credit_smollm2_accelerator_size_is_the_window_run_probed():
     from configs import credit_smollm2, real_text_smollm2
     from marl_jax.config import resolve_size
-    from marl_jax.train.credit import probe_steps
+    from marl_jax.credit.probe import probe_steps
 
     probed = credit_smollm2.get_config()
     probed.size = "accelerator"

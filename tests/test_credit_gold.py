@@ -1,5 +1,5 @@
 """The advantage-quality probe against the task's gold (`config.credit.truth="gold"`,
-marl_jax/train/credit.py), on a run rewarded by the gold (`ppo.reward_source=gold`): the
+marl_jax/credit/probe.py), on a run rewarded by the gold (`ppo.reward_source=gold`): the
 truth's rewards and the run's are the synthetic task's gold on the last token, the documents
 read back from the prompts' tokens; every state's value is the mean discounted
 gold of its continuations, redrawn with the truth's keys and scored token by token here; the
@@ -19,8 +19,8 @@ import marl_jax.models as M
 from marl_jax import stages
 from marl_jax.data import synthetic as syn
 from marl_jax.data.tasks import synthetic_task_from_config
-from marl_jax.eval import credit_truth as ct
-from marl_jax.train import credit
+from marl_jax.credit import probe as credit
+from marl_jax.credit import truth as ct
 from marl_jax.train.metrics import read_metrics
 
 from train_util import ROOT, tiny_config

@@ -1,5 +1,5 @@
-"""The advantage-quality probe on multi-turn trajectories (`eval/credit_turns.py`,
-`train/credit_turns.py`) on the calculator task's word tokenizer with a tiny random policy:
+"""The advantage-quality probe on multi-turn trajectories (`credit/turn_truth.py`,
+`credit/turn_probe.py`) on the calculator task's word tokenizer with a tiny random policy:
 continuations from states inside trajectories play the environment on as an independent
 reference does (a fresh episode replayed through the completed turns by hand, then full forward
 passes token by token with the same keys, the environment stepped at each turn's end); with a
@@ -21,7 +21,7 @@ from marl_jax import stages
 from marl_jax.config_check import validate_config
 from marl_jax.data.tasks import build_task
 from marl_jax.envs.transcripts import pad_id
-from marl_jax.eval import credit_turns as ct
+from marl_jax.credit import turn_truth as ct
 from marl_jax.rollout import turns
 from marl_jax.train.metrics import read_metrics
 from marl_jax.train.turn_step import episode_seeds

@@ -1,5 +1,5 @@
 """The advantage-quality probe's parsing rule (`credit.rules` with "parsing",
-marl_jax/train/credit.py): the probe's segments are the PPO step's parser's on the same tokens,
+marl_jax/credit/probe.py): the probe's segments are the PPO step's parser's on the same tokens,
 its macro GAE and matched control equal the textbook loops (tests/macro_oracle.py) on them, the
 report pools a rule that some runs lack, and a run that cannot parse is one config line."""
 import subprocess
@@ -13,7 +13,8 @@ from train_util import ROOT, ppo_setup, tiny_config
 
 from marl_jax.config_check import validate_config
 from marl_jax.macro import parsing, termination
-from marl_jax.train import credit
+from marl_jax.credit import probe as credit
+from marl_jax.credit import probe_scores
 from marl_jax.train import ppo as ppo_lib
 
 sys.path.insert(0, str(ROOT / "experiments"))
@@ -72,7 +73,7 @@ def test_segments_are_the_ppo_parsers_and_macro_gae_is_the_reference_loop(probed
     ref, _ = macro_oracle.gae(values, rewards, mask, gamma=gamma, lam=lam ** (macros / mask.sum()))
     np.testing.assert_allclose(x["advantages/control/parsing"] * mask, ref, rtol=1e-4, atol=1e-5)
     # The probe scores the parsing macros' advantages against their A* like any rule's.
-    scores, _ = credit.score_probe(x, np.arange(ids.shape[0]) // CREDIT["group_size"],
+    scores, _ = probe_scores.score_probe(x, np.arange(ids.shape[0]) // CREDIT["group_size"],
                                    resamples=20)
     assert sorted(scores["macro/parsing"]) == ["macro_gae/parsing/equal",
                                                "macro_gae/parsing/first"]

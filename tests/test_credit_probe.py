@@ -1,6 +1,6 @@
-"""The advantage-quality probe of a PPO run (`config.credit`, marl_jax/train/credit.py), the
+"""The advantage-quality probe of a PPO run (`config.credit`, marl_jax/credit/probe.py), the
 study's report (experiments/credit_report.py) and the probe's states valued again
-(experiments/credit_revalue.py, marl_jax/eval/credit_recheck.py), on one tiny run of the tests'
+(experiments/credit_revalue.py, marl_jax/credit/recheck.py), on one tiny run of the tests'
 pipeline: what a probe saves is scored as numpy computes it by hand, its draws are the run's
 own (no draw shared with a run of another seed), a prompt that pooled runs share is one
 bootstrap unit, a rule is "best" only by paired differences, fresh continuations of the
@@ -18,8 +18,9 @@ from train_util import ROOT, tiny_config, tiny_flags
 
 from marl_jax import stages
 from marl_jax.config_check import validate_config
-from marl_jax.eval import credit_recheck, credit_truth
-from marl_jax.train import credit
+from marl_jax.credit import probe as credit
+from marl_jax.credit import probe_scores
+from marl_jax.credit import truth as credit_truth
 from marl_jax.train.metrics import read_metrics
 from marl_jax.train.turn_step import episode_seeds
 
@@ -178,7 +179,7 @@ def test_a_prompt_that_runs_share_is_one_bootstrap_unit(probed):
     own = np.arange(single["response_ids"].shape[0]) // int(single["group_size"])
 
     def interval(inputs, prompts):
-        scores, _ = credit.score_probe(inputs, prompts, resamples=300)
+        scores, _ = probe_scores.score_probe(inputs, prompts, resamples=300)
         return scores["token"]["token_gae"]["pearson"]["ci"]
 
     # Copies of one run: its prompts are one unit each across the copies, so the clustered

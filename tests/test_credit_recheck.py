@@ -1,4 +1,4 @@
-"""The recheck of a credit probe's ground truth (`eval/credit_recheck.py`): the split test's
+"""The recheck of a credit probe's ground truth (`credit/recheck.py`): the split test's
 p-value is the share of the states' splits whose statistic reaches the observed one (enumerated
 here by itertools); on simulated null data (saved and fresh returns from one distribution,
 Gaussian or a rare large reward) at K = 4 and 8 continuations it raises at most its nominal
@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from marl_jax.eval import credit_recheck
+from marl_jax.credit import recheck as credit_recheck
 
 
 def test_the_p_value_is_the_share_of_splits_that_reach_the_observed_statistic():

@@ -1,5 +1,5 @@
-"""Ground-truth advantages from Monte Carlo continuations (`eval/credit_truth.py`) and their scores
-(`eval/credit_scores.py`): on a tabular problem (a random 4-token model, 4-token responses,
+"""Ground-truth advantages from Monte Carlo continuations (`credit/truth.py`) and their scores
+(`credit/estimator_scores.py`): on a tabular problem (a random 4-token model, 4-token responses,
 temperature 1) every state's value follows exactly by enumerating all continuations with the
 model's probabilities, and the Monte Carlo values and A* agree with it within their standard
 errors; the continuations of a state are fresh samples from its prefix with its keys (a
@@ -17,8 +17,8 @@ import pytest
 from scipy import stats
 
 import marl_jax.models as M
-from marl_jax.eval import credit_scores as cs
-from marl_jax.eval import credit_truth as ct
+from marl_jax.credit import estimator_scores as cs
+from marl_jax.credit import truth as ct
 from marl_jax.eval import study_stats as st
 from marl_jax.rollout import generate
 

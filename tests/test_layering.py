@@ -1,6 +1,7 @@
 """The import graph of marl_jax/, drawn from its source with `ast` (module-level imports and those
-inside functions alike): no circle, data/ imports nothing from eval/ or train/, and no module of
-marl_jax/, configs/ or experiments/ imports a private module of a dependency."""
+inside functions alike): no circle, data/ imports nothing from eval/ or train/, train/ nothing
+from eval/ or the credit probe (marl_jax/credit, which only the pipeline imports), and no module
+of marl_jax/, configs/ or experiments/ imports a private module of a dependency."""
 import ast
 import json
 import pathlib
@@ -86,6 +87,28 @@ def test_data_imports_nothing_from_eval_or_train():
               if source.startswith("marl_jax.data") for target in targets
               if target.startswith(("marl_jax.eval", "marl_jax.train"))]
     assert arrows == []
+
+
+def test_train_imports_nothing_from_eval_or_the_credit_probe():
+    """The PPO loop is handed the advantage-quality probe by the pipeline, as it is handed the
+    metrics writer: train/ imports no module above it."""
+    arrows = [(source, target) for source, targets in import_graph().items()
+              if source.startswith("marl_jax.train") for target in targets
+              if target.startswith(("marl_jax.eval", "marl_jax.credit"))]
+    assert arrows == []
+
+
+def test_the_credit_package_sits_above_train_and_eval_and_below_the_pipeline():
+    """marl_jax.credit imports the engine, train/ and eval/; the pipeline (and what runs it)
+    imports marl_jax.credit, nothing else does, and it imports none of them."""
+    graph = import_graph()
+    above = {"marl_jax.pipeline", "marl_jax.experiment", "marl_jax.stages"}
+    credit = {name for name in graph if name.startswith("marl_jax.credit")}
+    importers = {source for source, targets in graph.items() if targets & credit} - credit
+    assert importers == {"marl_jax.pipeline"}
+    assert not {target for source in credit for target in graph[source]} & above
+    assert {"marl_jax.train.ppo_types", "marl_jax.rollout.turns"} <= set().union(
+        *(graph[source] for source in credit))
 
 
 def test_the_config_imports_no_algorithm_module():

@@ -19,8 +19,7 @@ from marl_jax import rollout
 from marl_jax.data import batches
 from marl_jax.macro import steps
 from marl_jax.models import lora
-from marl_jax.train import (async_schedule, build, checkpoint, credit_turns, loop, perf, programs,
-                             sharding)
+from marl_jax.train import async_schedule, build, checkpoint, loop, perf, programs, sharding
 from marl_jax.train.async_step import AsyncStep
 from marl_jax.train.async_turns import AsyncTurnsStep
 from marl_jax.train import phases
@@ -343,8 +342,12 @@ def eval_row(result: dict) -> dict:
 
 
 def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, reward_stats, *,
-            mesh, writer, workdir):
-    """Runs `config.ppo.steps` PPO / MA-PPO steps; returns the final PPOState."""
+            mesh, writer, workdir, make_probe=None):
+    """Runs `config.ppo.steps` PPO / MA-PPO steps; returns the final PPOState.
+
+    `make_probe`: None, or `(static, models) -> probe` (the advantage-quality probe the pipeline
+    hands the loop, `marl_jax.credit.hook.ppo_probe`): at step 0 and the steps it is `due(step)`
+    on, beside the evaluation, `probe(state, frozen, hparams, step)` gives a metrics row."""
     p = config.ppo
     # Asynchronous PPO on devices of its own: the trainer's mesh and the sampler's.
     mesh, sampler_mesh = async_schedule.meshes(config, mesh)
@@ -441,9 +444,7 @@ def run_ppo(config, task, policy, critic, reward_model, sft_params, rm_params, r
                        prompts.get("documents"))
 
     evaluates = loop.evaluation_steps(p.eval_every, p.steps)
-    probe = None
-    if config.get("credit") is not None and config.credit.every:
-        probe = credit_turns.probe_class(task)(config, task, static, mods, workdir)
+    probe = None if make_probe is None else make_probe(static, mods)
 
     def hooks_due(done):
         return evaluates(done) or (probe is not None and probe.due(done))

@@ -1,5 +1,5 @@
 """Ground-truth advantages from Monte Carlo continuations (VinePPO's estimate), the truth that
-`eval/credit_scores.py` scores estimators against.
+`credit.estimator_scores` scores estimators against.
 
 States. Row b of a batch of sampled responses (right-padded, response_mask `[B, R]` with
 leading ones: L_b valid tokens) has the states (b, t), t in [0, L_b]: the prompt and the first

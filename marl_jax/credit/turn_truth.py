@@ -1,5 +1,5 @@
 """Ground-truth state values on multi-turn trajectories (`rollout.turns.Trajectory`): the truth of
-the advantage-quality probe (`train/credit_turns.py`) when the policy plays an environment.
+the advantage-quality probe (`credit.turn_probe`) when the policy plays an environment.
 
 States. A trajectory row b (prompt `[P]`, then T columns of ACTION, OBSERVATION or PAD) with L_b
 action tokens has the states (b, a), a in [0, L_b]: the prompt and every column before its a-th
@@ -8,8 +8,8 @@ action token (observations included), before that token is sampled; (b, L_b) is 
 no observation follows). Observation tokens are not actions and carry no state of their own: the
 state after a turn's last action token is the next action token's, after the observation.
 `action_columns` maps action ranks to columns; `compress` gathers `[B, T]` arrays at them, which
-gives the layout the single-response scorer reads (`eval.credit_truth.span_advantages`,
-`train.credit.score_probe`): left-aligned action tokens, one discount step per action token as
+gives the layout the single-response scorer reads (`credit.truth.span_advantages`,
+`credit.probe_scores.score_probe`): left-aligned action tokens, one discount step per action token as
 the trajectory GAE takes them.
 
 Continuations. From state (b, a) at column t, `continue_trajectories` plays the episode on as
@@ -27,7 +27,7 @@ prompt and the whole history (one prefill of every live row per turn), so, as fo
 Values. K continuations per state; each is rewarded by the caller's `reward_fn` (the run's
 per-token rewards of a trajectory: the environment's turn rewards, KL terms) and its return
 from a on is sum over its action tokens u >= t of gamma^(rank(u) - a) r_u; V(b, a) is their mean
-with its standard error and two halves (`eval.credit_truth.StateValues`). Terminal states are
+with its standard error and two halves (`credit.truth.StateValues`). Terminal states are
 not continued: value 0, standard error 0.
 
 make_step_turns(task_rows, seeds) -> step_turns: a fresh episode per row (the task's
@@ -55,7 +55,7 @@ from collections.abc import Callable, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from marl_jax.eval.credit_truth import StateValues, continuation_keys, values_from_returns
+from marl_jax.credit.truth import StateValues, continuation_keys, values_from_returns
 from marl_jax.rollout import engine
 from marl_jax.rollout.turns import ACTION, OBSERVATION, PAD, Trajectory, end_turns
 

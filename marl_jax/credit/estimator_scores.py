@@ -1,7 +1,8 @@
 """How right an estimator's advantages are: scores against ground-truth advantages.
 
 Pure numpy over per-state arrays `[S]` (one entry per scored token or macro; the ground truth
-comes from `eval/credit_truth.py`, the estimates from any estimator at the same states):
+comes from `marl_jax.credit.truth`, the estimates from any estimator at the same
+states):
 
 - `score_advantages(estimate [S], truth [S], prompts [S], *, level, resamples, rng_seed) -> dict`
   {"states", "prompts", "pearson", "spearman", "sign_agreement", "variance",

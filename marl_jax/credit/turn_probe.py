@@ -1,11 +1,11 @@
-"""The advantage-quality probe (`train/credit.py`) on a multi-turn task: the policy plays the
+"""The advantage-quality probe (`credit.probe`) on a multi-turn task: the policy plays the
 environment, every estimator's advantages are computed on the trajectories as the run computes
 them, and they are scored against ground truth from continuations that play the environment on
-(`eval/credit_turns.py`).
+(`credit.turn_truth`).
 
 `TurnCreditProbe` samples `group_size` trajectories of each of the first `credit.prompts`
 held-out episodes (`turn_step.TrajectoryPlayer`, the held-out task rows, episode seeds of the
-probe's seed and step: `credit.probe_seed`, which the run's seed enters) and scores them as the
+probe's seed and step: `probe.probe_seed`, which the run's seed enters) and scores them as the
 run does (`ppo_core.score_trajectory_phase`: the critic's values and the per-token rewards, KL
 terms and the environment's turn rewards, on the action tokens). On that batch, over the
 action tokens (observation spans are holes):
@@ -18,10 +18,10 @@ action tokens (observation spans are holes):
   credit over the groups).
 
 The Monte Carlo macro-value estimator (`macro_mc`) continues single responses only and is not
-scored here. The truth values every state of every trajectory (`eval.credit_turns`), with the
+scored here. The truth values every state of every trajectory (`credit.turn_truth`), with the
 run's own per-token rewards of the continued trajectories. The probe's npz holds the action
-tokens left-aligned (`eval.credit_turns.compress`: responses, rewards, values, advantages and
-segment ids at action columns, states at action ranks), which `credit.score_probe` reads as it
+tokens left-aligned (`turn_truth.compress`: responses, rewards, values, advantages and
+segment ids at action columns, states at action ranks), which `probe_scores.score_probe` reads as it
 reads single responses, and the trajectories themselves (`trajectory/<array>`, and
 `action_columns`).
 """
@@ -34,10 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from marl_jax import estimators
-from marl_jax.eval import credit_turns as truth_turns
+from marl_jax.credit import probe as credit
+from marl_jax.credit import turn_truth as truth_turns
 from marl_jax.macro import termination
 from marl_jax.macro.advantage import action_ranks
-from marl_jax.train import credit, ppo_core
+from marl_jax.train import ppo_core
 from marl_jax.train.phases import advantages as adv_phase
 from marl_jax.train.ppo_types import Experience, PPOState, PPOStatic, role_params
 from marl_jax.train.turn_step import TrajectoryPlayer, episode_seeds, trajectory_arrays
@@ -52,7 +53,7 @@ def turn_estimator_advantages(static: PPOStatic, exp: Experience, segments: dict
     scores on trajectories (see the module)."""
     mask = exp.actions
     tokens = action_ranks(mask)
-    gae = functools.partial(credit._gae, exp, gamma=gamma)
+    gae = functools.partial(credit.gae_advantages, exp, gamma=gamma)
     out = {"token_gae": gae(tokens, lam=lam)}
     for rule, seg in segments.items():
         for weighting in weightings:
@@ -133,7 +134,3 @@ class TurnCreditProbe(credit.CreditProbe):
             **{f"trajectory/{name}": np.asarray(a) for name, a in played.items()},
         }
 
-
-def probe_class(task):
-    """The probe of a run's task: `TurnCreditProbe` where the task plays an environment."""
-    return TurnCreditProbe if task.turn_callback is not None else credit.CreditProbe

@@ -1,10 +1,11 @@
 """How right is each advantage (`config.credit`): at chosen steps of a PPO run, every estimator's
 advantages on one rollout of fixed held-out prompts, scored against Monte Carlo ground truth.
 
-The probe (`CreditProbe`, called by `ppo.run_ppo` at step 0 and every `credit.every` steps)
-samples `group_size` responses to each of the first `credit.prompts` held-out prompts with the
-current actor and scores them as the run does (`phases.score.score`: logprobs, KL, the critic's
-values, the reward model's score, the per-token rewards r_t). On that batch it computes
+The probe (`CreditProbe`, which the pipeline hands `train.ppo.run_ppo`, `credit.hook`, called
+at step 0 and every `credit.every` steps) samples `group_size` responses to each of the first
+`credit.prompts` held-out prompts with the current actor and scores them as the run does
+(`phases.score.score`: logprobs, KL, the critic's values, the reward model's score, the
+per-token rewards r_t). On that batch it computes
 
 - `token_gae`: GAE over tokens with the run's critic and lam;
 - for every rule of `credit.rules` (on-device terminations, `macro.termination.segment`, and
@@ -16,15 +17,15 @@ values, the reward model's score, the per-token rewards r_t). On that batch it c
   (`credit.mc_rollouts` continuations of their own, drawn with other keys than the truth's);
 - `grpo` and `rloo` over the groups of `group_size` samples;
 
-and the ground truth (`eval.credit_truth`): from every state (b, t), t in [0, L_b], of every
-response, `credit.continuations` (K) continuations rewarded by the run's own per-token reward
-(`credit.truth="reward"`), or by the task's gold on the last token alone, without KL terms
+and the ground truth (`marl_jax.credit.truth`): from every state (b, t), t in [0, L_b], of
+every response, `credit.continuations` (K) continuations rewarded by the run's own per-token
+reward (`credit.truth="reward"`), or by the task's gold on the last token alone, without KL terms
 (`"gold"`: `gold_reward_fn`, the synthetic task's on device, the review task's on decoded text
 on the host), give V(s_t), and the same reward gives the row's own r_t; a token's
 A*_t = r_t + V(s_{t+1}) - V(s_t) and a macro's the sum of its rewards
 plus V at its end minus V at its start. Each estimator's per-token advantage is scored against
 A*_t of every response token (the weight token t's log-probability gradient should have),
-and each macro estimator's advantage against its rule's macro A* (`eval.credit_scores`:
+and each macro estimator's advantage against its rule's macro A* (`estimator_scores`:
 Pearson, Spearman, sign agreement, variance, bootstrap intervals over prompts), beside the
 noise ceiling of the truth (two independent halves of the K).
 
@@ -54,7 +55,8 @@ import numpy as np
 
 from marl_jax import estimators
 from marl_jax import rollout as rollout_engine
-from marl_jax.eval import credit_scores, credit_truth
+from marl_jax.credit import truth as credit_truth
+from marl_jax.credit.probe_scores import score_probe, token_spans
 from marl_jax.macro import termination
 from marl_jax.train import metrics
 from marl_jax.train.phases import advantages as adv_phase
@@ -99,14 +101,6 @@ def probe_steps(every: int, total_steps: int) -> list[int]:
     return sorted({0, total_steps, *range(0, total_steps + 1, every)})
 
 
-def token_spans(response_mask) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(rows, starts, ends) `[S]`: one span [t, t + 1) per valid response token."""
-    lengths = credit_truth.valid_lengths(response_mask)
-    rows = np.repeat(np.arange(lengths.size), lengths)
-    starts = np.concatenate([np.arange(n) for n in lengths]) if lengths.sum() else np.zeros(0, int)
-    return rows, starts, starts + 1
-
-
 def probe_documents(task, static: PPOStatic, prompts: int):
     """`[n, D]` the documents of the probe's first `prompts` held-out prompts where the run's
     reward reads them (`ppo.reward_source=gold`: the synthetic task's gold of each prompt's
@@ -134,8 +128,8 @@ def _sampled(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen,
     return exp
 
 
-def _rewards(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, prompt_ids,
-             prompt_mask, response_ids, response_mask, documents=None):
+def run_token_rewards(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen,
+                      prompt_ids, prompt_mask, response_ids, response_mask, documents=None):
     """The run's per-token rewards `[N, R]` of responses (and their prompts' documents
     `[N, D]`, where the run's reward reads them)."""
     exp, _ = score.score(static, models, state, frozen, prompt_ids, prompt_mask, response_ids,
@@ -144,9 +138,10 @@ def _rewards(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen,
 
 
 def run_reward_fn(reward, state: PPOState, frozen: Frozen, documents, group_size: int):
-    """The truth's reward_fn (called with `rows`, see `eval.credit_truth`) for the run's own
-    reward: `reward` (`_rewards`, jitted) under `state`, each row scored with the document of
-    its held-out prompt, rows // group_size, where `documents` (`probe_documents`) is not None."""
+    """The truth's reward_fn (called with `rows`, see `marl_jax.credit.truth`) for the run's
+    own reward: `reward` (`run_token_rewards`, jitted) under `state`, each row scored with the
+    document of its held-out prompt, rows // group_size, where `documents` (`probe_documents`) is
+    not None."""
     def reward_fn(prompt_ids, prompt_mask, response_ids, response_mask, *, rows):
         docs = None if documents is None else documents[jnp.asarray(rows) // group_size]
         return reward(state, frozen, prompt_ids, prompt_mask, response_ids, response_mask, docs)
@@ -166,9 +161,10 @@ def last_token_rewards(scores, response_mask) -> np.ndarray:
 
 def gold_reward_fn(task, group_size: int):
     """The truth's reward_fn for `credit.truth="gold"` (called with `rows`, see
-    `eval.credit_truth`): the gold `[N]` of each response to held-out prompt rows // group_size,
-    on its last token (`last_token_rewards`). The synthetic task's `gold_fn` runs on device with
-    the prompt's document; the review task's `eval_gold` on the decoded text, on the host."""
+    `marl_jax.credit.truth`): the gold `[N]` of each response to held-out prompt
+    rows // group_size, on its last token (`last_token_rewards`). The synthetic task's `gold_fn`
+    runs on device with the prompt's document; the review task's `eval_gold` on the decoded
+    text, on the host."""
     if task.gold_fn is not None:
         documents = np.asarray(task.eval["documents"])
         gold = jax.jit(task.gold_fn)
@@ -225,7 +221,10 @@ def rule_segments(static: PPOStatic, exp: Experience, rules, key, ngram: int, pa
         step_table=static.step_table) for rule in rules}
 
 
-def _gae(exp: Experience, segment_ids, *, gamma, lam, weighting="equal", aggregation="weighted"):
+def gae_advantages(exp: Experience, segment_ids, *, gamma, lam, weighting="equal",
+                   aggregation="weighted"):
+    """GAE advantages `[B, R]` of the run's critic values and rewards over `segment_ids`
+    (one segment per token: token GAE)."""
     adv, _ = estimators.ESTIMATORS["gae"].advantages(
         exp.values, exp.rewards, exp.actions, segment_ids, gamma=gamma, lam=lam,
         value_weighting=weighting, reward_aggregation=aggregation)
@@ -244,14 +243,14 @@ def estimator_advantages(static: PPOStatic, models: Models, state: PPOState, fro
     """name -> advantages `[B, R]` of every estimator the probe scores (see the module)."""
     mask = exp.actions
     tokens = termination.fixed_ngram(mask, 1, isolate_last=False)
-    out = {"token_gae": _gae(exp, tokens, gamma=gamma, lam=lam)}
+    out = {"token_gae": gae_advantages(exp, tokens, gamma=gamma, lam=lam)}
     for rule, seg in segments.items():
         for weighting in weightings:
-            out[f"macro_gae/{rule}/{weighting}"] = _gae(exp, seg, gamma=gamma, lam=lam,
+            out[f"macro_gae/{rule}/{weighting}"] = gae_advantages(exp, seg, gamma=gamma, lam=lam,
                                                         weighting=weighting,
                                                         aggregation=aggregation)
         length = float(termination.mean_macro_length(seg, mask))
-        out[f"control/{rule}"] = _gae(exp, tokens, gamma=gamma, lam=lam ** (1.0 / length))
+        out[f"control/{rule}"] = gae_advantages(exp, tokens, gamma=gamma, lam=lam ** (1.0 / length))
     inputs = adv_phase.advantage_inputs(static, exp, state.kl_coef, group_size)
     for name in GROUP_ESTIMATORS:
         out[name] = estimators.ESTIMATORS[name].advantages(inputs)
@@ -275,84 +274,6 @@ def estimator_advantages(static: PPOStatic, models: Models, state: PPOState, fro
             inputs._replace(branches=(jnp.asarray(points), jnp.asarray(valid),
                                       returns.mean(axis=-1))))
     return {name: np.asarray(a, np.float64) for name, a in out.items()}
-
-
-def macro_rule(name: str) -> str | None:
-    """The rule whose macros an estimator's advantages are constant over, or None."""
-    parts = name.split("/")
-    return parts[1] if parts[0] in ("macro_gae", "macro_mc") else None
-
-
-class LevelStates(NamedTuple):
-    """The states one level of a probe scores (`[S]` each): the response row and first token
-    of each span, its A* (`truth`), the A* of the continuations' two halves (`halves [S, 2]`)
-    and the prompt it belongs to (`prompts`, the bootstrap's unit)."""
-
-    rows: np.ndarray
-    starts: np.ndarray
-    truth: np.ndarray
-    halves: np.ndarray
-    prompts: np.ndarray
-
-
-def level_states(inputs: dict, prompts_of_rows) -> dict:
-    """{level: LevelStates} of one probe's (or several pooled probes') inputs (`probe_inputs`'
-    arrays), `prompts_of_rows [B]` each response's prompt id. Level "token": every response
-    token [t, t + 1); level "macro/<rule>": every macro of the rule's segments."""
-    values = credit_truth.StateValues(
-        rows=inputs["state_rows"], positions=inputs["state_positions"],
-        mean=inputs["state_mean"], se=inputs["state_se"], halves=inputs["state_halves"],
-        returns=None)
-    index = {(int(b), int(t)): i for i, (b, t) in enumerate(zip(values.rows, values.positions))}
-    rewards = inputs["rewards"]
-    gamma = float(inputs["gamma"])
-    mask = inputs["response_mask"]
-    levels = {"token": token_spans(mask)}
-    for key in inputs:
-        if key.startswith("segments/"):
-            levels["macro/" + key.split("/", 1)[1]] = credit_truth.segment_spans(inputs[key], mask)
-    out = {}
-    for level, (rows, starts, ends) in levels.items():
-        start_state = np.array([index[(b, s)] for b, s in zip(rows, starts)], dtype=np.int64)
-        end_state = np.array([index[(b, e)] for b, e in zip(rows, ends)], dtype=np.int64)
-        span_rewards = np.array([(rewards[b, s:e] * gamma ** np.arange(e - s)).sum()
-                                 for b, s, e in zip(rows, starts, ends)])
-        truth, _, halves = credit_truth.span_advantages(values, start_state, end_state,
-                                                        span_rewards, ends - starts, gamma)
-        out[level] = LevelStates(rows=rows, starts=starts, truth=truth, halves=halves,
-                                 prompts=np.asarray(prompts_of_rows)[rows])
-    return out
-
-
-def level_estimators(inputs: dict, level: str) -> list[str]:
-    """The estimators a level scores: every one at the token level; at "macro/<rule>" those
-    whose advantages are constant over that rule's macros."""
-    names = [k.split("/", 1)[1] for k in inputs if k.startswith("advantages/")]
-    if level == "token":
-        return names
-    return [name for name in names if macro_rule(name) == level.split("/", 1)[1]]
-
-
-def level_advantages(inputs: dict, states: LevelStates, names) -> dict:
-    """{name: advantages `[S]`} of estimators at a level's states (each span's first token)."""
-    return {name: inputs["advantages/" + name][states.rows, states.starts] for name in names}
-
-
-def score_probe(inputs: dict, prompts_of_rows, **bootstrap) -> dict:
-    """{level: {estimator: scores}} and {level: noise ceiling} of one probe's (or several pooled
-    probes') inputs (`probe_inputs`' arrays), `prompts_of_rows [B]` each response's prompt id.
-
-    Level "token": every estimator's advantage at every response token against A*_t. Level
-    "macro/<rule>": each of that rule's estimators' advantage at a macro's first token against
-    the macro's A*."""
-    scores, ceilings = {}, {}
-    for level, states in level_states(inputs, prompts_of_rows).items():
-        ceilings[level] = credit_scores.noise_ceiling(states.halves, states.prompts, **bootstrap)
-        estimates = level_advantages(inputs, states, level_estimators(inputs, level))
-        scores[level] = {name: credit_scores.score_advantages(x, states.truth, states.prompts,
-                                                              **bootstrap)
-                         for name, x in estimates.items()}
-    return scores, ceilings
 
 
 def truth_progress(step: int, continuations: int):
@@ -388,7 +309,7 @@ class CreditProbe:
         self.directory = os.path.join(workdir, "credit")
         self._sample = jax.jit(functools.partial(_sampled, static, models),
                                static_argnames="group_size")
-        self._reward = jax.jit(functools.partial(_rewards, static, models))
+        self._reward = jax.jit(functools.partial(run_token_rewards, static, models))
         self.parser = (parsing_termination(config.ppo, task.tokenizer)
                        if "parsing" in tuple(self.c.rules) else None)
         self.truth = self.c.get("truth", "reward")
