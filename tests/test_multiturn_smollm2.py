@@ -259,23 +259,31 @@ def templateless_tokenizer(tmp_path_factory):
     return str(folder / "plain")
 
 
-def test_a_tokenizer_without_a_chat_template_is_one_line_at_config_time(
+def test_a_tokenizer_without_a_chat_template_is_one_line_when_the_task_is_built(
         templateless_tokenizer, tmp_path):
+    """The config check reads no file: the tokenizer is loaded, and its chat template checked,
+    where the task is built (before any model), with one line naming the field."""
     config = tiny_smollm2_config(templateless_tokenizer)
+    validate_config(config)
     with pytest.raises(ValueError) as error:
-        validate_config(config)
+        tasks.calculator_task_data(config, str(tmp_path / "templateless"))
     message = str(error.value)
     assert message.startswith(f"config.task.tokenizer={templateless_tokenizer!r}: the calculator "
                               "environment writes its turns through a chat template: the "
                               "tokenizer") and "has no chat_template" in message
     assert "\n" not in message
-    for value, start in ((str(tmp_path / "missing"), "no tokenizer loads from"),
-                         ("model", "model is the tokenizer of config.model.path, which is empty")):
-        config = tiny_smollm2_config(value)
-        with pytest.raises(ValueError) as error:
-            validate_config(config)
-        assert str(error.value).startswith(f"config.task.tokenizer={value!r}: {start}")
-        assert "\n" not in str(error.value), error.value
+    config = tiny_smollm2_config(str(tmp_path / "missing"))
+    validate_config(config)
+    with pytest.raises(ValueError) as error:
+        tasks.calculator_task_data(config, str(tmp_path / "missing_run"))
+    assert str(error.value).startswith(f"config.task.tokenizer={str(tmp_path / 'missing')!r}: "
+                                       "no tokenizer loads from")
+    # What the config alone says is wrong is still said at config time.
+    with pytest.raises(ValueError) as error:
+        validate_config(tiny_smollm2_config("model"))
+    assert str(error.value) == ("config.task.tokenizer='model': model is the tokenizer of "
+                                "config.model.path, which is empty")
+    assert "\n" not in str(error.value), error.value
 
 
 def test_the_word_tokenizer_needs_a_fresh_model(tmp_path):

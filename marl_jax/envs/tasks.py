@@ -60,8 +60,8 @@ GAME_TASK = "game"
 
 @functools.lru_cache(maxsize=4)
 def _pretrained_tokenizer(path: str):
-    """The tokenizer at `path`, read once per process: the config check and the task build
-    both need it (a GGUF file's vocabulary takes seconds to read), and nothing edits it."""
+    """The tokenizer at `path`, read once per process: a process may build a task more than
+    once (a GGUF file's vocabulary takes seconds to read), and nothing edits it."""
     return load_tokenizer(path)
 
 
@@ -75,10 +75,11 @@ def tokenizer_path(config) -> str:
 
 
 def tokenizer_problem(config) -> str | None:
-    """Why the tokenizer `config.task.tokenizer` names cannot write the calculator's turns, or
-    None: the word-level tokenizer with a pretrained model (whose ids mean other words), "model"
-    without a model path, a tokenizer that does not load, or one without a chat template that
-    writes a tool turn token by token (`chat_turns`). Loads the tokenizer; builds nothing."""
+    """Why `config.task.tokenizer` cannot name the task's tokenizer, from the config alone (the
+    config check reads no file), or None: not a name or a path, the word-level tokenizer with a
+    pretrained model (whose ids mean other words), or "model" without a model path. Whether the
+    tokenizer loads and writes the environment's turns is checked where the task is built
+    (`task_tokenizer`)."""
     choice = config.task.get("tokenizer", WORD_TOKENIZER)
     if not isinstance(choice, str) or not choice:
         return (f"must be {WORD_TOKENIZER} (the task's word-level tokenizer), {MODEL_TOKENIZER} "
@@ -87,13 +88,23 @@ def tokenizer_problem(config) -> str | None:
         return None if not config.model.path else (
             f"the task's word-level tokenizer needs a fresh model, not config.model.path="
             f"{config.model.path!r}: use {MODEL_TOKENIZER} (the model's own tokenizer)")
-    path = tokenizer_path(config)
-    if not path:
+    if not tokenizer_path(config):
         return f"{MODEL_TOKENIZER} is the tokenizer of config.model.path, which is empty"
+    return None
+
+
+def task_tokenizer(config):
+    """The pretrained tokenizer `config.task.tokenizer` names, loaded where the task is built: a
+    ValueError of one line naming the field (run.py: exit 2, before anything compiles) when it
+    does not load, or has no chat template that writes the environment's turns token by token
+    (`chat_turns`)."""
+    field = f"config.task.tokenizer={config.task.get('tokenizer', WORD_TOKENIZER)!r}"
+    path = tokenizer_path(config)
     try:
         tokenizer = _pretrained_tokenizer(path)
     except Exception as error:  # a missing file or a directory that holds no tokenizer
-        return f"no tokenizer loads from {path}: {str(error).strip().splitlines()[0]}"
+        raise ValueError(f"{field}: no tokenizer loads from {path}: "
+                         f"{str(error).strip().splitlines()[0]}") from None
     role = ("user" if config.task.name in (GAME_TASK, "reasoning_gym") else
             calculator.CalculatorEnvironment.observation_role)
     try:
@@ -102,9 +113,9 @@ def tokenizer_problem(config) -> str | None:
                                      {"role": "assistant", "content": "calc ( 2 + 3 )"}],
                          "5", role=role)
     except ValueError as error:
-        return (f"the {config.task.name} environment writes its turns through a chat template: "
-                f"{error}")
-    return None
+        raise ValueError(f"{field}: the {config.task.name} environment writes its turns through "
+                         f"a chat template: {error}") from None
+    return tokenizer
 
 
 def calculator_task_from_config(t) -> calculator.CalculatorTask:
@@ -132,7 +143,7 @@ def calculator_task_data(config, workdir: str) -> TaskData:
     t = config.task
     task = calculator_task_from_config(t)
     path = tokenizer_path(config)
-    tokenizer = (_pretrained_tokenizer(path) if path else
+    tokenizer = (task_tokenizer(config) if path else
                  calculator.build_tokenizer(task, os.path.join(workdir, "tokenizer")))
     p, r = int(t.prompt_length), int(config.ppo.response_length)
     seed = int(t.data_seed)
@@ -176,7 +187,7 @@ def reasoning_gym_task_data(config, workdir: str) -> TaskData:
     if not path:
         raise ValueError(f"config.task.tokenizer={t.tokenizer!r}: reasoning-gym problems are "
                          f"text for a pretrained tokenizer: use {MODEL_TOKENIZER} or a path")
-    tokenizer = _pretrained_tokenizer(path)
+    tokenizer = task_tokenizer(config)
     p, r = int(t.prompt_length), int(config.ppo.response_length)
     env_kwargs = reasoning_gym_environment_kwargs(t)
     env = environment("reasoning_gym", **env_kwargs)
@@ -237,7 +248,7 @@ def game_rows(data_seed: int, num_rl: int, num_eval: int) -> tuple[list, list]:
 def game_task_data(config, workdir: str) -> TaskData:
     """The game task (see the module); deterministic in `config.task`."""
     t = config.task
-    tokenizer = _pretrained_tokenizer(tokenizer_path(config))
+    tokenizer = task_tokenizer(config)
     env_kwargs = dict(environment=t.environment)
     env = environment(GAME_TASK, **env_kwargs)
     rl_rows, eval_rows = game_rows(int(t.data_seed), int(t.num_rl_prompts),
