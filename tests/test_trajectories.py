@@ -8,6 +8,7 @@ advantages at the action tokens must be those of the same action tokens with the
 out (for the critic and for the critic-free estimators); the update must not read anything at an
 observation token; and a one-turn trajectory must be today's step to the bit.
 """
+import dataclasses
 import functools
 
 import jax
@@ -17,6 +18,7 @@ import pytest
 
 from marl_jax import losses
 from marl_jax.config_check import validate_config
+from marl_jax.rollout import turns
 from marl_jax.train import ppo as ppo_lib, ppo_core as core, phases
 
 from train_util import ppo_setup, tiny_config, trained_tiny_pipeline
@@ -214,6 +216,54 @@ def test_observation_spans_take_no_target_kl_reward_or_step(tiny_pipe, fields):
     moved = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(
         jax.tree.leaves(new.actor_params), jax.tree.leaves(state.actor_params)))
     assert moved > 0
+
+
+def _played(tiny_pipe, failed_rows=(), reward_of_failed=0.0):
+    """The tiny pipeline's sampled responses as trajectories the environment played
+    (`rollout.turns` arrays, `SPANS` observation spans per row, every turn's reward on its
+    last action token, the environment failing on `failed_rows`, which then hold
+    `reward_of_failed` on their last action token), scored by the multi-turn score phase:
+    (static, mods, state, frozen, hparams, trajectory arrays, experience, metrics)."""
+    static, mods, state, frozen, hparams, sampled = _setup(tiny_pipe)
+    # An environment's rewards are the turns': no sequence score on top.
+    static = dataclasses.replace(static, reward_source="env")
+    ids, context, actions, turns_, _ = _with_spans(sampled, mods.policy.config.vocab_size)
+    kinds = np.where(np.asarray(actions) != 0, turns.ACTION,
+                     np.where(np.asarray(context) != 0, turns.OBSERVATION, turns.PAD))
+    rows, width = ids.shape
+    rewards = np.zeros((rows, width), np.float32)
+    for b in range(rows):
+        positions = np.flatnonzero(kinds[b] == turns.ACTION)
+        for t in np.unique(np.asarray(turns_[b])[positions]):
+            rewards[b, positions[np.asarray(turns_[b])[positions] == t][-1]] = 0.5 + 0.25 * t
+        if b in failed_rows:
+            rewards[b] = 0.0
+            rewards[b, positions[-1]] = reward_of_failed
+    failed = np.isin(np.arange(rows), failed_rows)
+    trajectory = dict(tokens=ids, kinds=jnp.asarray(kinds, jnp.int8), turn_ids=turns_,
+                      logprobs=jnp.zeros((rows, width)), entropy=jnp.zeros((rows, width)),
+                      turn_rewards=jnp.asarray(rewards), truncated=jnp.zeros(rows, bool),
+                      failed=jnp.asarray(failed))
+    exp, metrics = jax.jit(functools.partial(core.score_trajectory_phase, static, mods))(
+        state, frozen, sampled.prompt_ids, sampled.prompt_mask, trajectory)
+    return static, mods, state, frozen, hparams, trajectory, exp, metrics
+
+
+def test_a_row_whose_environment_failed_leaves_the_loss(tiny_pipe):
+    """A failure of the environment (it raised or returned something malformed) is no evidence
+    about the policy: the row trains nothing, whatever reward it holds, and is counted."""
+    runs = [_played(tiny_pipe, failed_rows=(1, 4), reward_of_failed=r) for r in (0.0, 5.0)]
+    new = []
+    for static, mods, state, frozen, hparams, trajectory, exp, metrics in runs:
+        np.testing.assert_allclose(float(metrics["multiturn/failed_frac"]), 2 / static.batch_size)
+        adv, state, _ = _advantages_and_update(static, mods, state, frozen, hparams, exp,
+                                               metrics)
+        assert np.asarray(adv.loss_rows).tolist() == [b not in (1, 4) for b in range(
+            static.batch_size)]
+        new.append(state)
+    assert _leaves_equal(new[0].actor_params, new[1].actor_params)
+    assert _leaves_equal(new[0].critic_params, new[1].critic_params)
+    assert not _leaves_equal(new[0].actor_params, runs[0][2].actor_params)
 
 
 def test_a_turn_termination_is_refused_on_a_single_turn_task():
