@@ -266,6 +266,20 @@ def test_a_row_whose_environment_failed_leaves_the_loss(tiny_pipe):
     assert not _leaves_equal(new[0].actor_params, runs[0][2].actor_params)
 
 
+def test_a_trajectorys_score_is_what_its_environment_paid(tiny_pipe):
+    """`objective/scores` (the progress line's number) is a trajectory's return, its turns'
+    rewards summed, and `objective/rlhf_reward` that return less beta x its summed KL."""
+    static, _, state, _, _, trajectory, exp, metrics = _played(tiny_pipe)
+    actions = np.asarray(trajectory["kinds"]) == turns.ACTION
+    returns = np.asarray(trajectory["turn_rewards"], np.float64).sum(axis=1)
+    kl = ((np.asarray(exp.old_logprobs, np.float64) - np.asarray(exp.ref_logprobs)) * actions
+          ).sum(axis=1)
+    assert returns.min() > 0
+    np.testing.assert_allclose(float(metrics["objective/scores"]), returns.mean(), rtol=1e-6)
+    np.testing.assert_allclose(float(metrics["objective/rlhf_reward"]),
+                               (returns - float(state.kl_coef) * kl).mean(), rtol=1e-5)
+
+
 def test_a_turn_termination_is_refused_on_a_single_turn_task():
     cfg = tiny_config(**{"ppo.termination": "turn"})
     with pytest.raises(ValueError) as error:

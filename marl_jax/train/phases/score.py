@@ -232,7 +232,12 @@ def score(static: PPOStatic, models: Models, state: PPOState, frozen: Frozen, pr
         "val/response_length": actions.sum(axis=1).mean().astype(jnp.float32),
     }
     if turn_rewards is not None:
-        metrics["objective/turn_rewards"] = (turn_rewards * actions).sum(axis=1).mean()
+        # A trajectory's score is everything it earned: its turns' rewards too.
+        returns = (turn_rewards * actions).sum(axis=1)
+        metrics["objective/turn_rewards"] = returns.mean()
+        metrics["objective/scores"] = (scores + returns).mean()
+        metrics["objective/rlhf_reward"] = metrics["objective/rlhf_reward"] + losses.masked_mean(
+            returns, actions.sum(axis=1) > 0)
     if penalties is not None:
         metrics["overlong/penalty_mean"] = penalties.mean()
     if final_values is not None:
