@@ -29,7 +29,7 @@ from marl_jax.config import (
     get_field,
     remat_policy,
 )
-from marl_jax.estimators import ESTIMATORS, objective
+from marl_jax.estimators import ESTIMATORS, action_budget, objective
 from marl_jax.losses import (KL_ESTIMATORS, POLICY_AGGREGATIONS, RATIO_FORMS, RATIO_LEVELS,
                              ROLLOUT_CORRECTIONS)
 from marl_jax.macro.advantage import REWARD_AGGREGATIONS, VALUE_WEIGHTINGS
@@ -186,7 +186,7 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
           "ppo.mc_branch_points", "must be an integer >= 0 (0: every macro start)")
     check(not ESTIMATORS[p.estimator].branches or p.reward_source in ("rm", "gold"),
           "ppo.reward_source", f"{p.estimator} scores its branches on device: use rm or gold")
-    _check_objective(p, check)
+    _check_objective(p, check, action_budget(c))
     _check_async(c, check)
     _warn_once(rollout_correction_warning(p))
     check(c.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
@@ -205,9 +205,10 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
           "at most one mesh axis may be -1")
 
 
-def _check_objective(p, check):
+def _check_objective(p, check, budget):
     """The policy objective's fields (`estimators.objective`: each unset one is the estimator's
-    record's), with the values they resolve to in the messages."""
+    record's), with the values they resolve to in the messages; `budget` is the action budget
+    the overlong penalty counts against (`estimators.action_budget`)."""
     check(p.get("ratio_level", "auto") in ("auto",) + RATIO_LEVELS, "ppo.ratio_level",
           f"must be one of {('auto',) + RATIO_LEVELS}")
     check(p.get("ratio_form", "auto") in ("auto",) + RATIO_FORMS, "ppo.ratio_form",
@@ -221,7 +222,7 @@ def _check_objective(p, check):
               f"ppo.{field}", f"must be an integer (or unset), got {p.get(field)!r}")
     check(isinstance(p.get("mask_truncated", False), bool), "ppo.mask_truncated",
           "must be True or False")
-    o = objective(p)
+    o = objective(p, budget)
     check(o.cliprange_low > 0, "ppo.cliprange_low", "must be > 0 (the ratio is clipped below at "
           "1 - cliprange_low)")
     check(o.cliprange_high > 0, "ppo.cliprange_high", "must be > 0 (the ratio is clipped above "
@@ -247,9 +248,10 @@ def _check_objective(p, check):
               f"dynamic sampling (m={m}) selects groups on device: use ppo.reward_source rm or "
               "gold and an on-device termination (not parsing)")
     check(o.overlong_buffer >= 0, "ppo.overlong_buffer", "must be >= 0 (0: no overlong penalty)")
-    check(o.overlong_buffer < p.response_length, "ppo.overlong_buffer",
-          f"the overlong buffer ({o.overlong_buffer} tokens) must be below the response budget "
-          f"ppo.response_length={p.response_length}")
+    check(o.overlong_buffer < budget, "ppo.overlong_buffer",
+          f"the overlong buffer ({o.overlong_buffer} tokens) must be below the action budget "
+          f"{budget} (ppo.response_length={p.response_length}; on an environment's task at most "
+          "task.max_turns x task.max_turn_tokens)")
     check(o.overlong_penalty >= 0, "ppo.overlong_penalty",
           "must be >= 0 (it is subtracted from the score)")
 

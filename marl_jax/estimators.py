@@ -162,16 +162,30 @@ class Objective:
         return self.overlong_buffer > 0 and self.overlong_penalty > 0
 
 
-def objective(ppo_config) -> Objective:
+def action_budget(config) -> int:
+    """The most policy tokens a row holds, which DAPO's overlong penalty counts against:
+    `ppo.response_length` for one response; on an environment's task (`ppo.reward_source=env`),
+    whose trajectory budget `ppo.response_length` also holds the observations, at most
+    `task.max_turns` turns of `task.max_turn_tokens` action tokens."""
+    p = config.ppo
+    if p.get("reward_source") != "env":
+        return int(p.response_length)
+    return min(int(p.response_length),
+               int(config.task.max_turns) * int(config.task.max_turn_tokens))
+
+
+def objective(ppo_config, budget=None) -> Objective:
     """The `Objective` of `config.ppo` (a ConfigDict or a dict): a field set in the config wins,
     an unset one ("auto", None) is the record's of `ppo_config.estimator`. The clip ranges
     default to `cliprange` where the record publishes none; the overlong buffer, a fraction of
-    the response budget in the record, is rounded to tokens of `response_length`."""
+    the response budget in the record, is rounded to tokens of `budget` (`action_budget`;
+    None: `response_length`)."""
     record = ESTIMATORS[ppo_config.get("estimator", "gae")]
     unset = lambda field: ppo_config.get(field, None) in (None, "auto")  # noqa: E731
     value = lambda field, default: default if unset(field) else ppo_config[field]  # noqa: E731
     low, high = record.clipranges or (ppo_config["cliprange"],) * 2
-    buffer = int(round(record.overlong_buffer_fraction * int(ppo_config["response_length"])))
+    budget = int(ppo_config["response_length"] if budget is None else budget)
+    buffer = int(round(record.overlong_buffer_fraction * budget))
     return Objective(
         ratio_level=value("ratio_level", record.ratio_level),
         ratio_form=value("ratio_form", record.ratio_form),

@@ -410,7 +410,7 @@ def test_gspo_and_dapo_records_resolve_to_their_papers_settings():
      "config.ppo.dynamic_sampling_oversample=2: dynamic sampling (m=2) drops"),
     ({"overlong_buffer": 12},
      "config.ppo.overlong_buffer=12: the overlong buffer (12 tokens) must be below the "
-     "response budget ppo.response_length=12"),
+     "action budget 12 (ppo.response_length=12"),
 ])
 def test_bad_objective_fields_fail_in_one_line(fields, message):
     cfg = tiny_config(**{f"ppo.{k}": v for k, v in fields.items()})

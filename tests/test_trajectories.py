@@ -280,6 +280,47 @@ def test_a_trajectorys_score_is_what_its_environment_paid(tiny_pipe):
                                (returns - float(state.kl_coef) * kl).mean(), rtol=1e-5)
 
 
+def test_the_overlong_penalty_counts_action_tokens_against_the_action_budget(tiny_pipe):
+    """DAPO's soft overlong punishment on trajectories counts a trajectory's action tokens
+    against the most it can hold: on the calculator 4 turns of 10 (its budget of 72 tokens
+    also holds the observations, and 40 action tokens never reach a buffer at 72); on
+    hand-made trajectories of the tiny pipeline's responses (12 action tokens at most, between
+    observation spans), by hand."""
+    from test_multiturn_task import tiny_calculator_config
+
+    calculator = tiny_calculator_config()
+    calculator.ppo.update(dict(overlong_buffer=8, overlong_penalty=1.0))
+    validate_config(calculator)
+    tokens = type("T", (), dict(eos_token_id=1, pad_token_id=0))
+    static = ppo_lib.static_from_config(calculator, tokens)
+    assert (static.action_budget, static.response_length, static.overlong_buffer) == (40, 72, 8)
+    calculator.ppo.overlong_buffer = 40
+    with pytest.raises(ValueError, match=r"must be below the action budget 40 \("):
+        validate_config(calculator)
+
+    static, mods, state, frozen, _, sampled = _setup(tiny_pipe)
+    ids, context, actions, turns_, _ = _with_spans(sampled, mods.policy.config.vocab_size)
+    budget = static.response_length
+    static = dataclasses.replace(static, response_length=ids.shape[1], action_budget=budget,
+                                 overlong_buffer=4, overlong_penalty=1.0)
+    exp, metrics = _score(static, mods, state, frozen, sampled, response_ids=ids,
+                          response_mask=context, action_mask=actions, turn_ids=turns_,
+                          turn_rewards=jnp.zeros(ids.shape, jnp.float32))
+    lengths = np.asarray(actions).sum(axis=1)
+    want = np.clip((lengths - (budget - 4)) / 4, 0.0, 1.0)
+    assert 0 < want.max() and want.min() < 1
+    np.testing.assert_allclose(float(metrics["overlong/penalty_mean"]), want.mean(), rtol=1e-6)
+    # The penalty is taken from the score on each trajectory's last action token.
+    kl = np.asarray(exp.old_logprobs) - np.asarray(exp.ref_logprobs)
+    last = ids.shape[1] - 1 - np.argmax(np.asarray(actions)[:, ::-1], axis=1)
+    score = np.clip(np.asarray(exp.scores), -static.reward_clip, static.reward_clip) - want \
+        - np.where(np.asarray(exp.ended_with_eos), 0.0, static.missing_eos_penalty)
+    rows = np.arange(len(last))
+    np.testing.assert_allclose(np.asarray(exp.rewards)[rows, last],
+                               score - float(state.kl_coef) * kl[rows, last], rtol=1e-5,
+                               atol=1e-6)
+
+
 def test_a_turn_termination_is_refused_on_a_single_turn_task():
     cfg = tiny_config(**{"ppo.termination": "turn"})
     with pytest.raises(ValueError) as error:

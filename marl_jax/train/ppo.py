@@ -44,7 +44,8 @@ def static_from_config(config, tokenizer, variants=None) -> PPOStatic:
         ppo_epochs=int(p.ppo_epochs), num_minibatches=int(p.num_minibatches),
         grad_accum_steps=int(p.get("grad_accum_steps", 1)),
         cliprange=float(p.cliprange), cliprange_value=float(p.cliprange_value),
-        **objective_fields(p),
+        **objective_fields(p, estimators.action_budget(config)),
+        action_budget=estimators.action_budget(config),
         vf_coef=float(p.vf_coef), kl_estimator=p.kl_estimator, reward_clip=float(p.reward_clip),
         normalize_reward=bool(p.normalize_reward),
         missing_eos_penalty=float(p.missing_eos_penalty),
@@ -91,10 +92,11 @@ def step_table(config, tokenizer, variants):
     return steps.step_table(tokenizer, tuple(config.ppo.step_delimiters))
 
 
-def objective_fields(p) -> dict:
+def objective_fields(p, budget=None) -> dict:
     """The `PPOStatic` fields of the policy objective: `estimators.objective` of `config.ppo`
-    (unset fields from the estimator's record)."""
-    o = estimators.objective(p)
+    (unset fields from the estimator's record; the overlong buffer's share of `budget`, the
+    action budget)."""
+    o = estimators.objective(p, budget)
     return dict(ratio_level=o.ratio_level, ratio_form=o.ratio_form,
                 cliprange_low=o.cliprange_low, cliprange_high=o.cliprange_high,
                 dual_clip=o.dual_clip, dynamic_sampling_oversample=o.dynamic_sampling_oversample,

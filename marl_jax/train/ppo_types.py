@@ -59,6 +59,9 @@ class PPOStatic:
     # responses that hit the budget without EOS leave the loss.
     overlong_buffer: int = 0
     overlong_penalty: float = 0.0
+    # The budget the overlong penalty counts a row's action tokens against
+    # (`estimators.action_budget`; 0: response_length).
+    action_budget: int = 0
     mask_truncated: bool = False
     vf_coef: float = 0.5
     kl_estimator: str = "k1"

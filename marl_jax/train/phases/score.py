@@ -131,7 +131,7 @@ def length_penalties(static: PPOStatic, lengths):
     (`losses.overlong_penalty`), or None without overlong shaping."""
     if not static.overlong_buffer:
         return None
-    return losses.overlong_penalty(lengths, budget=static.response_length,
+    return losses.overlong_penalty(lengths, budget=static.action_budget or static.response_length,
                                    buffer=static.overlong_buffer,
                                    penalty=static.overlong_penalty)
 
