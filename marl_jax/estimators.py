@@ -11,6 +11,13 @@ GSPO and DAPO are records too: GRPO's advantages under their published objective
 Per-token advantages are float `[B, R]` over the response positions, 0 on padding; responses are
 left-aligned (`response_mask[b, :L_b] == 1`). They are targets: no gradient flows through them.
 
+Every estimator with a statistic over rows (a group's mean, standard deviation or leave-one-out
+count, a batch normalisation) takes `rows`, bool `[B]`, the rows that count (None: every row):
+a row out of it (a multi-turn trajectory whose environment failed, which leaves the loss) enters
+no statistic, as if its group had one sample fewer, and gets advantage 0. A group left with one
+valid row gets 0, as a group of identical scores does; with every row valid the advantages are
+those without `rows`, to the bit.
+
 - `sequence_advantages`: one advantage per sampled response from the rewards of the other
   samples of its prompt ("grpo", "dr_grpo", "rloo", `group_advantages`);
   `sequence_advantages_to_tokens` spreads it over the response. GRPO and Dr. GRPO normalise the
@@ -74,6 +81,8 @@ class AdvantageInputs(NamedTuple):
     branches: `(starts [B, M], valid [B, M], start_values [B, M])` of the Monte Carlo branch
       points (`choose_branch_points` and the mean returns of their continuations), or None.
     turn_ids: int `[B, R]` a multi-turn trajectory's turn of each token, or None (one turn).
+    rows: bool `[B]` the rows the statistics over rows count (those whose environment did not
+      fail), or None (every row).
     """
 
     scores: Any
@@ -84,6 +93,7 @@ class AdvantageInputs(NamedTuple):
     group_size: int = 1
     branches: Optional[tuple] = None
     turn_ids: Any = None
+    rows: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +208,7 @@ def objective(ppo_config, budget=None) -> Objective:
         overlong_penalty=float(value("overlong_penalty", record.overlong_penalty)))
 
 
-def sequence_advantages(scores, kl_sums, *, method, group_size, beta):
+def sequence_advantages(scores, kl_sums, *, method, group_size, beta, rows=None):
     """The advantage each response of a group method trains on, one per response.
 
     "rloo" puts the KL in the reward: each response's reward is score - beta x its summed KL,
@@ -214,6 +224,7 @@ def sequence_advantages(scores, kl_sums, *, method, group_size, beta):
       method: one of `GROUP_METHODS`; static under `jax.jit`.
       group_size: samples per prompt k >= 2 dividing B; static under `jax.jit`.
       beta: the KL coefficient (a float or a traced scalar).
+      rows: bool `[B]` the rows that count (see the module), or None (every row).
 
     Returns:
       float `[B]` advantages.
@@ -224,10 +235,10 @@ def sequence_advantages(scores, kl_sums, *, method, group_size, beta):
     check_same_shape(scores, "scores", kl_sums=kl_sums)
     if not ESTIMATORS[method].kl_in_loss:
         scores = jnp.asarray(scores, _float_dtype(scores, kl_sums)) - beta * jnp.asarray(kl_sums)
-    return group_advantages(scores, group_size, method=method)
+    return group_advantages(scores, group_size, method=method, rows=rows)
 
 
-def group_advantages(scores, group_size, *, method):
+def group_advantages(scores, group_size, *, method, rows=None):
     """Advantages of sampled responses relative to the other samples of the same prompt.
 
     Rows `g * k .. g * k + k - 1` (k = `group_size`) are the k samples of prompt g. With m and s
@@ -240,11 +251,15 @@ def group_advantages(scores, group_size, *, method):
     A group of identical scores gets zeros exactly (the group is centred on its first score
     before anything is summed), never NaN.
 
+    With `rows`, k, m and s are those of the group's valid rows alone (a group of one valid row
+    gets 0, as a group of identical scores), and a row out of `rows` gets 0.
+
     Args:
       scores: float `[B]`, one score per response; numpy or jax.
       group_size: samples per prompt k, a Python int >= 2 dividing B (one sample is its own
         baseline: every advantage would be 0); static under `jax.jit`.
       method: one of `GROUP_METHODS`; static under `jax.jit`.
+      rows: bool `[B]` the rows that count (see the module), or None (every row).
 
     Returns:
       float `[B]` advantages.
@@ -256,7 +271,8 @@ def group_advantages(scores, group_size, *, method):
     if np.shape(scores)[0] % group_size:
         raise ValueError(f"group_size={group_size} must divide the number of scores "
                          f"{np.shape(scores)[0]}")
-    return _group_advantages(scores, group_size=group_size, method=method)
+    _check_rows(rows, np.shape(scores)[0])
+    return _group_advantages(scores, rows, group_size=group_size, method=method)
 
 
 def informative_groups(scores, group_size, keep):
@@ -306,7 +322,7 @@ def sequence_advantages_to_tokens(advantages, response_mask):
     return _sequence_advantages_to_tokens(advantages, response_mask)
 
 
-def reinforce_pp_advantages(rewards, response_mask):
+def reinforce_pp_advantages(rewards, response_mask, rows=None):
     """REINFORCE++ (Hu, 2025; OpenRLHF's `reinforce_plus_plus` estimator).
 
     A_t = sum_{i >= t} r_i, the undiscounted return-to-go of the per-token rewards, then
@@ -318,14 +334,18 @@ def reinforce_pp_advantages(rewards, response_mask):
         token, plus the score on the last valid token.
       response_mask: `[B, R]` 0/1 mask of the action tokens (left-aligned for one response; a
         multi-turn trajectory's observation spans are holes, whose rewards are left out).
+      rows: bool `[B]` the rows whose tokens the mean and variance count (see the module), or
+        None (every row).
 
     Returns:
-      float `[B, R]` advantages, 0 on padding (all 0 when no token is valid).
+      float `[B, R]` advantages, 0 on padding and on the rows out of `rows` (all 0 when no token
+      is valid).
     """
     check_rank(rewards, 2, "rewards")
     check_mask(response_mask, "response_mask", left_aligned=False)
     check_same_shape(rewards, "rewards", response_mask=response_mask)
-    return _reinforce_pp_advantages(rewards, response_mask)
+    _check_rows(rows, np.shape(response_mask)[0])
+    return _reinforce_pp_advantages(rewards, response_mask, rows)
 
 
 def turn_returns(turn_rewards, action_mask, turn_ids):
@@ -348,7 +368,7 @@ def turn_returns(turn_rewards, action_mask, turn_ids):
     return _turn_returns(turn_rewards, action_mask, turn_ids)
 
 
-def turn_rloo_advantages(turn_rewards, action_mask, turn_ids, group_size):
+def turn_rloo_advantages(turn_rewards, action_mask, turn_ids, group_size, rows=None):
     """Per-turn leave-one-out advantages, unbiased when the policy decides when to stop.
 
     Rows `g k .. g k + k - 1` (k = `group_size`) are the k samples of prompt g. With G_t^j the
@@ -371,20 +391,26 @@ def turn_rloo_advantages(turn_rewards, action_mask, turn_ids, group_size):
     With one turn and the score on the last action token this is RLOO's advantage of the score
     (`group_advantages(..., method="rloo")`) on every action token.
 
+    With `rows`, j and k run over the group's valid rows alone (n of them: a baseline of n - 1
+    terms; 0 when n = 1), and a row out of `rows` gets 0.
+
     Args:
       turn_rewards, action_mask, turn_ids: as in `turn_returns`.
       group_size: samples per prompt k, a Python int >= 2 dividing B; static under `jax.jit`.
+      rows: bool `[B]` the rows that count (see the module), or None (every row).
 
     Returns:
       float `[B, T]` advantages, each turn's on its action tokens, 0 elsewhere.
     """
     _check_turns(turn_rewards, action_mask, turn_ids)
     group_size = _turn_group_size(group_size, action_mask)
-    return _turn_rloo_advantages(turn_rewards, action_mask, turn_ids, group_size=group_size)
+    _check_rows(rows, np.shape(action_mask)[0])
+    return _turn_rloo_advantages(turn_rewards, action_mask, turn_ids, rows,
+                                 group_size=group_size)
 
 
 def turn_index_normalised_advantages(turn_rewards, action_mask, turn_ids, group_size, *,
-                                     divide_by_std=True):
+                                     divide_by_std=True, rows=None):
     """The per-turn-index normalisation (MT-GRPO style): at turn index t, each sample's
     reward-to-go normalised over the samples of its prompt that reached turn t, itself included.
 
@@ -407,13 +433,16 @@ def turn_index_normalised_advantages(turn_rewards, action_mask, turn_ids, group_
       group_size: samples per prompt k, a Python int >= 2 dividing B; static under `jax.jit`.
       divide_by_std: divide by s_t + 1e-4 (MT-GRPO's normalisation); False: the centred
         returns alone. Static under `jax.jit`.
+      rows: bool `[B]` the rows that count (see the module): R_t holds the valid rows alone; or
+        None (every row).
 
     Returns:
       float `[B, T]` advantages, each turn's on its action tokens, 0 elsewhere.
     """
     _check_turns(turn_rewards, action_mask, turn_ids)
     group_size = _turn_group_size(group_size, action_mask)
-    return _turn_index_normalised_advantages(turn_rewards, action_mask, turn_ids,
+    _check_rows(rows, np.shape(action_mask)[0])
+    return _turn_index_normalised_advantages(turn_rewards, action_mask, turn_ids, rows,
                                              group_size=group_size,
                                              divide_by_std=bool(divide_by_std))
 
@@ -529,22 +558,68 @@ def _float_dtype(*arrays):
     return jnp.promote_types(jnp.result_type(*arrays), jnp.float32)
 
 
+def _check_rows(rows, batch):
+    """`rows` is None or a `[batch]` mask of booleans (or 0/1)."""
+    if rows is None:
+        return
+    check_rank(rows, 1, "rows")
+    if np.shape(rows)[0] != batch:
+        raise ValueError(f"rows has shape {np.shape(rows)} but the batch has {batch} rows")
+    if is_concrete(rows) and not np.all(np.isin(np.asarray(rows), (0, 1))):
+        raise ValueError("rows must be a boolean (or 0/1) mask")
+
+
+def _valid_deviation(groups, valid):
+    """Each valid sample's deviation from the mean of its group's valid samples, 0 on the
+    others, and how many are valid: groups float `[G, k, ...]` (a group along axis 1), valid
+    bool broadcast to them; (`[G, k, ...]`, float `[G, 1, ...]`)."""
+    valid = jnp.broadcast_to(valid, groups.shape)
+    count = jnp.sum(valid, axis=1, keepdims=True).astype(groups.dtype)
+    # Centred on the first valid sample (the first sample when every one is valid), so that
+    # equal values give exact zeros.
+    first = jnp.argmax(valid, axis=1, keepdims=True)
+    centred = jnp.where(valid, groups - jnp.take_along_axis(groups, first, axis=1), 0)
+    mean = jnp.sum(centred, axis=1, keepdims=True) / jnp.maximum(count, 1)
+    return jnp.where(valid, centred - mean, 0), count
+
+
+def _others(count):
+    """The other samples of a sample's group of `count` (the group size, a Python int, or the
+    valid samples, float `[G, 1, ...]`), at least 1: a lone valid sample's deviation is 0."""
+    return count - 1 if isinstance(count, int) else jnp.maximum(count - 1, 1)
+
+
 @functools.partial(jax.jit, static_argnames=("group_size", "method"))
-def _group_advantages(scores, *, group_size, method):
+def _group_advantages(scores, rows, *, group_size, method):
     scores = jax.lax.stop_gradient(jnp.asarray(scores, _float_dtype(scores)))
     groups = scores.reshape(-1, group_size)
-    # Centred on the first score: identical scores become exact zeros, so their mean and
+
+    def normalised(deviation, count):
+        if method == "dr_grpo":
+            return deviation
+        if method == "rloo":
+            return deviation * (count / _others(count))
+        std = jnp.sqrt(jnp.sum(deviation * deviation, axis=1, keepdims=True) / _others(count))
+        return deviation / (std + GROUP_STD_EPS)
+
+    valid = None if rows is None else jnp.asarray(rows).reshape(groups.shape) != 0
+    return _over_valid_rows(groups, valid, normalised).reshape(-1)
+
+
+def _over_valid_rows(groups, valid, normalised):
+    """`normalised(deviation, count)` of each group (axis 1 of `groups` `[G, k, ...]`): of every
+    sample (count the Python int k) where `valid` is None or the group's samples are all valid,
+    else of its valid samples (count float `[G, 1, ...]`), 0 on the others. A fully valid group
+    takes the first branch, so its advantages are those without `valid` to the bit."""
+    # Centred on the first sample: identical values become exact zeros, so their mean and
     # standard deviation are exactly 0 too.
     centred = groups - groups[:, :1]
-    deviation = centred - jnp.mean(centred, axis=1, keepdims=True)
-    if method == "dr_grpo":
-        advantages = deviation
-    elif method == "rloo":
-        advantages = deviation * (group_size / (group_size - 1))
-    else:
-        std = jnp.sqrt(jnp.sum(deviation * deviation, axis=1, keepdims=True) / (group_size - 1))
-        advantages = deviation / (std + GROUP_STD_EPS)
-    return advantages.reshape(-1)
+    every = normalised(centred - jnp.mean(centred, axis=1, keepdims=True), groups.shape[1])
+    if valid is None:
+        return every
+    valid = jnp.broadcast_to(valid, groups.shape)
+    some = normalised(*_valid_deviation(groups, valid))
+    return jnp.where(jnp.all(valid, axis=1, keepdims=True), every, jnp.where(valid, some, 0))
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "keep"))
@@ -565,8 +640,10 @@ def _sequence_advantages_to_tokens(advantages, response_mask):
 
 
 @jax.jit
-def _reinforce_pp_advantages(rewards, response_mask):
+def _reinforce_pp_advantages(rewards, response_mask, rows):
     valid = jnp.asarray(response_mask) != 0
+    if rows is not None:
+        valid = valid & (jnp.asarray(rows)[:, None] != 0)
     rewards = jax.lax.stop_gradient(jnp.asarray(rewards, _float_dtype(rewards)))
     rewards = jnp.where(valid, rewards, 0)
     returns = jnp.flip(jnp.cumsum(jnp.flip(rewards, axis=1), axis=1), axis=1)
@@ -641,23 +718,24 @@ def _turn_returns(turn_rewards, action_mask, turn_ids):
 
 
 @functools.partial(jax.jit, static_argnames="group_size")
-def _turn_rloo_advantages(turn_rewards, action_mask, turn_ids, *, group_size):
+def _turn_rloo_advantages(turn_rewards, action_mask, turn_ids, rows, *, group_size):
     to_go, _ = _turn_table(turn_rewards, action_mask, turn_ids)
     groups = to_go.reshape(-1, group_size, to_go.shape[1])
-    # As `_group_advantages`' rloo: G - mean of the others = k / (k - 1) (G - mean of all),
-    # centred on the first sample so that equal returns give exact zeros.
-    centred = groups - groups[:, :1]
-    deviation = centred - jnp.mean(centred, axis=1, keepdims=True)
-    advantages = (deviation * (group_size / (group_size - 1))).reshape(to_go.shape)
+    # As `_group_advantages`' rloo: G - mean of the others = k / (k - 1) (G - mean of all).
+    valid = None if rows is None else jnp.asarray(rows).reshape(-1, group_size, 1) != 0
+    advantages = _over_valid_rows(groups, valid, lambda deviation, count: deviation * (
+        count / _others(count))).reshape(to_go.shape)
     return _per_token(advantages, action_mask, turn_ids)
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "divide_by_std"))
-def _turn_index_normalised_advantages(turn_rewards, action_mask, turn_ids, *, group_size,
+def _turn_index_normalised_advantages(turn_rewards, action_mask, turn_ids, rows, *, group_size,
                                       divide_by_std):
     to_go, reached = _turn_table(turn_rewards, action_mask, turn_ids)
     groups = to_go.reshape(-1, group_size, to_go.shape[1])
     reached = reached.reshape(groups.shape)
+    if rows is not None:
+        reached = reached & (jnp.asarray(rows).reshape(-1, group_size, 1) != 0)
     count = jnp.sum(reached, axis=1, keepdims=True).astype(groups.dtype)
     # Centred on one reached sample's return, so that equal returns give exact zeros.
     reference = jnp.max(jnp.where(reached, groups, -jnp.inf), axis=1, keepdims=True)
@@ -760,9 +838,9 @@ def _turn_estimator(method):
         turn_ids = (jnp.zeros(mask.shape, jnp.int32) if inputs.turn_ids is None
                     else inputs.turn_ids)
         if method == "turn_rloo":
-            return _turn_rloo_advantages(inputs.rewards, mask, turn_ids,
+            return _turn_rloo_advantages(inputs.rewards, mask, turn_ids, inputs.rows,
                                          group_size=inputs.group_size)
-        return _turn_index_normalised_advantages(inputs.rewards, mask, turn_ids,
+        return _turn_index_normalised_advantages(inputs.rewards, mask, turn_ids, inputs.rows,
                                                  group_size=inputs.group_size,
                                                  divide_by_std=True)
     return advantages
@@ -773,13 +851,14 @@ def _group_estimator(method):
         mask = inputs.response_mask
         kl_sums = jnp.where(jnp.asarray(mask) != 0, inputs.kl, 0).sum(axis=1)
         seq = sequence_advantages(inputs.scores, kl_sums, method=method,
-                                  group_size=inputs.group_size, beta=inputs.kl_coef)
+                                  group_size=inputs.group_size, beta=inputs.kl_coef,
+                                  rows=inputs.rows)
         return sequence_advantages_to_tokens(seq, mask)
     return advantages
 
 
 def _reinforce_pp(inputs: AdvantageInputs):
-    return reinforce_pp_advantages(inputs.rewards, inputs.response_mask)
+    return reinforce_pp_advantages(inputs.rewards, inputs.response_mask, inputs.rows)
 
 
 def _macro_mc(inputs: AdvantageInputs):

@@ -249,21 +249,48 @@ def _played(tiny_pipe, failed_rows=(), reward_of_failed=0.0):
     return static, mods, state, frozen, hparams, trajectory, exp, metrics
 
 
-def test_a_row_whose_environment_failed_leaves_the_loss(tiny_pipe):
+FAILED_ROWS = (1, 4)  # one in each group of 4 rows
+
+
+@pytest.fixture(scope="module")
+def failed_runs(tiny_pipe):
+    """`_played` twice, the environment failing on `FAILED_ROWS`, which hold reward 0, then 5."""
+    return [_played(tiny_pipe, failed_rows=FAILED_ROWS, reward_of_failed=r) for r in (0.0, 5.0)]
+
+
+def test_a_row_whose_environment_failed_leaves_the_loss(failed_runs):
     """A failure of the environment (it raised or returned something malformed) is no evidence
     about the policy: the row trains nothing, whatever reward it holds, and is counted."""
-    runs = [_played(tiny_pipe, failed_rows=(1, 4), reward_of_failed=r) for r in (0.0, 5.0)]
+    runs = failed_runs
     new = []
     for static, mods, state, frozen, hparams, trajectory, exp, metrics in runs:
         np.testing.assert_allclose(float(metrics["multiturn/failed_frac"]), 2 / static.batch_size)
         adv, state, _ = _advantages_and_update(static, mods, state, frozen, hparams, exp,
                                                metrics)
-        assert np.asarray(adv.loss_rows).tolist() == [b not in (1, 4) for b in range(
+        assert np.asarray(adv.loss_rows).tolist() == [b not in FAILED_ROWS for b in range(
             static.batch_size)]
         new.append(state)
     assert _leaves_equal(new[0].actor_params, new[1].actor_params)
     assert _leaves_equal(new[0].critic_params, new[1].critic_params)
     assert not _leaves_equal(new[0].actor_params, runs[0][2].actor_params)
+
+
+def test_a_row_whose_environment_failed_enters_no_baseline(failed_runs):
+    """Nor does it move the other rows' advantages: the group estimators' statistics (a
+    group's mean, standard deviation and leave-one-out count), REINFORCE++'s batch
+    normalisation and whitened GAE's leave it out, so the other rows' advantages are the same
+    bits whatever reward it holds (the estimators' values: tests/test_estimator_rows.py)."""
+    static, mods = failed_runs[0][:2]
+    valid = ~np.isin(np.arange(static.batch_size), FAILED_ROWS)
+    estimators = [dict(estimator=name, group_size=4)
+                  for name in ("grpo", "dr_grpo", "rloo", "turn_rloo", "turn_grpo")]
+    for fields in estimators + [dict(estimator="reinforce_pp"), dict(whiten_advantages=True)]:
+        advantages = jax.jit(functools.partial(core.advantages_phase,
+                                               dataclasses.replace(static, **fields), mods))
+        got = [np.asarray(advantages(state, frozen, hparams, exp)[0].advantages)[valid]
+               for _, _, state, frozen, hparams, _, exp, _ in failed_runs]
+        assert np.any(got[0] != 0), fields
+        assert np.array_equal(got[0], got[1]), fields
 
 
 def test_a_trajectorys_score_is_what_its_environment_paid(tiny_pipe):

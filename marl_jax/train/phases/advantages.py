@@ -111,7 +111,9 @@ def advantages_and_returns(static: PPOStatic, hparams: RunHparams, exp: Experien
         stacked_ret = jnp.stack([r[1] for r in results])
         adv, ret = stacked_adv[hparams.variant], stacked_ret[hparams.variant]
     if static.whiten_advantages:
-        adv = advantage.whiten(adv, exp.actions)
+        # Over the tokens of the rows whose environment did not fail (`exp.loss_rows`).
+        mask = exp.actions if exp.loss_rows is None else exp.actions * exp.loss_rows[:, None]
+        adv = advantage.whiten(adv, mask)
     return adv, ret
 
 
@@ -159,7 +161,8 @@ def advantage_inputs(static: PPOStatic, exp: Experience, kl_coef, group_size: in
     """What a critic-free estimator reads of a scored batch (`estimators.AdvantageInputs`):
     each response's terminal reward (clipped score, missing-EOS and overlong penalties, a
     trajectory's turn rewards added), its per-token KL estimates to the reference, the
-    per-token rewards at `kl_coef`, with groups of `group_size` adjacent rows."""
+    per-token rewards at `kl_coef`, with groups of `group_size` adjacent rows, whose statistics
+    count the rows whose environment did not fail (`exp.loss_rows`)."""
     mask = exp.actions
     kl = losses.kl_per_token(exp.old_logprobs, exp.ref_logprobs, static.kl_estimator)
     terminal = score.terminal_reward(static, exp.scores, exp.ended_with_eos, mask.sum(axis=1))
@@ -169,7 +172,7 @@ def advantage_inputs(static: PPOStatic, exp: Experience, kl_coef, group_size: in
     return estimators.AdvantageInputs(
         scores=jnp.where(mask.sum(axis=1) > 0, terminal, 0.0),
         kl=jnp.where(mask != 0, kl, 0.0), kl_coef=kl_coef, rewards=exp.rewards,
-        response_mask=mask, group_size=group_size, turn_ids=exp.turn_ids)
+        response_mask=mask, group_size=group_size, turn_ids=exp.turn_ids, rows=exp.loss_rows)
 
 
 def monte_carlo_returns(static: PPOStatic, models: Models, actor_params, frozen: Frozen,
