@@ -169,7 +169,7 @@ def test_correction_weights_in_the_step_match_their_own_computation(estimator, l
 
 
 @pytest.mark.parametrize("field,value,allowed", [
-    ("ppo.rollout_correction", "row", "('none', 'token', 'sequence', 'macro')"),
+    ("ppo.rollout_correction", "row", "('none', 'token', 'sequence', 'macro', 'turn')"),
     ("ppo.old_logprobs", "actor", "('auto', 'trainer', 'sampler')"),
     ("ppo.rollout_is_cap", 0.5, ">= 1"),
     ("ppo.loss_aggregation", "mean", "token_sum"),

@@ -154,12 +154,13 @@ def _prefix_lengths(out: SampleOutput, seed: int) -> np.ndarray:
     return t.astype(np.int32)
 
 
-@pytest.mark.parametrize("settings, draws", [(SETTINGS[0], "row_keys"), (SETTINGS[1], "row_keys"),
-                                             (SETTINGS[3], "row_keys"), (SETTINGS[1], "key")])
-def test_continuation_reproduces_the_response_from_any_prefix(tiny, settings, draws):
+@pytest.mark.parametrize("name, draws", [("greedy", "row_keys"), ("top_k_top_p", "row_keys"),
+                                         ("plain", "row_keys"), ("top_k_top_p", "key")])
+def test_continuation_reproduces_the_response_from_any_prefix(tiny, name, draws):
     """With the per-row keys a response was drawn with, or with the batch key (each row then
     draws its row of the batch draw at its own position), from prefixes of different lengths."""
     model, params, ids, mask = tiny
+    settings = _settings(name)
     length = 10
     keys = {"row_keys": jax.random.split(jax.random.key(21), 4)} if draws == "row_keys" else {
         "key": jax.random.key(22)}
