@@ -29,11 +29,13 @@ seed 0's episodes; 95% Wilson intervals; docs/rlvr.md has the table):
 - `basic_arithmetic`, two one-digit terms, + and -: the instruct model alone 0/64 (0.0%
   [0.0, 5.7]), 3/64 answers in the format;
 - SFT on the library's reference answers ("<answer>117</answer>"), 64 steps of 8 (512
-  answers), the top 8 layers at lr 1e-4: every answer in the format, but `basic_arithmetic` with two terms of one or
-  two digits and + only 3/128 (2.3% [0.8, 6.7]): the model does not add;
-- the same SFT, 48 steps of 8 (384 answers): `needle_haystack` (4-6 statements) 23/128 (18.0% [12.3, 25.5]) and
-  `aiw` 19/128 (14.8% [9.7, 22.0]); `aiw` asks for a step of reasoning, `needle_haystack` for
-  a retrieval, so `aiw` it is.
+  answers), the top 8 layers at lr 1e-4: every answer in the format, but `basic_arithmetic`
+  with two terms of one or two digits and + only 3/128 (2.3% [0.8, 6.7]): it does not add;
+- the same SFT, 48 steps of 8 (384 answers): `needle_haystack` (4-6 statements) 23/128
+  (18.0% [12.3, 25.5]) and `aiw` 19/128 (14.8% [9.7, 22.0]); `aiw` asks for a step of
+  reasoning, `needle_haystack` for a retrieval, so `aiw` it is.
+Those are exploratory measurements at wider budgets (32 answer tokens); this config's own
+step-0 evaluation (`--config.ppo.steps=0`) and the cpu size's time have not been measured yet.
 `--config.size` picks one of `config.sizes` (applied by experiments/run.py; a field also set on
 the command line keeps the command line's value). This file's own values are the cpu size.
 """
@@ -121,6 +123,7 @@ def get_config():
     c.size_applied = ""
     c.sizes = ml_collections.ConfigDict(dict(
         cpu=dict(),
+        # The study (docs/rlvr.md): every arm with its matched control, over seeds 0-3.
         cpu_study=dict(
             seeds=(0, 1, 2, 3),
             experiment=dict(arms=("ppo", "ma_ppo", "ma_ppo_step", "low_probability", "grpo")),
