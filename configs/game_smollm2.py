@@ -19,8 +19,9 @@ observations (a board a turn) at the cost of CPU time.
 The game was chosen by measurement, so that the instruct model sometimes wins: on the 64
 held-out games of data_seed 0, played as the run's evaluation at step 0 plays them (this
 project's multi-turn sampler, temperature 0.8 and top-k 50, its episode seeds and key of seed
-0, this file's turn and token budgets), the instruct model won 3 of 64 (95% Wilson interval
-1.6%-12.9%) in 3.2 turns on average, 4 games cut by the trajectory budget. Sampled the same way
+0, this file's budgets with observations capped at 256 tokens, which no game's reached), the
+instruct model won 3 of 64 (95% Wilson interval 1.6%-12.9%) in 3.2 turns on average, 4 games
+cut by the trajectory budget. Sampled the same way
 on 32 held-out games each, it won none of GEM's `game:GuessTheNumber-v0-easy` (1-10, 4 guesses:
 it never wrote the `\boxed{}` guess GEM reads, and GEM ends a game at the first action without
 one) nor of TextArena's `Secretary-v0` (never exactly `[accept]` or `[continue]`): 0 of 32 each,
@@ -65,7 +66,9 @@ def get_config():
         prompt_length=0,
         max_turns=10,
         max_turn_tokens=24,
-        max_observation_tokens=256,
+        # Above every observation of TextArena's single-player games (up to 418 SmolLM2 tokens
+        # a turn: Minesweeper-v0-hard's board) and GEM's.
+        max_observation_tokens=512,
     ))
 
     # A game has no demonstrations and no reward model: PPO starts from the instruct model.

@@ -191,6 +191,11 @@ def difference(entry: dict, level: str, a: str, b: str) -> dict | None:
             "ci": None if d["ci"] is None else [-d["ci"][1], -d["ci"][0]]}
 
 
+def lies_above(entry: dict, level: str, a: str, b: str) -> bool:
+    """Whether the paired difference Pearson(a) - Pearson(b) at `level` lies above 0."""
+    return st.direction((difference(entry, level, a, b) or {}).get("ci")) == 1
+
+
 def ranking(results: list[dict], phase: str, level: str, candidates) -> dict:
     """Which of `candidates` (estimators of one level) correlates best with A* at a phase, by
     paired differences on every seed set: {"best": the candidate whose difference from each
@@ -204,10 +209,10 @@ def ranking(results: list[dict], phase: str, level: str, candidates) -> dict:
         defined = [n for n in candidates if points[n] is not None]
         leader = max(defined, key=lambda n: points[n]) if defined else None
         leaders.append(leader)
-        tied.append([n for n in candidates if n != leader and (
-            leader is None or st.direction((difference(entry, level, leader, n) or {}).get("ci")) != 1)])
-    best = leaders[0] if len(set(leaders)) == 1 and leaders[0] is not None and not any(tied) \
-        else None
+        tied.append([n for n in candidates if n != leader
+                     and (leader is None or not lies_above(entry, level, leader, n))])
+    same = len(set(leaders)) == 1 and leaders[0] is not None
+    best = leaders[0] if same and not any(tied) else None
     return {"best": best, "leaders": leaders, "not_distinguishable": tied}
 
 

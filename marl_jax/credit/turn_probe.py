@@ -20,8 +20,8 @@ action tokens (observation spans are holes):
 The Monte Carlo macro-value estimator (`macro_mc`) continues single responses only and is not
 scored here. The truth values every state of every trajectory (`credit.turn_truth`), with the
 run's own per-token rewards of the continued trajectories. The probe's npz holds the action
-tokens left-aligned (`turn_truth.compress`: responses, rewards, values, advantages and
-segment ids at action columns, states at action ranks), which `probe_scores.score_probe` reads as it
+tokens left-aligned (`turn_truth.compress`: responses, rewards, values, advantages and segment
+ids at action columns, states at action ranks), which `probe_scores.score_probe` reads as it
 reads single responses, and the trajectories themselves (`trajectory/<array>`, and
 `action_columns`).
 """
