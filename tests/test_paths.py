@@ -3,10 +3,12 @@
 The paths: `stage=ppo` (`ppo.run_ppo`: one fused program, or the four phase programs with
 `ppo.phase_timing`), the experiment runner (`experiment.run_experiment`: the vmapped step, or
 the vmapped phases) and the AOT programs `bench.py memory` compiles (`aot.ppo_programs`). Each
-case trains two steps of the tests' tiny config on both runners, phase-timed (the default);
-the cases whose fused step differs in kind (`STAGE_FUSED`: each ratio level, a KL loss term,
-Monte Carlo branches, dynamic sampling) also fused, and the two must give the same training
-metrics to the bit; the AOT programs of each case must lower with the shardings they declare.
+case trains two steps of the tests' tiny config on the experiment runner, phase-timed (the
+default); the cases whose fused step differs in kind (`STAGE_FUSED`: each ratio level, a KL
+loss term, Monte Carlo branches, dynamic sampling) also fused, and on `stage=ppo` both ways,
+and the two must give the same training metrics to the bit (the other records differ from
+those in their advantage function alone); the AOT programs of each case must lower with the
+shardings they declare.
 
 The cases are every record at its published ratio level, and every ratio level (token,
 macro, sequence) with a critic (GAE) and without one (a group record whose KL is a loss term).
@@ -125,12 +127,16 @@ def _run_copy(trained, workdir, cfg):
 
 
 # On `stage=ppo` both timings run where the single run's fused step differs in kind: each ratio
-# level, a critic-free record with its KL loss term, Monte Carlo branches and dynamic sampling;
-# the other records run phase-timed (the default) here, and both ways on the experiment runner.
+# level, a critic-free record with its KL loss term, Monte Carlo branches and dynamic sampling.
+# The other records differ from these in their advantage function alone, which the programs of
+# both runners share: they run phase-timed on the experiment runner, whose phases are
+# `stage=ppo`'s vmapped over runs; `stage=ppo` runs the step termination too (its table is
+# built on the host).
 STAGE_FUSED = ("ppo", "ma_ppo_macro", "ppo_sequence", "grpo", "macro_mc", "dapo")
+STAGE_CASES = STAGE_FUSED + ("ma_ppo_step",)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", STAGE_CASES)
 def test_stage_ppo_phase_timed_and_fused_give_the_same_metrics(case, trained, tmp_path):
     timings = TIMINGS if case in STAGE_FUSED else (True,)
     rows = {timed: _training_rows(_run_copy(trained, tmp_path / str(timed),
