@@ -4,7 +4,8 @@ the library gives when driven directly, step by step (episodes stepped in turn, 
 the process's random state untouched); a replay from the rows' seeds in another order
 reproduces the trajectories token for token; observation spans of a game's trajectories take no
 GAE step; a library environment that raises or answers malformed fails its row only; bad specs
-are one line at config time (exit 2 from the command line)."""
+are one line at config time (exit 2 from the command line); configs/game_smollm2.py trains two
+steps of its arms on a tiny random model."""
 import random
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+import process_util
 from test_envs import SMOLLM2_TEMPLATE, _byte_bpe
 
 from marl_jax import envs
@@ -19,6 +21,7 @@ from marl_jax.config_check import validate_config
 from marl_jax.envs import gem_env, textarena_env
 from marl_jax.macro import advantage, termination
 from marl_jax.rollout.turns import ACTION, OBSERVATION
+from marl_jax.train.metrics import read_metrics
 
 from train_util import ROOT  # noqa: F401  (puts the repository root, and `configs`, on sys.path)
 from configs import game_smollm2  # noqa: E402
@@ -320,3 +323,52 @@ def test_the_command_line_refuses_an_unknown_game_in_one_line_before_compiling(t
                      "Wordle-v0-long, Wordle-v0-train"], run.stderr
     assert not (tmp_path / "run").exists()
 
+
+# configs/game_smollm2.py on a 2-layer random model in SmolLM2's tokenizer and chat template: its
+# game, turn budgets and arms, 8 games a step of turns of at most 8 tokens, 2 held-out games.
+TWO_STEPS = """
+import sys, ml_collections
+sys.path[:0] = [{tests!r}, {root!r}]
+from test_multiturn_smollm2 import TINY_MODEL
+from configs import game_smollm2
+from marl_jax import stages
+from marl_jax.config_check import validate_config
+c = game_smollm2.get_config()
+c.model.path = ""
+c.model.config = ml_collections.ConfigDict(dict(TINY_MODEL, max_position_embeddings=512))
+c.task.update(dict(tokenizer={tokenizer!r}, num_rl_prompts=8, num_eval_prompts=2,
+                   max_turn_tokens=8))
+c.ppo.update(dict(steps=2, eval_every=2, batch_size=8, response_length=96,
+                  num_layers_unfrozen=1, learning_rate=1e-4))
+validate_config(c)
+stages.run(c, {workdir!r})
+"""
+
+
+def test_two_steps_of_the_configs_arms_play_the_game_and_are_scored_by_it(smollm2_gguf,
+                                                                         tmp_path):
+    """Both arms train two steps from the same first games, none failed, and the held-out
+    evaluation is the game's own: a random policy writes no bracketed guess, and TextArena ends
+    its game with the reward for no guess, 0. One CPU device, in a process of its own: the
+    experiment runner's update holds every row on every device of a mesh, which the suite's 8
+    fake devices would multiply by 8."""
+    workdir = tmp_path / "run"
+    script = TWO_STEPS.format(tests=str(ROOT / "tests"), root=str(ROOT),
+                              tokenizer=str(smollm2_gguf), workdir=str(workdir))
+    run = subprocess.run([sys.executable, "-c", script], env=process_util.cpu_env(1),
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    c = game_smollm2.get_config()
+    rows = read_metrics(str(workdir))
+    first = {r["arm"]: r for r in rows if r["stage"] == "ppo" and r["step"] == 1}
+    assert set(first) == set(c.experiment.arms)
+    assert len({r["budget/generated_tokens"] for r in first.values()}) == 1
+    for r in first.values():
+        assert r["multiturn/failed_frac"] == 0.0 and r["multiturn/turns_avg"] >= 1.0, r
+    last = [r for r in rows if r["stage"] == "ppo" and r["step"] == 2]
+    assert len(last) == 2 and all(np.isfinite(r["loss/policy_avg"]) for r in last)
+    evals = [r for r in rows if r["stage"] == "eval"]
+    assert {(r["arm"], r["step"]) for r in evals} == {(a, s) for a in c.experiment.arms
+                                                       for s in (0, 2)}
+    for r in evals:
+        assert r["gold"] == r["rm_score"] == 0.0 and r["length"] > 0, r
