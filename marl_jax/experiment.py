@@ -35,7 +35,7 @@ from marl_jax.data.real_tasks import decode_responses
 from marl_jax.eval.report import SFT_ARM  # the SFT policy's final rows (step-0 evaluations)
 from marl_jax.eval.report import instruction_set
 from marl_jax.pipeline import Pipeline
-from marl_jax.train import loop, perf, preemption, programs, sharding, turn_step
+from marl_jax.train import build, loop, perf, preemption, programs, sharding, turn_step
 from marl_jax.train.metrics import status_line
 from marl_jax.train.phased_step import PhaseClock
 from marl_jax.train import ppo as ppo_lib
@@ -374,6 +374,10 @@ def _run_one(config, workdir: str) -> dict:
         pipe.close()
     if jax.process_index() != 0:
         return {}
+    if int(config.ppo.steps) == 0:  # nothing trained: the starting policy's evaluation alone
+        summary = report_lib.write_starting_point(workdir)
+        print(report_lib.starting_point_text(summary))
+        return summary
     report = report_lib.write_report(workdir, beta=float(config.ppo.kl_coef),
                                      smoothing=int(config.experiment.smoothing),
                                      baseline="ppo", arms=experiment_arms(config))
@@ -711,9 +715,19 @@ def _run_ppo_group(config, pipe, runs, sft_params, rm_params, stats, *, stage_na
     run of the seed, so a later group reuses them. The first evaluation of a seed is also
     written as its `final` row of arm `sft`.
     """
-    step0 = {} if step0 is None else step0
-    p = config.ppo
     program = _group_program(config, pipe, runs, sft_params, rm_params, stats)
+    # Every program of the group is traced under the mesh and its logical rules, so the models'
+    # activation constraints split each run's batch over the data-parallel devices (without
+    # them the update's row shuffle leaves every device computing every row).
+    with sharding.mesh_context(pipe.mesh, sharding.logical_rules(
+            pipe.mesh, build.model_dims(pipe.policy.config))):
+        return _train_group(config, pipe, runs, program, stage_name,
+                            {} if step0 is None else step0)
+
+
+def _train_group(config, pipe, runs, program: _GroupProgram, stage_name: str, step0: dict):
+    """`_run_ppo_group`'s measurement, evaluations and steps of a built group program."""
+    p = config.ppo
     runs, program = _measure_macro_lengths(config, program, runs, pipe.mesh)
     evaluator = _GroupEvaluator(config, pipe, runs, program)
     writer = _PerRunWriter(pipe.writer, runs)

@@ -5,10 +5,14 @@ version max(0, s0 - k + p // D)), groups carried over whole with their tokens, f
 carried group sampled again once all their tokens expire, the token accounting of every
 iteration against a count of the batches, and a second run with the same seed giving the same
 metrics and batches bit for bit. Then `stage=ppo` with that schedule, stopped by a preemption
-notice (SIGTERM, in this process) and run again: the rows of the run that was not stopped."""
+notice (SIGTERM, in this process) or killed (SIGKILL, `experiments/run.py` in a process of its
+own) and run again: the rows of the run that was not stopped."""
 import os
 import shutil
 import signal
+import subprocess
+import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +25,7 @@ from marl_jax.train import async_schedule, metrics as metrics_lib, preemption, p
 from marl_jax.train import build, phases, ppo as ppo_lib
 from marl_jax.train.async_step import AsyncStep
 
-from train_util import tiny_config, trained_tiny_pipeline
+from train_util import ROOT, tiny_config, tiny_flags, trained_tiny_pipeline
 
 K, CHUNK, LIMIT, GROUP, ITERATIONS = 2, 4, 2, 2, 7
 RESPONSE = 12
@@ -271,3 +275,28 @@ def test_a_preempted_run_resumes_with_the_uninterrupted_runs_rows(tiny_pipe, who
     monkeypatch.undo()
     assert _stage_ppo(tiny_pipe, workdir) == whole
     assert [r["step"] for r in whole if r.get("stage") == "ppo"] == [1, 2, 3, 4]
+
+
+def test_a_killed_run_resumes_from_its_last_checkpoint_with_the_uninterrupted_runs_rows(
+        tiny_pipe, whole, tmp_path):
+    """`experiments/run.py` killed (SIGKILL) as soon as its step-2 checkpoint (the trainer's
+    state with the batches in flight) is whole, in step 3; the same command then resumes from
+    that checkpoint, drops what step 3 logged, and writes the rows of the run never stopped."""
+    workdir = tmp_path / "run"
+    shutil.copytree(tiny_pipe[0].workdir, workdir)
+    command = [sys.executable, str(ROOT / "experiments" / "run.py"), *tiny_flags(**STAGE),
+               f"--workdir={workdir}"]
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline:
+        if (workdir / "checkpoints" / "ppo" / "2").is_dir():
+            os.kill(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, err[-3000:]
+    assert not (workdir / "checkpoints" / "ppo" / "4").exists()
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _rows(workdir) == whole

@@ -1,8 +1,11 @@
 """The default experiment: arms and their matched controls, and a shortened run of the default
 command whose report is recomputed here from metrics.jsonl."""
+import dataclasses
 import json
 import os
+import re
 
+import jax
 import numpy as np
 import pytest
 
@@ -248,13 +251,46 @@ def test_shortened_default_experiment(tmp_path):
     assert len({round(r["gold"], 9) for r in step0}) == 1
 
 
-def test_programs_of_one_run_share_the_sft_evaluation_and_write_one_sft_row(tmp_path):
+class _CompiledOnce:
+    """A jitted program compiled at its first call, where the caller calls it (under the
+    caller's mesh and logical rules), its optimized HLO kept in `texts`."""
+
+    def __init__(self, fn, texts):
+        self.fn, self.texts, self.compiled = fn, texts, None
+
+    def __call__(self, *args):
+        if self.compiled is None:
+            self.compiled = self.fn.lower(*args).compile()
+            self.texts.append(self.compiled.as_text())
+        return self.compiled(*args)
+
+
+def test_programs_of_one_run_share_the_sft_evaluation_and_write_one_sft_row(tmp_path,
+                                                                            monkeypatch):
     cfg = tiny_config(**{"stage": "experiment", "experiment.arms": ("ppo", "ma_ppo"),
                          "seeds": (3, 4), "ppo.steps": 1, "ppo.eval_every": 1,
                          "experiment.runs_per_program": 1})
+    texts, phase_programs = [], experiment.programs.experiment_phase_programs
+
+    def recording(*args, **kwargs):
+        out = phase_programs(*args, **kwargs)
+        out["update"] = dataclasses.replace(out["update"],
+                                            fn=_CompiledOnce(out["update"].fn, texts))
+        return out
+
+    monkeypatch.setattr(experiment.programs, "experiment_phase_programs", recording)
     workdir = str(tmp_path)
     report = experiment.run_experiment(cfg, workdir)
     rows = read_metrics(workdir)
+    # A program of one run is data-parallel over the 8 devices: each device's update computes
+    # the token scores `[runs, rows, R, V]` (and every other per-token activation) of its
+    # B / 8 rows, never of the whole batch.
+    per_device = cfg.ppo.batch_size // len(jax.devices())
+    assert len(texts) == 4 and per_device == 1
+    for text in texts:
+        rows_seen = {int(m) for m in re.findall(
+            rf"f32\[1,(\d+),{cfg.ppo.response_length},\d+\]", text)}
+        assert rows_seen == {per_device}, rows_seen
     sft = {r["seed"]: r for r in rows if r["stage"] == "final" and r["arm"] == "sft"}
     assert sorted(sft) == [3, 4] and len([r for r in rows if r.get("arm") == "sft"]) == 2
     for seed in (3, 4):
@@ -271,3 +307,33 @@ def test_programs_of_one_run_share_the_sft_evaluation_and_write_one_sft_row(tmp_
     assert report["versus_sft"]["ppo"]["n"] == 2 * cfg.task.num_eval_prompts
 
 
+
+
+def test_zero_steps_reports_the_starting_policy(tmp_path):
+    """`ppo.steps=0` evaluates the SFT policy and stops: step0.json holds its held-out gold per
+    seed and pooled over (seed, prompt) pairs with a t interval, in place of the training
+    report (which needs a later evaluation step)."""
+    from scipy import stats
+
+    cfg = tiny_config(**{"stage": "experiment", "experiment.arms": ("ppo",), "seeds": (3, 4),
+                         "ppo.steps": 0, "ppo.eval_every": 1})
+    summary = experiment.run_experiment(cfg, str(tmp_path))
+    assert not os.path.exists(tmp_path / "report.json")
+    with open(tmp_path / "step0.json") as f:
+        assert json.load(f) == json.loads(json.dumps(summary))
+    rows = read_metrics(str(tmp_path))
+    evals = {r["seed"]: r for r in rows if r["stage"] == "eval"}
+    assert sorted(evals) == [3, 4] and {r["step"] for r in evals.values()} == {0}
+    pooled = []
+    for seed in (3, 4):
+        sft = next(r for r in rows if r["stage"] == "final" and r["arm"] == "sft"
+                   and r["seed"] == seed)
+        assert summary["seeds"][str(seed)]["gold"] == pytest.approx(evals[seed]["gold"],
+                                                                     abs=1e-6)
+        assert summary["seeds"][str(seed)]["n"] == cfg.task.num_eval_prompts
+        pooled += sft["gold_per_prompt"]
+    g = summary["gold"]
+    half = stats.t.ppf(0.975, len(pooled) - 1) * np.std(pooled, ddof=1) / np.sqrt(len(pooled))
+    assert g["n"] == 2 * cfg.task.num_eval_prompts
+    np.testing.assert_allclose(g["ci_t"], [np.mean(pooled) - half, np.mean(pooled) + half],
+                               atol=1e-9)

@@ -564,6 +564,36 @@ def summary_text(report: dict) -> str:
     return "\n".join(out)
 
 
+def starting_point(rows) -> dict:
+    """The evaluation of a run with no PPO step (`ppo.steps=0`): the starting (SFT) policy on
+    each seed's held-out prompts, from the `final` rows of arm `sft`. Returns {"seeds": {seed:
+    {"gold", "rm_score", "kl", "n"}} (means over the seed's prompts), "gold": the mean over every
+    (seed, prompt) pair with its bootstrap and t intervals over them (`study_stats.interval`)};
+    ValueError where no such row exists."""
+    finals = {int(r["seed"]): r for r in rows
+              if r.get("stage") == "final" and r.get("arm") == SFT_ARM}
+    if not finals:
+        raise ValueError("metrics.jsonl has no final row of the starting policy (arm 'sft')")
+    if any("gold_per_prompt" not in r for r in finals.values()):
+        raise ValueError("the starting policy's final rows have no gold_per_prompt (a task "
+                         "without a gold reward)")
+    seeds = {str(s): {"gold": float(np.mean(r["gold_per_prompt"])),
+                      "rm_score": float(np.mean(r["rm_score_per_prompt"])),
+                      "kl": float(np.mean(r["kl_per_prompt"])), "n": len(r["gold_per_prompt"])}
+             for s, r in sorted(finals.items())}
+    pooled = np.concatenate([r["gold_per_prompt"] for _, r in sorted(finals.items())])
+    return {"steps": 0, "seeds": seeds, "gold": st.interval(pooled)}
+
+
+def starting_point_text(summary: dict) -> str:
+    """Two lines: the pooled gold with its interval, and each seed's."""
+    g = summary["gold"]
+    per_seed = ", ".join(f"seed {s}: {v['gold']:.3f} ({v['n']} prompts)"
+                         for s, v in summary["seeds"].items())
+    return (f"ppo.steps=0: the starting policy's held-out gold {format_interval(g)} over "
+            f"{g['n']} (seed, prompt) pairs\n{per_seed}")
+
+
 # ---- files ---------------------------------------------------------------------------------------
 def write_report(workdir: str, *, beta=None, smoothing: int = 1, baseline=None, arms=None,
                  controls=None, macro_arms=None) -> dict:
@@ -583,6 +613,15 @@ def write_report(workdir: str, *, beta=None, smoothing: int = 1, baseline=None, 
                         os.path.join(workdir, "budget.png"), report["baseline"])
     _atomic_write(os.path.join(workdir, "report.md"), markdown(report))
     return report
+
+
+def write_starting_point(workdir: str) -> dict:
+    """step0.json in `workdir` (`starting_point` of its metrics.jsonl): what a run with no PPO
+    step reports in place of report.json, which compares training curves."""
+    summary = starting_point(read_metrics(workdir))
+    _atomic_write(os.path.join(workdir, "step0.json"),
+                  json.dumps(summary, indent=2, allow_nan=False))
+    return summary
 
 
 def _atomic_write(path, text):
