@@ -32,16 +32,25 @@ TEXTARENA_GUESS = "GuessTheNumber-v0"
 
 def _gem_direct(env_id, seed, actions):
     """(first observation, [(observation or None, reward, done)]) of GEM's environment driven
-    directly, one episode alone (rewards in float32, as the protocol's steps hold them)."""
-    env = gem_env.library().make(env_id)
-    first, _ = env.reset(seed=seed)
+    directly, one episode alone, through GEM's own `ObservationWrapper` (no actions, no chat
+    template): each observation is the text the wrapper adds for the turn, its whole text less
+    the history it held before (its previous text without that turn's suffix, the board then);
+    rewards in float32, as the protocol's steps hold them."""
+    from gem.wrappers.observation_wrapper import ObservationWrapper
+
+    env = ObservationWrapper(gem_env.library().make(env_id), include_action=False,
+                             include_chat_template=False)
+    first, info = env.reset(seed=seed)
+    history = first[:len(first) - len(info.get("suffix", ""))]
     steps = []
     for action in actions:
-        observation, reward, terminated, truncated, _ = env.step(action)
+        whole, reward, terminated, truncated, info = env.step(action)
         done = terminated or truncated
-        steps.append((None if done else observation, float(np.float32(reward)), done))
+        assert whole.startswith(history)
+        steps.append((None if done else whole[len(history):], float(np.float32(reward)), done))
         if done:
             break
+        history = whole[:len(whole) - len(info.get("suffix", ""))]
     return first, steps
 
 
@@ -120,6 +129,11 @@ def test_a_game_played_from_recorded_actions_gives_the_librarys_own_steps(librar
     np.testing.assert_array_equal(np.random.get_state()[1], before[1])
     finals = [steps[-1] for _, steps in expected]
     if library == "gem":
+        # GEM's board is its info's suffix: every observation shows it (after the first reveal,
+        # with the cells that reveal opened).
+        assert all("current board" in first for first, _ in expected)
+        assert all("current board" in o and "0  0" in o.split("current board")[1]
+                   for _, steps in expected for o in [steps[0][0]] if o is not None)
         # The seeds lay different mines: different rewards, two mines hit and a last move
         # that is not one.
         assert len({tuple(r for _, r, _ in steps) for _, steps in expected}) == 3

@@ -9,6 +9,13 @@ as it is (the game's instructions state its format, e.g. `\\boxed{...}`); `step(
 the episode ends where GEM terminates or truncates it. GEM's object holds the game's state;
 nothing of a game's rules is written here.
 
+An observation's text is GEM's own observation formatting of one turn (its
+`ObservationWrapper`): `info["prefix"] + observation` (ending in a newline) `+ info["suffix"]`.
+GEM's games put the current board in the suffix ("Current board: ... Enter your move.") and
+their observation proper is the instructions or the last move's feedback alone, so without it a
+policy would play blind. The conversation keeps every earlier turn, where GEM's wrapper would
+concatenate them into one text.
+
 The state is the episode (`GemEpisode`): GEM's live object, which `step_row` advances in place
 and returns (see `marl_jax.envs.base`), and the episode's own global random state
 (`marl_jax.envs.library_episodes`), so that a replay from the row reproduces the episode.
@@ -78,17 +85,30 @@ class GemEnvironment(Environment):
         try:
             with episode_random.active():
                 env = library().make(self.env_id)
-                observation, _ = env.reset(seed=seed)
+                observation, info = env.reset(seed=seed)
         except Exception as error:  # the library's own: a missing corpus, dataset or key
             raise ValueError(f"GEM environment {self.env_id!r} does not start: "
                              f"{one_line(error)}") from None
         if not isinstance(observation, str):
             raise ValueError(f"GEM environment {self.env_id!r} observes a "
                              f"{type(observation).__name__}, not text")
-        return GemEpisode(env, episode_random), [{"role": "user", "content": observation}]
+        return GemEpisode(env, episode_random), [{"role": "user",
+                                                  "content": turn_text(observation, info)}]
 
     def step_row(self, state, action_text, action_tokens):
         with state.random.active():
-            observation, reward, terminated, truncated, _ = state.env.step(action_text)
+            observation, reward, terminated, truncated, info = state.env.step(action_text)
         done = terminated or truncated
-        return state, None if done else observation, reward, done
+        if done or not isinstance(observation, str):
+            return state, None if done else observation, reward, done
+        return state, turn_text(observation, info), reward, done
+
+
+def turn_text(observation: str, info) -> str:
+    """One turn's observation as GEM's `ObservationWrapper` writes it: the info's prefix, the
+    observation ending in a newline, the info's suffix (the game's current board)."""
+    from gem.wrappers.observation_wrapper import maybe_add_new_line
+
+    info = info if isinstance(info, dict) else {}
+    return (str(info.get("prefix", "")) + maybe_add_new_line(observation)
+            + str(info.get("suffix", "")))
