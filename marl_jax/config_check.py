@@ -65,7 +65,7 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
     check(c.stage in STAGES, "stage", f"must be one of {STAGES}")
     _check_task_fields(c, config_file)
     if c.task.name == "reasoning_gym":
-        _check_reasoning_gym(c.task, check)
+        _check_reasoning_gym(c.task, c.sft.steps, check)
     check(isinstance(c.tpu_topology, str) and re.fullmatch(r"([a-z0-9]+-[0-9]+)?", c.tpu_topology),
           "tpu_topology", "must be empty or a Cloud TPU slice like v4-16, v5litepod-8, v5p-32")
     check(c.model.dtype in ("auto",) + DTYPES, "model.dtype", f"must be auto or one of {DTYPES}")
@@ -623,10 +623,10 @@ def _check_multi_turn(c, check):
                          f"{problem}")
 
 
-def _check_reasoning_gym(t, check):
+def _check_reasoning_gym(t, sft_steps, check):
     """The reasoning-gym task's dataset and options against the library's registry (imports
-    the library, 2-3 s, which the task's build needs next; reads no file), and its answer
-    format."""
+    the library, 2-3 s, which the task's build needs next; reads no file), its answer format,
+    and with an SFT stage the reference answers it trains on (one entry generated)."""
     from marl_jax.envs import reasoning_gym
 
     try:
@@ -644,6 +644,9 @@ def _check_reasoning_gym(t, check):
         raise ValueError(f"config.task.options={shown!r}: {problem}")
     check(t.answer_format in reasoning_gym.ANSWER_FORMATS, "task.answer_format",
           f"must be one of {tuple(reasoning_gym.ANSWER_FORMATS)}")
+    if sft_steps:
+        problem = reasoning_gym.reference_problem(t.dataset, options)
+        check(problem is None, "sft.steps", problem)
 
 
 def _check_task_fields(c, config_file):

@@ -178,6 +178,19 @@ def test_bad_datasets_and_options_are_one_line_at_config_time():
         "(closest: max_terms, min_terms, max_digits); its options: allow_negation, "
         "allow_parentheses, format_style, max_digits, max_terms, min_digits, min_terms, "
         "operators, whitespace (seed and size are the task's)")
+    # A dataset whose problems carry no reference answer (its checker scores any solution)
+    # has nothing to fine-tune on: refused with an SFT stage, accepted without one.
+    c = rlvr_smollm2.get_config()
+    c.task.dataset, c.task.options = "graph_color", {}
+    assert c.sft.steps > 0
+    with pytest.raises(ValueError) as error:
+        validate_config(c)
+    assert str(error.value) == (
+        "config.sft.steps=48: graph_color's problems carry no reference answer (its checker "
+        "scores any valid solution), so it has no demonstrations to fine-tune on: use "
+        "--config.sft.steps=0")
+    c.sft.steps = 0
+    validate_config(c)
 
 
 def test_a_missing_library_is_one_line_naming_the_extra(monkeypatch):

@@ -196,7 +196,10 @@ class Problems:
         return f"{entry['question'].rstrip()}\n\n{self.instruction}"
 
     def demonstration(self, entry: dict) -> str:
-        """The reference answer in the answer format (an SFT target)."""
+        """The reference answer in the answer format (an SFT target); ValueError for a dataset
+        whose entries carry none (`reference_problem`)."""
+        if entry.get("answer") is None:
+            raise ValueError(no_reference(self.name))
         if self.answer_format == "tags":
             return f"<answer>{entry['answer']}</answer>"
         return f"\\boxed{{{entry['answer']}}}"
@@ -218,6 +221,18 @@ class Problems:
             return 0.0, False
         dataset = self.dataset(row["seed"], row["size"])
         return float(dataset.score_answer(answer, entry)), True
+
+
+def no_reference(name: str) -> str:
+    return (f"{name}'s problems carry no reference answer (its checker scores any valid "
+            "solution), so it has no demonstrations to fine-tune on: use --config.sft.steps=0")
+
+
+def reference_problem(name: str, options: Optional[dict] = None) -> Optional[str]:
+    """Why the dataset `name` with `options` gives no SFT demonstrations, or None: its first
+    entry has no reference answer (puzzles with many solutions, e.g. graph_color, rush_hour)."""
+    entry = Problems(name, options).entry(dict(seed=0, size=1, index=0))
+    return no_reference(name) if entry.get("answer") is None else None
 
 
 def part_seed(data_seed: int, part: int) -> int:
