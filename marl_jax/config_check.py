@@ -37,7 +37,7 @@ from marl_jax.macro.steps import delimiters_problem
 from marl_jax.models import lora
 from marl_jax.xla_flags import MODES as XLA_GPU_FLAG_MODES
 
-STAGES = ("sft", "rm", "ppo", "all", "experiment", "eval")
+STAGES = ("sft", "rm", "ppo", "all", "experiment", "eval", "async_study")
 TERMINATIONS = ("fixed", "randomized", "perplexity", "entropy", "low_probability", "step",
                 "parsing", "turn")
 SCHEDULES = ("constant", "linear", "cosine")
@@ -63,6 +63,9 @@ def validate_config(c: ml_collections.ConfigDict, *, config_file: str = "") -> N
             raise ValueError(f"config.{field}={get_field(c, field)!r}: {msg}")
 
     check(c.stage in STAGES, "stage", f"must be one of {STAGES}")
+    check(c.stage != "async_study" or "async_study" in c, "stage",
+          "the study needs the config's async_study section (arms, variants, baseline): use "
+          "--config=configs/async_synthetic.py")
     _check_task_fields(c, config_file)
     if c.task.name == "reasoning_gym":
         _check_reasoning_gym(c.task, c.sft.steps, check)

@@ -1,10 +1,11 @@
 """What `experiments/run.py` runs: `config.stage` of a config in one workdir, from the stages of a
-`Pipeline` (sft, rm, ppo, all, eval) or the experiment of many arms (experiment)."""
+`Pipeline` (sft, rm, ppo, all, eval), the experiment of many arms (experiment) or the
+asynchronous-PPO study of single runs (async_study)."""
 from __future__ import annotations
 
 import jax
 
-from marl_jax import distributed, experiment
+from marl_jax import async_study, distributed, experiment
 from marl_jax import pipeline as pipeline_lib
 from marl_jax.config import resolve_size
 from marl_jax.eval import run_eval
@@ -39,6 +40,9 @@ def _run_stage(config, workdir: str) -> None:
     stage = config.stage
     if stage == "experiment":
         experiment.run_experiment(config, workdir)
+        return
+    if stage == "async_study":
+        async_study.run_async_study(config, workdir)
         return
     pipeline = pipeline_lib.Pipeline(config, workdir, run_earlier_stages=stage == "all")
     try:
