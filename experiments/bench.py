@@ -25,7 +25,10 @@ def main(argv):
     added = xla_flags.apply()
     if added:
         print(f"XLA flags set for this GPU: {' '.join(added)} (a flag named in XLA_FLAGS wins)")
-    importlib.import_module(f"bench_{MODULES.get(argv[1], argv[1])}").main(argv[2:])
+    name = MODULES.get(argv[1], argv[1])
+    if name == "ppo" and "--async" in argv[2:]:
+        name = "async"  # the synchronous loop beside asynchronous PPO (bench_async.py)
+    importlib.import_module(f"bench_{name}").main(argv[2:])
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ overlap (rollout + update) / iteration (1: one after the other; 2: entirely at o
 `XLA_FLAGS=--xla_force_host_platform_device_count=2`. A shape other than w1: one line, exit 2.
 """
 import json
+import sys
 import time
 import types
 
@@ -151,8 +152,18 @@ def report(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main(args) -> None:
-    """`bench.py ppo --async` (`args`: bench_ppo's parsed flags)."""
+def main(argv) -> None:
+    """`bench.py ppo --async [flags]`: bench_ppo's flags; a refused setting is one line, exit
+    status 2."""
+    try:
+        run(bench_ppo.arguments(argv))
+    except bench_ppo.Refused as error:
+        print(f"bench.py ppo --async: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def run(args) -> None:
+    """The benchmark on bench_ppo's parsed flags `args`."""
     if args.shape != "w1":
         raise bench_ppo.Refused(f"--shape={args.shape!r} with --async: the asynchronous loop "
                                 "is timed on w1 (four SmolLM2-135M-shaped models, or --small)")

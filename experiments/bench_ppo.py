@@ -432,7 +432,8 @@ def setup_of(shape: str, small: bool, dtype: str = "auto") -> Setup:
     return Setup(shape, small, dtype, **sizes)
 
 
-def main(argv):
+def arguments(argv):
+    """The parsed flags of `bench.py ppo` (with `--async`, `experiments/bench_async.py`'s)."""
     parser = argparse.ArgumentParser(prog="bench.py ppo", description=__doc__.splitlines()[0])
     parser.add_argument("--shape", required=True, help="w1 or w2")
     parser.add_argument("--small", action="store_true", help="the smoke-test model (a CPU)")
@@ -444,13 +445,15 @@ def main(argv):
     parser.add_argument("--async", dest="asynchronous", action="store_true",
                         help="the synchronous loop beside asynchronous PPO at k = 1, 2 "
                         "(experiments/bench_async.py)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv):
+    args = arguments(argv)
     repeats = args.repeats or (10 if args.small else 3)
     try:
-        if args.asynchronous:
-            import bench_async
-
-            return bench_async.main(args)
+        if args.asynchronous:  # bench.py runs experiments/bench_async.py for --async
+            raise Refused("--async is bench.py's: python experiments/bench.py ppo --async ...")
         if repeats < 1:
             raise Refused(f"--repeats={repeats} must be >= 1")
         setup = setup_of(args.shape, args.small, args.dtype)

@@ -197,5 +197,5 @@ def test_the_async_bench_refuses_a_shape_it_does_not_time():
 
     with pytest.raises(bench_ppo.Refused, match=r"^--shape='w2' with --async: the asynchronous "
                                                 r"loop is timed on w1"):
-        bench_async.main(types.SimpleNamespace(shape="w2", small=False, dtype="auto",
+        bench_async.run(types.SimpleNamespace(shape="w2", small=False, dtype="auto",
                                                repeats=None))
