@@ -22,10 +22,8 @@ def _study_config(**variants):
     cfg.stage = "async_study"
     cfg.async_study = ml_collections.ConfigDict(dict(
         arms=("ppo", "ma_ppo"), baseline="k0",
-        variants=variants or dict(k0={}, k1=dict(rollout=dict(max_staleness=1),
-                                                  ppo=dict(rollout_correction="token")),
-                                  k1_macro=dict(rollout=dict(max_staleness=1),
-                                                ppo=dict(rollout_correction="macro"))),
+        variants=variants or dict(k0={}, k1_macro=dict(rollout=dict(max_staleness=1),
+                                                       ppo=dict(rollout_correction="macro"))),
         only=dict(k1_macro=("ma_ppo",))))
     return cfg
 
@@ -59,13 +57,12 @@ def test_a_variant_that_cannot_run_is_named_before_anything_runs(variants, messa
 def test_a_tiny_study_runs_every_variant_and_reports_them_against_k0(tmp_path):
     cfg = _study_config()
     report = async_study.run_async_study(cfg, str(tmp_path))
-    names = ["ppo_k0", "ppo_k1", "ma_ppo_k0", "ma_ppo_k1", "ma_ppo_k1_macro"]
+    names = ["ppo_k0", "ma_ppo_k0", "ma_ppo_k1_macro"]
     assert list(report["arms"]) == names
     assert os.path.getsize(tmp_path / "curves_time.png") > 0
     rows = read_metrics(str(tmp_path))
     plan = next(r for r in rows if r["stage"] == "plan")
-    assert plan["controls"] == {"ppo_k1": "ppo_k0", "ma_ppo_k1": "ma_ppo_k0",
-                                "ma_ppo_k1_macro": "ma_ppo_k0"}
+    assert plan["controls"] == {"ma_ppo_k1_macro": "ma_ppo_k0"}
     study = {(r["arm"], r["seed"], r["step"]): r for r in rows if r["stage"] == "eval"}
     assert len(study) == len(names) * 2 * 3
     for name in names:
