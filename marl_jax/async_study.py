@@ -13,7 +13,7 @@ the same arm's synchronous run.
 
 Every run of a seed starts from the same SFT policy and reward model (those of `config.seed`,
 as in the experiment runner) with PPO seed s: the variants of an arm see the same prompts and
-sampling keys, so their differences are paired per seed. A variant's controls is the arm under
+sampling keys, so their differences are paired per seed. A variant's control is the arm under
 the variant named `async_study.baseline` (k = 0). A run is resumed where it stopped (its own
 checkpoints); a finished one is read, not run again. Asynchronous runs are single runs, not
 vmapped (`experiment.py` vmaps synchronous steps only).
@@ -34,9 +34,6 @@ from marl_jax.eval import report as report_lib
 from marl_jax.pipeline import Pipeline
 from marl_jax.train import preemption
 from marl_jax.train.metrics import MetricsWriter, read_metrics
-
-BASE_STAGES = ("sft", "rm")
-
 
 @dataclasses.dataclass(frozen=True)
 class StudyRun:
@@ -79,19 +76,20 @@ def plan(config) -> list[StudyRun]:
         for variant, overrides in variants.items():
             if arm not in only.get(variant, (arm,)):
                 continue
+            c = copy.deepcopy(config)
+            with c.unlocked():
+                c.stage = "ppo"
+                c.ppo.update({k: v for k, v in fields.items() if k in c.ppo})
+                _overridden(c, overrides, f"config.async_study.variants.{variant}")
+            try:  # a seed changes nothing the check reads
+                config_check.validate_config(c)
+            except ValueError as error:
+                raise ValueError(f"async_study variant {variant!r} of arm {arm!r}: "
+                                 f"{error}") from None
             for seed in config.seeds:
-                c = copy.deepcopy(config)
-                with c.unlocked():
-                    c.stage = "ppo"
-                    c.seed = int(seed)
-                    c.ppo.update({k: v for k, v in fields.items() if k in c.ppo})
-                    _overridden(c, overrides, f"config.async_study.variants.{variant}")
-                try:
-                    config_check.validate_config(c)
-                except ValueError as error:
-                    raise ValueError(f"async_study variant {variant!r} of arm {arm!r}: "
-                                     f"{error}") from None
-                runs.append(StudyRun(arm, variant, int(seed), c))
+                run_config = copy.deepcopy(c)
+                run_config.seed = int(seed)
+                runs.append(StudyRun(arm, variant, int(seed), run_config))
     return runs
 
 
