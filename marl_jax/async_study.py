@@ -124,9 +124,10 @@ def run_async_study(config, workdir: str) -> dict:
 
 
 def study_rows(config, runs, rows_of) -> list[dict]:
-    """The plan row and every run's eval rows (arm "<arm>_<variant>", seed, `train_s`: the sum
-    of the run's `perf/step_s` over the steps before the evaluation); `rows_of(run)` reads a
-    run's metrics rows."""
+    """The plan row (with the instruction set of this machine, where the runs ran: the report
+    names it) and every run's eval rows (arm "<arm>_<variant>", seed, `train_s`: the sum of the
+    run's `perf/step_s` over the steps before the evaluation); `rows_of(run)` reads a run's
+    metrics rows."""
     s = config.async_study
     names = list(dict.fromkeys(r.name for r in runs))
     controls = {r.name: f"{r.arm}_{s.baseline}" for r in runs
@@ -134,7 +135,8 @@ def study_rows(config, runs, rows_of) -> list[dict]:
     out = [dict(stage="plan", step=0, arms=names, seeds=[int(x) for x in config.seeds],
                 baseline=f"{s.arms[0]}_{s.baseline}", beta=float(config.ppo.kl_coef),
                 controls=controls, macro_arms=list(controls),
-                steps=int(config.ppo.steps), eval_every=int(config.ppo.eval_every))]
+                steps=int(config.ppo.steps), eval_every=int(config.ppo.eval_every),
+                instruction_set=report_lib.instruction_set())]
     for run in runs:
         rows = rows_of(run)
         step_s = {int(r["step"]): float(r.get("perf/step_s", 0.0)) for r in rows

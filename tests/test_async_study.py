@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from marl_jax import async_study
+from marl_jax.eval import report as report_lib
 from marl_jax.train.metrics import read_metrics
 
 from train_util import ROOT, tiny_config  # noqa: F401  (ROOT puts configs on sys.path)
@@ -63,6 +64,9 @@ def test_a_tiny_study_runs_every_variant_and_reports_them_against_k0(tmp_path):
     rows = read_metrics(str(tmp_path))
     plan = next(r for r in rows if r["stage"] == "plan")
     assert plan["controls"] == {"ma_ppo_k1_macro": "ma_ppo_k0"}
+    # The report names the instruction set the runs' floats were rounded by.
+    assert plan["instruction_set"]["isa"] == report_lib.instruction_set()["isa"]
+    assert report_lib.isa_label(report) not in ("unrecorded", "")
     study = {(r["arm"], r["seed"], r["step"]): r for r in rows if r["stage"] == "eval"}
     assert len(study) == len(names) * 2 * 3
     for name in names:
