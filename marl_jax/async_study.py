@@ -10,6 +10,8 @@ the same arm's synchronous run.
                                           "<arm>_<variant>", seed, `train_s`: PPO's seconds
                                           before the evaluation)
     <workdir>/report.{json,md}, curves.png, curves_time.png
+    <workdir>/divergence.json             per arm, the seeds whose first evaluation after step 0
+                                          fell more than `DIVERGENCE_DROP` below step 0's gold
 
 Every run of a seed starts from the same SFT policy and reward model (those of `config.seed`,
 as in the experiment runner) with PPO seed s: the variants of an arm see the same prompts and
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import os
 import shutil
 
@@ -93,6 +96,45 @@ def plan(config) -> list[StudyRun]:
     return runs
 
 
+# Gold lost by the first evaluation after step 0 that counts a run as diverged early: a stale
+# batch's failure mode (the policy's KL runs away within the first evaluation interval), apart
+# from reward hacking, which lowers gold later in a run.
+DIVERGENCE_DROP = 0.1
+
+
+def early_divergence(rows, drop: float = DIVERGENCE_DROP) -> dict:
+    """{arm: {"seeds": [...], "of": n, "runs": [{seed, step, gold_step0, gold, kl}, ...]}}: per arm
+    of the study's eval rows, the seeds whose held-out gold at the first evaluation after step 0
+    is more than `drop` below their step-0 gold (n: the arm's seeds)."""
+    evals = {}
+    for r in rows:
+        if r.get("stage") == "eval":
+            evals.setdefault(r["arm"], {}).setdefault(int(r["seed"]), []).append(r)
+    out = {}
+    for arm, seeds in evals.items():
+        runs = []
+        for seed, seed_rows in sorted(seeds.items()):
+            seed_rows = sorted(seed_rows, key=lambda r: int(r["step"]))
+            if len(seed_rows) < 2 or int(seed_rows[0]["step"]) != 0:
+                continue
+            start, first = seed_rows[0], seed_rows[1]
+            if first["gold"] < start["gold"] - drop:
+                runs.append(dict(seed=seed, step=int(first["step"]), gold_step0=start["gold"],
+                                 gold=first["gold"], kl=first["kl"]))
+        out[arm] = dict(seeds=[r["seed"] for r in runs], of=len(seeds), runs=runs)
+    return out
+
+
+def divergence_text(divergence: dict, drop: float = DIVERGENCE_DROP) -> str:
+    """One line per arm: how many of its seeds diverged early, and which."""
+    lines = [f"diverged early (gold at the first evaluation more than {drop} below step 0's):"]
+    for arm, d in divergence.items():
+        which = ", ".join(f"seed {r['seed']} (gold {r['gold']:.2f}, KL {r['kl']:.0f})"
+                          for r in d["runs"])
+        lines.append(f"  {arm}: {len(d['seeds'])}/{d['of']}" + (f": {which}" if which else ""))
+    return "\n".join(lines)
+
+
 def run_async_study(config, workdir: str) -> dict:
     """Runs the study in `workdir` (see the module) and returns its report."""
     runs = plan(config)
@@ -118,8 +160,13 @@ def run_async_study(config, workdir: str) -> dict:
         return {}
     write_rows(config, workdir, runs)
     report = report_lib.write_report(workdir)
-    plot_against_time(read_metrics(workdir), os.path.join(workdir, "curves_time.png"))
+    rows = read_metrics(workdir)
+    plot_against_time(rows, os.path.join(workdir, "curves_time.png"))
+    divergence = early_divergence(rows)
+    with open(os.path.join(workdir, "divergence.json"), "w") as f:
+        json.dump(divergence, f, indent=1)
     print(report_lib.summary_text(report))
+    print(divergence_text(divergence))
     return report
 
 

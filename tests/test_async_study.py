@@ -92,5 +92,26 @@ def test_a_tiny_study_runs_every_variant_and_reports_them_against_k0(tmp_path):
     assert cmp["mean"] == pytest.approx(np.mean(d), abs=1e-9)
     with open(tmp_path / "report.json") as f:
         assert json.load(f)["arms"].keys() == report["arms"].keys()
+    with open(tmp_path / "divergence.json") as f:
+        assert json.load(f) == async_study.early_divergence(rows)
     # Run again: every run is finished, read and not run again; the same rows and report.
     assert async_study.run_async_study(cfg, str(tmp_path))["arms"] == report["arms"]
+
+
+def test_early_divergence_counts_the_first_evaluation_only():
+    """A seed counts when its first evaluation after step 0 is more than the drop below its
+    step-0 gold; a later fall (reward hacking) and a fall of exactly the drop do not."""
+    def row(arm, seed, step, gold, kl=1.0):
+        return dict(stage="eval", arm=arm, seed=seed, step=step, gold=gold, kl=kl)
+
+    rows = [dict(stage="plan", step=0),
+            row("a", 1, 0, 0.5), row("a", 1, 20, 0.45), row("a", 1, 40, 0.2),
+            row("a", 0, 20, 0.35, kl=80.0), row("a", 0, 0, 0.5), row("a", 0, 40, 0.5),
+            row("b", 0, 0, 0.5), row("b", 0, 20, 0.375)]
+    out = async_study.early_divergence(rows, drop=0.125)
+    assert out == {
+        "a": dict(seeds=[0], of=2, runs=[dict(seed=0, step=20, gold_step0=0.5, gold=0.35,
+                                              kl=80.0)]),
+        "b": dict(seeds=[], of=1, runs=[])}
+    text = async_study.divergence_text(out, drop=0.125)
+    assert "  a: 1/2: seed 0 (gold 0.35, KL 80)" in text and "  b: 0/1" in text
