@@ -149,10 +149,12 @@ def gemma3_270m(gemma3_270m_gguf):
     from transformers import AutoModelForCausalLM
 
     import marl_jax.models as M
+    import models_util
 
     path = gemma3_270m_gguf
     with process_util.one_at_a_time():
         model, params = M.load_pretrained(path)
-        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                  attn_implementation="eager").eval()
+        with models_util.transformers_reads_gguf_fast():
+            hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                      attn_implementation="eager").eval()
         yield model, params, hf, M.load_tokenizer(path)

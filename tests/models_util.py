@@ -2,6 +2,7 @@
 with transformers' own `save_pretrained`, and reference logits from the torch models."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
 
@@ -18,6 +19,25 @@ def use_one_torch_thread():
     import torch
 
     torch.set_num_threads(1)
+
+
+@contextlib.contextmanager
+def transformers_reads_gguf_fast():
+    """Within the block transformers opens GGUF files with the loader's plain-array reader
+    (`loading.plain_array_gguf_reader`: the `gguf` package's reader, the same fields and tensors,
+    test_models checks on SmolLM2's file) instead of the package's memmap one, whose metadata
+    parsing takes 10-40 s for a large vocabulary. transformers imports `gguf.GGUFReader` when it
+    reads a file, so the reference's conversion, dequantisation and tokenizer are its own."""
+    import gguf
+
+    from marl_jax.models.loading import plain_array_gguf_reader
+
+    package_reader = gguf.GGUFReader
+    gguf.GGUFReader = plain_array_gguf_reader()
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = package_reader
 
 
 # Small but exercising every architectural branch: GQA / MQA, rope scaling (llama3, linear),
@@ -157,7 +177,9 @@ def smollm2(path):
 
     use_one_torch_thread()
     model, params = M.load_pretrained(path)
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, attn_implementation="eager").eval()
+    with transformers_reads_gguf_fast():
+        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                  attn_implementation="eager").eval()
     return model, params, hf, M.load_tokenizer(path)
 
 

@@ -369,16 +369,27 @@ def smollm2_reference_tokenizer(smollm2_gguf):
     """transformers' own tokenizer of the SmolLM2 GGUF (its GGUF reader needs torch)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    with models_util.transformers_reads_gguf_fast():
+        return AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
 
 
-def test_gguf_tokenizer_metadata_reads_as_the_gguf_package_reads_it(smollm2_gguf):
+def test_gguf_metadata_and_tensors_read_as_the_gguf_package_reads_them(smollm2_gguf):
+    """The tokenizer's metadata reader and the plain-array reader the loader opens files with
+    against the `gguf` package's own reader of the real SmolLM2 file."""
     import gguf
 
+    from marl_jax.models.loading import gguf_reader
     from marl_jax.models.tokenizer import _gguf_metadata
 
-    fields = gguf.GGUFReader(str(smollm2_gguf)).fields
-    want = {key: field.contents() for key, field in fields.items()
+    package, plain = gguf.GGUFReader(str(smollm2_gguf)), gguf_reader(smollm2_gguf)
+    assert type(plain.data) is np.ndarray and isinstance(package.data, np.memmap)
+    contents = {key: field.contents() for key, field in package.fields.items()}
+    assert {key: field.contents() for key, field in plain.fields.items()} == contents
+    assert [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in plain.tensors] == \
+        [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in package.tensors]
+    for ours, theirs in zip(plain.tensors, package.tensors):
+        np.testing.assert_array_equal(ours.data, theirs.data)
+    want = {key: value for key, value in contents.items()
             if key.startswith("tokenizer.") or key == "general.architecture"}
     assert len(want["tokenizer.ggml.tokens"]) == 49152 and "tokenizer.chat_template" in want
     assert _gguf_metadata(smollm2_gguf) == want

@@ -6,6 +6,7 @@ key map (`keymap.py`) turns that into our parameter tree.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -157,17 +158,39 @@ def _unpermute_rope_rows(weight: np.ndarray, heads: int) -> np.ndarray:
 def gguf_config(path: str | os.PathLike) -> dict:
     """The transformers-style config dict of a GGUF file, from its metadata alone (no tensor is
     read: the tensors are memory-mapped and left untouched)."""
+    return _gguf_config(gguf_reader(path), path)
+
+
+@functools.cache
+def plain_array_gguf_reader() -> type:
+    """`gguf.GGUFReader` over a plain ndarray view of the file's memory map: the same fields and
+    tensors (views of the same mapped bytes), its metadata parsed 3-4x faster. The reader slices
+    its data a few times per metadata value, over a million times for a 262k-token vocabulary, and
+    every slice of numpy's `memmap` subclass runs two Python methods; a plain view runs none."""
     import gguf
 
-    return _gguf_config(gguf.GGUFReader(str(path)), path)
+    class PlainArrayGGUFReader(gguf.GGUFReader):
+        @property
+        def data(self) -> np.ndarray:
+            return self._plain_data
+
+        @data.setter
+        def data(self, mapped: np.ndarray) -> None:
+            self._plain_data = mapped.view(np.ndarray)
+
+    return PlainArrayGGUFReader
+
+
+def gguf_reader(path: str | os.PathLike):
+    """An open GGUF file (`plain_array_gguf_reader`'s reader)."""
+    return plain_array_gguf_reader()(str(path))
 
 
 def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
     """(transformers-style config dict, float32 state dict under HF names) of a GGUF file."""
-    import gguf
     from gguf.quants import dequantize
 
-    reader = gguf.GGUFReader(str(path))
+    reader = gguf_reader(path)
     config = _gguf_config(reader, path)
     architecture = _gguf_value(reader, "general.architecture")
     heads = config.get("num_attention_heads", config.get("n_head"))
