@@ -127,9 +127,20 @@ def get_config():
     c.size_applied = ""
     c.sizes = ml_collections.ConfigDict(dict(
         cpu=dict(),
-        # The study (docs/rlvr.md): every arm with its matched control, over seeds 0-3.
+        # The study (docs/rlvr.md): every arm with its matched control, over seeds 0-3; 8 arms
+        # x 4 seeds = 32 runs, planned to fit 90 minutes on a 2-core CPU from the cpu size's
+        # measured rates (PPO 10 s a step of 8 answers, a held-out evaluation 0.86 s a problem):
+        #   SFT and the model's load, data and compiles (8 arms' programs)              ~9 min
+        #   step-0 evaluations, one per seed shared by its arms: 4 x 48 x 0.86 s       ~3 min
+        #   PPO: 32 runs x 10 steps x 10 s                                            ~53 min
+        #   the final evaluations: 32 x 48 x 0.86 s                                   ~22 min
+        #   total                                                                     ~87 min
+        # (the cpu size's 20 steps and evaluations at steps 10 and 20 of 128 problems would take
+        # about 4 hours a seed set). NOT RUN YET at this size.
         cpu_study=dict(
             seeds=(0, 1, 2, 3),
+            task=dict(num_eval_prompts=48),
+            ppo=dict(steps=10, eval_every=10),
             experiment=dict(arms=("ppo", "ma_ppo", "ma_ppo_step", "low_probability", "grpo")),
         ),
         # One H100 / H200 (or a v5e-8): the study's arms x seeds 0-3 (the second set:
